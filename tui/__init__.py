@@ -1,0 +1,1 @@
+"""Terminal chat app (installed as dflash_mlx.tui)."""
