@@ -1,0 +1,270 @@
+"""Route MLX's CPU matmuls to OpenBLAS on Linux.
+
+The Linux `mlx[cpu]` wheel links a bundled netlib *reference* BLAS. Its
+`cblas_sgemm` is a triple loop: 10-80x slower than an optimised BLAS. MLX
+resolves `cblas_*` through the dynamic linker's global scope, so a library
+exporting the standard cblas symbols that is loaded with RTLD_GLOBAL *before*
+`mlx.core` is imported wins the lookup, and every CPU matmul goes to it.
+
+The route that works from a plain `pip install` on a fresh machine:
+
+* `cmeel-openblas` (PyPI) ships `libopenblas.so.0` with standard symbols, but it
+  needs `libgfortran.so.5`, which a fresh machine usually lacks.
+* the `mlx[cpu]` wheel itself bundles a libgfortran 5 (auditwheel renamed it and
+  its soname to `libgfortran-<hash>.so.5.0.0`, so it does not satisfy the
+  dependency as is). We copy it once into the user cache with its soname
+  shortened back to `libgfortran.so.5` (an in-place edit of one string in the
+  ELF dynamic string table, no compiler needed), load it, then load OpenBLAS.
+
+A system libgfortran/OpenBLAS is used when present. `DFLASH_MLX_BLAS=reference`
+opts out; `DFLASH_MLX_BLAS=/path/to/lib.so` loads a given cblas library.
+"""
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
+import os
+import struct
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+ENV_VAR = "DFLASH_MLX_BLAS"
+
+
+@dataclass
+class BlasState:
+    name: str  # "openblas" | "custom" | "reference" | "accelerate"
+    detail: str
+    path: Optional[str] = None
+
+    def __str__(self):
+        return f"{self.name} ({self.detail})"
+
+
+_state: Optional[BlasState] = None
+
+
+def active_blas() -> BlasState:
+    """The BLAS MLX's CPU matmuls use in this process (runs `enable()` if needed)."""
+    return _state if _state is not None else enable()
+
+
+def enable(quiet: bool = False) -> BlasState:
+    """Preload a fast cblas before `mlx.core` is imported. Idempotent."""
+    global _state
+    if _state is not None:
+        return _state
+    _state = _choose(quiet)
+    return _state
+
+
+def _notice(msg, quiet):
+    if not quiet:
+        print(f"dflash-mlx: {msg}", file=sys.stderr)
+
+
+def _choose(quiet) -> BlasState:
+    if sys.platform == "darwin":
+        return BlasState("accelerate", "macOS: MLX uses Accelerate / Metal")
+    choice = os.environ.get(ENV_VAR, "auto").strip()
+    if choice.lower() in ("reference", "netlib", "off", "0", "none"):
+        return BlasState("reference", f"{ENV_VAR}={choice}: MLX's bundled netlib BLAS")
+    if sys.platform != "linux":
+        return BlasState("reference", f"no BLAS routing on {sys.platform}")
+
+    already = _global_openblas()
+    if already is not None:
+        return BlasState("openblas", already)
+    if "mlx.core" in sys.modules:
+        _notice(
+            "mlx.core was imported before dflash_mlx, so MLX keeps its slow reference "
+            "BLAS; import dflash_mlx first",
+            quiet,
+        )
+        return BlasState("reference", "mlx.core imported before dflash_mlx")
+
+    if choice.lower() != "auto":
+        candidates = [("custom", choice)]
+    else:
+        candidates = [("openblas", p) for p in _openblas_candidates()]
+    errors = []
+    for name, path in candidates:
+        try:
+            lib = _load_cblas(path)
+        except OSError as e:
+            errors.append(f"{path}: {e}")
+            continue
+        detail = _openblas_config(lib) or "cblas"
+        return BlasState(name, f"{detail}, {path}", path)
+
+    why = "; ".join(errors) if errors else "no OpenBLAS found (pip install cmeel-openblas)"
+    _notice(
+        f"fast BLAS unavailable ({why}); MLX falls back to its reference BLAS and CPU "
+        f"matmuls run 10-30x slower. Set {ENV_VAR}=reference to silence this.",
+        quiet,
+    )
+    return BlasState("reference", f"fallback: {why}")
+
+
+def _global_openblas():
+    try:
+        fn = ctypes.CDLL(None).openblas_get_config
+    except (AttributeError, OSError):
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode(errors="replace") + ", preloaded"
+
+
+def _openblas_config(lib):
+    try:
+        fn = lib.openblas_get_config
+    except AttributeError:
+        return None
+    fn.restype = ctypes.c_char_p
+    return fn().decode(errors="replace")
+
+
+def _site_dirs():
+    seen = []
+    for p in sys.path:
+        if p and p not in seen and os.path.isdir(p):
+            seen.append(p)
+    return seen
+
+
+def _openblas_candidates():
+    out = []
+    for d in _site_dirs():
+        p = os.path.join(d, "cmeel.prefix", "lib", "libopenblas.so.0")
+        if os.path.exists(p) and p not in out:
+            out.append(p)
+    # A distribution OpenBLAS (e.g. Debian's libopenblas0-pthread).
+    system = ctypes.util.find_library("openblas")
+    if system:
+        out.append(system)
+    return out
+
+
+def _load_cblas(path):
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        if "libgfortran" not in str(e):
+            raise
+        _provide_gfortran()
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+    if not hasattr(lib, "cblas_sgemm"):
+        raise OSError("does not export cblas_sgemm")
+    return lib
+
+
+def _provide_gfortran():
+    """Make `libgfortran.so.5` resolvable: the system's, else mlx's bundled copy."""
+    try:
+        ctypes.CDLL("libgfortran.so.5", mode=ctypes.RTLD_GLOBAL)
+        return
+    except OSError:
+        pass
+    libs = _mlx_bundled_libs()
+    if libs is None:
+        raise OSError("libgfortran.so.5 missing and no mlx_cpu.libs to borrow it from")
+    gfortran = sorted(glob.glob(os.path.join(libs, "libgfortran-*.so*")))
+    if not gfortran:
+        raise OSError(f"libgfortran.so.5 missing (none in {libs})")
+    # The bundled libgfortran needs the bundled libquadmath under its mangled
+    # soname; loading it globally first satisfies that dependency wherever
+    # the patched copy lives.
+    for dep in sorted(glob.glob(os.path.join(libs, "libquadmath-*.so*"))):
+        ctypes.CDLL(dep, mode=ctypes.RTLD_GLOBAL)
+    patched = _patched_copy(gfortran[0], "libgfortran.so.5")
+    ctypes.CDLL(str(patched), mode=ctypes.RTLD_GLOBAL)
+
+
+def _mlx_bundled_libs():
+    spec = importlib.util.find_spec("mlx")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        d = os.path.join(os.path.dirname(loc), "mlx_cpu.libs")
+        if os.path.isdir(d):
+            return d
+    return None
+
+
+def _cache_dir():
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(base) / "dflash_mlx" / "blas"
+
+
+def _patched_copy(src, soname):
+    """Copy `src` into the cache with DT_SONAME set to `soname` (shorter or equal)."""
+    st = os.stat(src)
+    key = f"{Path(src).name}-{st.st_size}-{int(st.st_mtime)}"
+    dst = _cache_dir() / key / soname
+    if dst.exists():
+        return dst
+    data = bytearray(Path(src).read_bytes())
+    set_soname(data, soname)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{soname}.{os.getpid()}")
+    tmp.write_bytes(data)
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, dst)  # atomic: concurrent processes never see half a file
+    return dst
+
+
+DT_NULL, DT_STRTAB, DT_SONAME = 0, 5, 14
+PT_LOAD, PT_DYNAMIC = 1, 2
+
+
+def read_soname(data) -> str:
+    off = _soname_offset(data)
+    end = data.index(b"\0", off)
+    return bytes(data[off:end]).decode()
+
+
+def set_soname(data: bytearray, soname: str):
+    """Overwrite the DT_SONAME string of a little-endian ELF64 image in place."""
+    off = _soname_offset(data)
+    old_len = data.index(b"\0", off) - off
+    new = soname.encode()
+    if len(new) > old_len:
+        raise ValueError(f"new soname {soname!r} longer than the old one")
+    data[off : off + len(new) + 1] = new + b"\0"
+
+
+def _soname_offset(data) -> int:
+    if bytes(data[:4]) != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        raise ValueError("not a little-endian ELF64 file")
+    e_phoff = struct.unpack_from("<Q", data, 0x20)[0]
+    e_phentsize, e_phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dynamic = [], None
+    for i in range(e_phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from(
+            "<IIQQQQ", data, e_phoff + i * e_phentsize
+        )
+        if p_type == PT_LOAD:
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == PT_DYNAMIC:
+            dynamic = (p_offset, p_filesz)
+    if dynamic is None:
+        raise ValueError("no dynamic segment")
+    strtab = soname = None
+    for pos in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, val = struct.unpack_from("<qQ", data, pos)
+        if tag == DT_NULL:
+            break
+        if tag == DT_STRTAB:
+            strtab = val
+        elif tag == DT_SONAME:
+            soname = val
+    if strtab is None or soname is None:
+        raise ValueError("no DT_SONAME")
+    # DT_STRTAB is a virtual address; map it to a file offset.
+    for vaddr, offset, size in loads:
+        if vaddr <= strtab < vaddr + size:
+            return strtab - vaddr + offset + soname
+    raise ValueError("DT_STRTAB outside loadable segments")
