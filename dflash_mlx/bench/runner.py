@@ -1,0 +1,412 @@
+"""Run DFlash against plain decoding, prompt by prompt, and collect traces.
+
+Per prompt, in one go (so slow drift of a shared machine hits both sides alike):
+plain decoding with mlx-lm's own `stream_generate`, then DFlash at each block
+size; the order flips on every other prompt so neither side always runs on a
+warmer cache. Same token ids, same budget, same sampler settings.
+
+Timing and profiling are separate passes. `profile=True` makes the engine
+evaluate at every phase boundary, which adds host syncs and so slows the
+cycle; the timed pass therefore runs with profiling off (one sync per cycle,
+as users run it) and a second, profiled pass of the same prompt gives the
+draft/verify/rollback/other split. Under greedy decoding the profiled pass
+must produce the same tokens; that is checked too.
+"""
+
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Callable, Dict, Iterable, List, Optional
+
+import mlx.core as mx
+
+from . import metrics
+from .suites import Prompt, format_prompt, load_suite
+
+SCHEMA = "dflash-mlx-bench/1"
+
+
+@dataclass
+class BenchConfig:
+    suites: List[str]
+    limit: Optional[int] = 10
+    max_tokens: int = 256
+    block_sizes: List[Optional[int]] = field(default_factory=lambda: [None])  # None: the draft's own
+    temperature: float = 0.0
+    seed: int = 0
+    warmup: bool = True
+    profile: bool = True  # run the extra profiled pass for the time split
+    forward_reps: int = 5
+    model: str = ""
+    draft: str = ""
+    data_dir: Optional[str] = None
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _fmt_s(s: Optional[float]) -> str:
+    if s is None:
+        return "?"
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# -- streams -----------------------------------------------------------------
+
+
+def stop_ids(tokenizer) -> set:
+    ids = getattr(tokenizer, "eos_token_ids", None)
+    if ids is None:
+        eos = getattr(tokenizer, "eos_token_id", None)
+        ids = [] if eos is None else [eos]
+    return set(ids)
+
+
+def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
+    """Drain a response stream (mlx-lm's or ours) into a Trace, timing it here.
+
+    Timing is taken at the client, the same way for both engines: the clock
+    starts before the call, the first response marks the end of the prefill.
+    """
+    tokens: List[int] = []
+    sums: Dict[str, float] = {}
+    profiled = 0
+    last = None
+    prefill_tokens = 0
+    tic = time.perf_counter()
+    t_first = t_last = tic
+    for r in responses:
+        now = time.perf_counter()
+        new = list(r.tokens) if getattr(r, "tokens", None) is not None else [r.token]
+        if last is None:
+            t_first = now
+            prefill_tokens = len(new)
+        tokens.extend(new)
+        t_last = now
+        ct = getattr(r, "cycle_times", None)
+        if ct and getattr(r, "accept_length", None) is not None:
+            for k, v in ct.items():
+                sums[k] = sums.get(k, 0.0) + v
+            profiled += 1
+        last = r
+    if last is None:
+        raise RuntimeError("the generation stream produced no response")
+    # Engines differ on whether a final EOS is emitted; both spent a forward on
+    # it, but only the text before it is compared and counted.
+    kept = metrics.strip_stop(tokens, stops)
+    return metrics.Trace(
+        tokens=kept,
+        prompt_tokens=last.prompt_tokens,
+        prefill_tokens=min(prefill_tokens, len(kept)),
+        prefill_s=t_first - tic,
+        generation_s=t_last - t_first,
+        accept_lengths=list(getattr(last, "accept_lengths", None) or []),
+        cycle_times=sums or None,
+        profiled_cycles=profiled,
+        finish_reason=last.finish_reason,
+    )
+
+
+def baseline_stream(model, tokenizer, ids: List[int], max_tokens: int,
+                    temperature: float, seed: int):
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    mx.random.seed(seed)
+    return stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
+                           sampler=make_sampler(temp=temperature))
+
+
+def dflash_stream(model, draft, tokenizer, ids: List[int], max_tokens: int,
+                  block_size: Optional[int], temperature: float, seed: int,
+                  profile: bool):
+    from dflash_mlx.generate import stream_generate
+
+    return stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens,
+                           block_size=block_size, temperature=temperature,
+                           seed=seed, profile=profile)
+
+
+def draft_block_size(draft) -> int:
+    for obj in (draft, getattr(draft, "args", None), getattr(draft, "config", None)):
+        b = getattr(obj, "block_size", None) if obj is not None else None
+        if isinstance(b, int):
+            return b
+    raise ValueError("cannot tell the draft's block size; pass --block-size")
+
+
+def encode(tokenizer, text: str) -> List[int]:
+    # Chat templates already carry BOS; only add special tokens when they do not.
+    bos = getattr(tokenizer, "bos_token", None)
+    add = bos is None or not text.startswith(bos)
+    return list(tokenizer.encode(text, add_special_tokens=add))
+
+
+# -- direct forward timing ---------------------------------------------------
+
+
+def measure_forward_times(model, context: List[int], sizes: Iterable[int],
+                          reps: int = 5) -> Dict[int, float]:
+    """Median seconds of one target forward of n tokens after `context`.
+
+    A DFlash cycle's verify is one n=B forward; plain decoding is n=1. Both run
+    on a cache holding the context, then the cache is rolled back so every
+    repetition sees the same length.
+    """
+    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+    def fresh():
+        cache = make_prompt_cache(model)
+        model(mx.array(context)[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    cache = fresh()
+    trimmable = can_trim_prompt_cache(cache)
+    out = {}
+    for n in sorted(set(sizes)):
+        x = mx.array(context[-1:] * n)[None]
+        times = []
+        for i in range(reps + 1):  # the first repetition warms up
+            if not trimmable:
+                cache = fresh()
+            tic = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            dt = time.perf_counter() - tic
+            if trimmable:
+                trim_prompt_cache(cache, n)
+            if i:
+                times.append(dt)
+        out[n] = statistics.median(times)
+    return out
+
+
+# -- environment ---------------------------------------------------------------
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        try:
+            import subprocess
+
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
+                                  capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    return platform.processor() or platform.machine()
+
+
+def _model_dtype(model) -> str:
+    from mlx.utils import tree_flatten
+
+    for _, v in tree_flatten(model.parameters()):
+        return str(v.dtype).replace("mlx.core.", "")
+    return "?"
+
+
+def environment(model=None) -> dict:
+    env = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mlx_version": mx.__version__,
+        "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
+        "device": str(mx.default_device()),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "gpu": None,
+        "blas": None,
+        "dtype": _model_dtype(model) if model is not None else None,
+    }
+    try:
+        import mlx_lm
+
+        env["mlx_lm_version"] = mlx_lm.__version__
+    except Exception:
+        env["mlx_lm_version"] = None
+    try:
+        if mx.metal.is_available():
+            env["gpu"] = mx.metal.device_info().get("device_name")
+    except Exception:
+        pass
+    if env["gpu"] is None and env["backend"] == "gpu":
+        try:
+            env["gpu"] = mx.device_info().get("device_name")
+        except Exception:
+            pass
+    try:
+        from dflash_mlx.blas import active_blas
+
+        env["blas"] = active_blas()
+    except Exception:
+        pass
+    if env["blas"] is not None and not isinstance(env["blas"], (str, int, float, dict, list)):
+        env["blas"] = str(env["blas"])
+    return env
+
+
+# -- the run -------------------------------------------------------------------
+
+
+def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: int,
+                   ratio: Optional[float], greedy: bool, stops,
+                   profiled: Optional[metrics.Trace]) -> dict:
+    d_tps, b_tps = metrics.generation_tps(trace), metrics.generation_tps(base)
+    t = metrics.tau(trace.accept_lengths)
+    s = metrics.speedup(d_tps, b_tps)
+    mismatch = metrics.first_mismatch(trace.tokens, base.tokens, stops) if greedy else None
+    rec = {
+        "block_size": block,
+        "prompt_tokens": trace.prompt_tokens,
+        "prefill_s": trace.prefill_s,
+        "prefill_tps": metrics.prefill_tps(trace),
+        "generated": trace.generated,
+        "generation_s": trace.generation_s,
+        "tps": d_tps,
+        "cycles": len(trace.accept_lengths),
+        "accept_lengths": trace.accept_lengths,
+        "accept_hist": metrics.accept_histogram(trace.accept_lengths, block),
+        "tau": t,
+        "speedup": s,
+        "efficiency": metrics.efficiency(s, t),
+        "forward_ratio": ratio,
+        "limit": t * ratio if ratio else None,
+        "tokens_match": (mismatch is None) if greedy else None,
+        "first_mismatch": mismatch,
+        "finish_reason": trace.finish_reason,
+        "baseline_generated": base.generated,
+        "baseline_generation_s": base.generation_s,
+        "baseline_prefill_s": base.prefill_s,
+        "cycle_time_sums": None,
+        "profiled_cycles": 0,
+        "cycle_split_s": None,
+        "profiled_tokens_match": None,
+    }
+    if mismatch is not None:
+        rec["tokens"] = trace.tokens
+    if profiled is not None:
+        rec["cycle_time_sums"] = profiled.cycle_times
+        rec["profiled_cycles"] = profiled.profiled_cycles
+        rec["cycle_split_s"] = metrics.per_cycle(profiled.cycle_times, profiled.profiled_cycles)
+        if greedy:
+            rec["profiled_tokens_match"] = metrics.first_mismatch(
+                profiled.tokens, trace.tokens, stops) is None
+    return rec
+
+
+def run(model, draft, tokenizer, cfg: BenchConfig,
+        prompts: Optional[List[Prompt]] = None,
+        on_prompt: Optional[Callable[[dict], None]] = None,
+        log: Callable[[str], None] = _log,
+        baseline_fn=baseline_stream, dflash_fn=dflash_stream) -> dict:
+    """Benchmark every prompt; returns the result document (see report.validate)."""
+    if prompts is None:
+        prompts = [p for s in cfg.suites
+                   for p in load_suite(s, cfg.limit, cfg.seed, cfg.data_dir)]
+    if not prompts:
+        raise ValueError("no prompts to run")
+    blocks = [b if b is not None else draft_block_size(draft) for b in cfg.block_sizes]
+    blocks = list(dict.fromkeys(blocks))  # keep order, drop repeats
+    greedy = cfg.temperature == 0
+    stops = stop_ids(tokenizer)
+    encoded = [encode(tokenizer, format_prompt(tokenizer, p)) for p in prompts]
+
+    # Target forward times at a realistic context: the median prompt length.
+    ctx = sorted(encoded, key=len)[len(encoded) // 2]
+    log(f"timing target forwards of 1 and {blocks} tokens after {len(ctx)} context tokens")
+    fwd = measure_forward_times(model, ctx, [1, *blocks], reps=cfg.forward_reps)
+    ratio = {b: fwd[1] / fwd[b] for b in blocks}
+
+    if cfg.warmup:
+        # Compile kernels and fill allocator pools before anything is timed.
+        n = min(8, cfg.max_tokens)
+        collect(baseline_fn(model, tokenizer, encoded[0], n, cfg.temperature, cfg.seed))
+        for b in blocks:
+            collect(dflash_fn(model, draft, tokenizer, encoded[0], n, b,
+                              cfg.temperature, cfg.seed, False))
+
+    doc = {
+        "schema": SCHEMA,
+        "environment": environment(model),
+        "config": {**asdict(cfg), "block_sizes": blocks, "greedy": greedy},
+        "forward_times_s": {str(k): v for k, v in fwd.items()},
+        "forward_context_tokens": len(ctx),
+        "prompts": [],
+        "summary": {},
+    }
+    start = time.perf_counter()
+    for i, (p, ids) in enumerate(zip(prompts, encoded)):
+        def base_pass():
+            return collect(baseline_fn(model, tokenizer, ids, cfg.max_tokens,
+                                       cfg.temperature, cfg.seed), stops)
+
+        def dflash_pass(b, profile):
+            return collect(dflash_fn(model, draft, tokenizer, ids, cfg.max_tokens, b,
+                                     cfg.temperature, cfg.seed, profile), stops)
+
+        if i % 2 == 0:
+            base = base_pass()
+            timed = {b: dflash_pass(b, False) for b in blocks}
+        else:
+            timed = {b: dflash_pass(b, False) for b in blocks}
+            base = base_pass()
+        profiled = {b: dflash_pass(b, True) if cfg.profile else None for b in blocks}
+
+        row = {
+            "suite": p.suite,
+            "id": p.id,
+            "prompt_tokens": len(ids),
+            "baseline": {
+                "generated": base.generated,
+                "prefill_s": base.prefill_s,
+                "prefill_tps": metrics.prefill_tps(base),
+                "generation_s": base.generation_s,
+                "tps": metrics.generation_tps(base),
+                "finish_reason": base.finish_reason,
+                "tokens": base.tokens,
+            },
+            "dflash": {
+                str(b): _dflash_record(timed[b], base, b, ratio[b], greedy, stops, profiled[b])
+                for b in blocks
+            },
+        }
+        doc["prompts"].append(row)
+        doc["summary"] = summarize(doc["prompts"], blocks)
+        if on_prompt is not None:
+            on_prompt(doc)
+
+        elapsed = time.perf_counter() - start
+        first = row["dflash"][str(blocks[0])]
+        flag = "" if first["tokens_match"] is not False else "  MISMATCH"
+        log(f"[{i + 1:>3}/{len(prompts)}] {p.id:<24} B={blocks[0]} "
+            f"tau {first['tau']:.2f}  {first['tps']:.1f} vs {row['baseline']['tps']:.1f} tok/s "
+            f"({first['speedup']:.2f}x){flag}  elapsed {_fmt_s(elapsed)}  "
+            f"ETA {_fmt_s(metrics.eta_seconds(i + 1, len(prompts), elapsed))}")
+    doc["wall_s"] = time.perf_counter() - start
+    return doc
+
+
+def summarize(rows: List[dict], blocks: List[int]) -> dict:
+    """summary[B][suite | "all"] = pooled metrics (see metrics.aggregate)."""
+    out = {}
+    for b in blocks:
+        recs = [(r["suite"], {**r["dflash"][str(b)], "suite": r["suite"]}) for r in rows]
+        per = {}
+        for suite in dict.fromkeys(s for s, _ in recs):
+            per[suite] = metrics.aggregate([x for s, x in recs if s == suite])
+        per["all"] = metrics.aggregate([x for _, x in recs])
+        out[str(b)] = per
+    return out

@@ -1,0 +1,195 @@
+"""Benchmark suites: evaluation prompts read from the vendored test splits.
+
+Each loader returns every usable record of a suite in file order; `load_suite`
+then takes a fixed, seeded subset. The subset for `limit=n` is a prefix of the
+subset for `limit=m > n` (one seeded shuffle, then a cut), so short runs are
+comparable with long ones.
+"""
+
+import gzip
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+# benchmarks/data in a source checkout (the CLI is meant to run from a clone);
+# the shared project copy is a fallback for developer machines.
+DATA_DIRS = (
+    Path(__file__).resolve().parents[2] / "benchmarks" / "data",
+    Path("/work/shared/data"),
+)
+
+
+@dataclass
+class Prompt:
+    suite: str
+    id: str
+    messages: List[Dict[str, str]]  # chat messages; the user turn to answer is last
+    meta: Dict[str, str] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        return self.messages[-1]["content"]
+
+
+def data_dir(override: Optional[str] = None) -> Path:
+    candidates = [Path(override)] if override else list(DATA_DIRS)
+    for d in candidates:
+        if (d / "gsm8k_test.jsonl").exists():
+            return d
+    raise FileNotFoundError(
+        "benchmark data not found in " + ", ".join(str(d) for d in candidates)
+    )
+
+
+def _jsonl(path: Path) -> List[dict]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _user(text: str) -> List[Dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# Prompt wording: short instructions that make an instruct model answer in the
+# suite's usual shape (worked solution, code block). Acceptance depends on the
+# output distribution, so the wording is fixed and recorded with the results.
+_MATH_SUFFIX = "\n\nReason step by step, then give the final answer in \\boxed{}."
+
+
+def load_gsm8k(root: Path) -> List[Prompt]:
+    rows = _jsonl(root / "gsm8k_test.jsonl")
+    return [
+        Prompt(
+            "gsm8k",
+            f"gsm8k/{i}",
+            _user(
+                r["question"]
+                + "\n\nReason step by step, then write the final answer after '####'."
+            ),
+            {"answer": r["answer"].split("####")[-1].strip()},
+        )
+        for i, r in enumerate(rows)
+    ]
+
+
+def load_math500(root: Path) -> List[Prompt]:
+    rows = _jsonl(root / "math500_test.jsonl")
+    return [
+        Prompt("math500", r["unique_id"], _user(r["problem"] + _MATH_SUFFIX),
+               {"answer": r["answer"]})
+        for r in rows
+    ]
+
+
+def load_aime25(root: Path) -> List[Prompt]:
+    prompts = []
+    for part in ("I", "II"):
+        for i, r in enumerate(_jsonl(root / f"aime2025-{part}.jsonl")):
+            prompts.append(
+                Prompt("aime25", f"aime2025-{part}/{i + 1}",
+                       _user(r["question"] + _MATH_SUFFIX), {"answer": str(r["answer"])})
+            )
+    return prompts
+
+
+def load_humaneval(root: Path) -> List[Prompt]:
+    rows = _jsonl(root / "HumanEval.jsonl.gz")
+    return [
+        Prompt(
+            "humaneval",
+            r["task_id"],
+            _user(
+                "Complete the following Python function. Reply with the whole "
+                "function in one Python code block.\n\n```python\n"
+                + r["prompt"]
+                + "```"
+            ),
+            {"entry_point": r["entry_point"]},
+        )
+        for r in rows
+    ]
+
+
+# MBPP's official split by task id: 1-10 prompt (few-shot), 11-510 test,
+# 511-600 validation, 601-974 train. The sanitized file mixes all four.
+MBPP_TEST_IDS = range(11, 511)
+
+
+def load_mbpp(root: Path) -> List[Prompt]:
+    with open(root / "sanitized-mbpp.json", encoding="utf-8") as f:
+        rows = json.load(f)
+    return [
+        Prompt(
+            "mbpp",
+            f"mbpp/{r['task_id']}",
+            _user(
+                r["prompt"]
+                + " Reply with the function in one Python code block. "
+                "It must pass these tests:\n\n"
+                + "\n".join(r["test_list"])
+            ),
+        )
+        for r in rows
+        if r["task_id"] in MBPP_TEST_IDS
+    ]
+
+
+def load_mtbench(root: Path) -> List[Prompt]:
+    # First turn only: the second turn needs the model's own first answer,
+    # which would make the prompt depend on the decoding being measured.
+    rows = _jsonl(root / "mt_bench_question.jsonl")
+    return [
+        Prompt("mtbench", f"mtbench/{r['question_id']}", _user(r["turns"][0]),
+               {"category": r["category"]})
+        for r in rows
+    ]
+
+
+SUITES: Dict[str, Callable[[Path], List[Prompt]]] = {
+    "gsm8k": load_gsm8k,
+    "math500": load_math500,
+    "humaneval": load_humaneval,
+    "mbpp": load_mbpp,
+    "mtbench": load_mtbench,
+    "aime25": load_aime25,
+}
+
+
+def parse_suites(spec: str) -> List[str]:
+    names = list(SUITES) if spec.strip() == "all" else [
+        s.strip() for s in spec.split(",") if s.strip()
+    ]
+    unknown = [n for n in names if n not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; known: {', '.join(SUITES)}")
+    return names
+
+
+def load_suite(name: str, limit: Optional[int] = None, seed: int = 0,
+               root: Optional[str] = None) -> List[Prompt]:
+    prompts = SUITES[name](data_dir(root))
+    order = list(range(len(prompts)))
+    # The suite name is part of the seed so two suites of equal size do not
+    # share the same index pattern.
+    random.Random(f"{seed}:{name}").shuffle(order)
+    if limit is not None:
+        order = order[:limit]
+    return [prompts[i] for i in order]
+
+
+def format_prompt(tokenizer, prompt: Prompt) -> str:
+    """The prompt as the model sees it: chat template when the tokenizer has one."""
+    try:
+        from dflash_mlx.loading import apply_chat_template
+    except ImportError:
+        apply_chat_template = None
+    if apply_chat_template is not None:
+        return apply_chat_template(tokenizer, prompt.messages)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            prompt.messages, tokenize=False, add_generation_prompt=True
+        )
+    return prompt.text
