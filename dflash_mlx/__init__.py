@@ -1,4 +1,32 @@
+"""DFlash block-diffusion speculative decoding for MLX."""
+
+__version__ = "0.1.0"
+
 # BLAS routing must run before anything imports mlx.core (see dflash_mlx/blas.py).
 from dflash_mlx import blas as _blas
 
 _blas.enable()
+
+from dflash_mlx.draft import DFlashDraftModel, DraftConfig, DraftMismatchError  # noqa: E402
+from dflash_mlx.generate import (  # noqa: E402
+    DFlashResponse,
+    PromptCache,
+    generate,
+    make_prompt_cache,
+    stream_generate,
+)
+from dflash_mlx.target import Target  # noqa: E402
+
+
+def load(*args, **kwargs):
+    """Load a target model and tokenizer (packaged name, folder, .gguf file or hub id)."""
+    from dflash_mlx.loading import load as _load
+
+    return _load(*args, **kwargs)
+
+
+def load_draft(*args, **kwargs):
+    """Load a DFlash draft (packaged name, folder or hub id) and bind it to a target model."""
+    from dflash_mlx.draft import load_draft as _load_draft
+
+    return _load_draft(*args, **kwargs)

@@ -1,0 +1,162 @@
+"""Tiny float32 random-weight targets of every supported architecture, a byte-level
+tokenizer, and scripted drafts, for tests and examples that must run in seconds."""
+
+import importlib
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from dflash_mlx.draft import ContextCache
+from dflash_mlx.target import Target
+
+VOCAB = 300  # 256 byte tokens + specials + spare ids (mask token lives at the top)
+EOS_ID = 257
+
+_BASE = dict(vocab_size=VOCAB, rms_norm_eps=1e-5, max_position_embeddings=4096)
+
+TINY_CONFIGS: Dict[str, dict] = {
+    "llama": dict(
+        _BASE, model_type="llama", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        # two sliding layers so the rotating cache path runs on llama too
+        layer_types=["full_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        sliding_window=24,
+    ),
+    "qwen3": dict(
+        _BASE, model_type="qwen3", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+        rope_theta=10000.0,
+    ),
+    "gemma3_text": dict(
+        _BASE, model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=16, sliding_window_pattern=2,
+    ),
+    "qwen3_5": dict(
+        _BASE, model_type="qwen3_5", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+    ),
+    "gemma4_text": dict(
+        _BASE, model_type="gemma4_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, global_head_dim=16,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        sliding_window=16, sliding_window_pattern=2, use_double_wide_mlp=False,
+    ),
+}
+
+
+def byte_tokenizer() -> TokenizerWrapper:
+    """Byte-level BPE with no merges: every UTF-8 byte is a token, so multi-byte
+    characters are split across tokens (exercises the streaming detokenizer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab["<bos>"] = 256
+    vocab["<eos>"] = EOS_ID
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", bos_token="<bos>")
+    return TokenizerWrapper(hf)
+
+
+def tiny_target(arch: str, seed: int = 0, **overrides):
+    """(model, tokenizer): a random float32 mlx-lm model of architecture `arch`."""
+    cfg = dict(TINY_CONFIGS[arch], **overrides)
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    # Spread the logits so greedy choices are far from ties: exactness tests then
+    # test the engine, not float rounding.
+    params = model.parameters()
+    model.update(_scale_embeddings(params))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    model.eval()
+    return model, byte_tokenizer()
+
+
+def _scale_embeddings(params):
+    def walk(p, path=""):
+        if isinstance(p, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in p.items()}
+        if isinstance(p, list):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(p)]
+        if path.endswith("embed_tokens.weight"):
+            return p * 4.0
+        return p
+
+    return walk(params)
+
+
+def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=()) -> List[int]:
+    """Plain mlx-lm greedy decoding: the ground truth DFlash must reproduce."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)):
+        tok = int(tok)
+        out.append(tok)
+        if tok in stop_ids:
+            break
+    return out
+
+
+class ScriptedDraft:
+    """A stand-in draft that proposes from a known sequence.
+
+    It proposes `reference[p+1 : p+n+1]` where p is the position of the last
+    committed token; from the `wrong_from(cycle)`-th proposal onwards it proposes
+    a token that differs from the reference. `wrong_from = lambda c: 10**9` is
+    an oracle (every block fully accepted), `lambda c: 0` always wrong.
+    """
+
+    def __init__(self, target: Target, reference: Sequence[int], wrong_from, block_size: int = 16, layer_ids=(0,)):
+        self.target = target
+        self.reference = list(reference)
+        self.wrong_from = wrong_from
+        self.block_size = block_size
+        self.cycle = 0
+        self.expected_accepts: List[int] = []
+
+        class _Cfg:
+            target_layer_ids = list(layer_ids)
+
+        self.config = _Cfg()
+
+    def bind(self, target):
+        self.target = target
+        return self
+
+    def make_cache(self):
+        return [ContextCache()]
+
+    def inject(self, features, cache):
+        if features is not None:
+            cache[0].offset += features.shape[1]
+
+    def propose_logits(self, last_token, features, cache, block_size):
+        self.inject(features, cache)
+        p = cache[0].offset  # index of the last committed token
+        n = block_size - 1
+        wrong = self.wrong_from(self.cycle)
+        self.cycle += 1
+        ids = []
+        for i in range(n):
+            j = p + 1 + i
+            ref = self.reference[j] if j < len(self.reference) else 0
+            ids.append(ref if i < wrong else (ref + 1) % VOCAB)
+        available = max(0, len(self.reference) - p - 1)
+        self.expected_accepts.append(min(wrong, n, available))
+        logits = np.full((1, n, VOCAB), -1e4, dtype=np.float32)
+        logits[0, np.arange(n), ids] = 0.0
+        return mx.array(logits)
+
+    def to_target_ids(self, ids):
+        return ids

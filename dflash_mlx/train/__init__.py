@@ -1,0 +1,1 @@
+"""Training recipe for DFlash drafts (`dflash-mlx train`)."""
