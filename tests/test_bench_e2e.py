@@ -1,0 +1,139 @@
+"""The benchmark harness end to end on tiny random models (seconds on CPU).
+
+Drafts are `dflash_mlx.testing.ScriptedDraft`s that propose the target's own greedy
+continuation with a known number of correct tokens per block, so tau and the
+accept-length histogram have exact expected values.
+"""
+
+import pytest
+
+pytest.importorskip("dflash_mlx.testing")
+
+from dflash_mlx import stream_generate  # noqa: E402
+from dflash_mlx import testing  # noqa: E402
+from dflash_mlx.bench import cli, report, runner  # noqa: E402
+from dflash_mlx.bench.suites import load_suite  # noqa: E402
+from dflash_mlx.target import Target  # noqa: E402
+
+MAX_TOKENS = 13  # 1 prefill token + 12: divisible into 3-token and 8+4-token cycles
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return testing.tiny_target("qwen3", seed=0)
+
+
+def _prompts():
+    # Real suite prompts, cut short: the byte tokenizer makes one token per byte.
+    ps = load_suite("gsm8k", 1) + load_suite("mtbench", 1)
+    for p in ps:
+        p.messages = [{"role": "user", "content": p.text[:60]}]
+    return ps
+
+
+def scripted(correct_per_block, made=None):
+    """dflash_fn whose draft gets exactly `correct_per_block` leading tokens right."""
+
+    def fn(model, draft, tokenizer, ids, max_tokens, block, temperature, seed, profile):
+        ref = list(ids) + testing.greedy_reference(model, ids, max_tokens)
+        d = testing.ScriptedDraft(Target(model), ref, lambda c: correct_per_block,
+                                  block_size=block)
+        if made is not None:
+            made.append(d)
+        return stream_generate(model, d, tokenizer, ids, max_tokens=max_tokens,
+                               block_size=block, temperature=temperature, seed=seed,
+                               profile=profile)
+
+    return fn
+
+
+def _cfg(blocks, **kw):
+    return runner.BenchConfig(suites=["gsm8k", "mtbench"], limit=1, max_tokens=MAX_TOKENS,
+                              block_sizes=blocks, forward_reps=2, model="tiny-qwen3",
+                              draft="scripted", **kw)
+
+
+def test_run_measures_exact_tau_and_matches_baseline(tiny, tmp_path):
+    model, tok = tiny
+    doc = runner.run(model, None, tok, _cfg([4]), prompts=_prompts(),
+                     dflash_fn=scripted(2), log=lambda m: None)
+    assert report.validate(doc) == []
+    assert set(doc["forward_times_s"]) == {"1", "4"}
+    assert all(t > 0 for t in doc["forward_times_s"].values())
+    for row in doc["prompts"]:
+        assert row["baseline"]["generated"] == MAX_TOKENS - 1
+        rec = row["dflash"]["4"]
+        # 12 tokens after the prefill token, 2 drafted + 1 bonus per cycle
+        assert rec["accept_lengths"] == [2, 2, 2, 2]
+        assert rec["tau"] == pytest.approx(3.0)
+        assert rec["accept_hist"] == [0, 0, 4, 0]
+        assert rec["tokens_match"] is True and rec["profiled_tokens_match"] is True
+        assert rec["generated"] == MAX_TOKENS - 1
+        assert rec["speedup"] > 0 and rec["tps"] > 0
+        assert rec["efficiency"] == pytest.approx(rec["speedup"] / 3.0)
+        assert rec["limit"] == pytest.approx(3.0 * rec["forward_ratio"])
+        split = rec["cycle_split_s"]
+        assert set(split) == {"draft", "verify", "rollback", "other"}
+        assert split["verify"] > 0
+    s = doc["summary"]["4"]
+    assert set(s) == {"gsm8k", "mtbench", "all"}
+    assert s["all"]["prompts"] == 2 and s["all"]["cycles"] == 8 and s["all"]["mismatches"] == 0
+    paths = report.write_all(doc, tmp_path, with_plots=False)
+    assert "identical to the baseline" in (tmp_path / "results.md").read_text()
+    assert len(paths) == 2
+
+
+def test_block_size_sweep_records_every_block(tiny):
+    model, tok = tiny
+    doc = runner.run(model, None, tok, _cfg([4, 8], profile=False, warmup=False),
+                     prompts=_prompts()[:1], dflash_fn=scripted(99), log=lambda m: None)
+    assert report.validate(doc) == []
+    rec4, rec8 = (doc["prompts"][0]["dflash"][b] for b in ("4", "8"))
+    assert rec4["accept_lengths"] == [3, 3, 3]  # oracle: whole blocks accepted
+    assert rec4["tau"] == pytest.approx(4.0)
+    assert rec8["accept_lengths"] == [7, 3]  # the last block shrinks to the budget
+    assert rec8["tau"] == pytest.approx(6.0)
+    assert rec4["cycle_split_s"] is None  # no profiled pass asked for
+    assert [int(b) for b in doc["summary"]] == [4, 8]
+
+
+def test_mismatch_is_detected_and_reported(tiny):
+    model, tok = tiny
+    honest = scripted(2)
+
+    def corrupt(*args):
+        for i, r in enumerate(honest(*args)):
+            if i == 2:  # second cycle: tokens 4..6 of the output
+                r.tokens = [(r.tokens[0] + 1) % 256] + r.tokens[1:]
+            yield r
+
+    doc = runner.run(model, None, tok, _cfg([4], profile=False), prompts=_prompts()[:1],
+                     dflash_fn=corrupt, log=lambda m: None)
+    rec = doc["prompts"][0]["dflash"]["4"]
+    assert rec["tokens_match"] is False and rec["first_mismatch"] == 4
+    assert rec["tokens"][4] != doc["prompts"][0]["baseline"]["tokens"][4]
+    assert doc["summary"]["4"]["all"]["mismatches"] == 1
+    assert "**MISMATCH**" in report.markdown(doc)
+
+
+def test_random_dflash_draft_is_lossless_through_the_harness(tiny):
+    if not hasattr(testing, "random_draft"):
+        pytest.skip("dflash_mlx.testing.random_draft not available yet")
+    model, tok = tiny
+    draft = testing.random_draft(model, num_layers=1, block_size=4, seed=0)
+    doc = runner.run(model, draft, tok, _cfg([None], warmup=False), prompts=_prompts(),
+                     log=lambda m: None)
+    assert report.validate(doc) == []
+    assert doc["config"]["block_sizes"] == [4]  # None resolved to the draft's own
+    for row in doc["prompts"]:
+        rec = row["dflash"]["4"]
+        assert rec["tokens_match"] is True and rec["tau"] >= 1.0
+        assert sum(rec["accept_hist"]) == rec["cycles"] > 0
+
+
+def test_cli_arguments_and_dispatch():
+    args = cli.build_parser().parse_args(["--block-sizes", "4,8,16", "--suite", "all"])
+    assert args.block_sizes == [4, 8, 16] and args.model == "smollm2-135m"
+    from dflash_mlx.cli import main as top_main
+
+    assert top_main(["bench", "--suite", "gsm8k,nope"]) == 2  # rejected before loading
