@@ -5,6 +5,8 @@ continuation with a known number of correct tokens per block, so tau and the
 accept-length histogram have exact expected values.
 """
 
+import json
+
 import pytest
 
 pytest.importorskip("dflash_mlx.testing")
@@ -55,9 +57,12 @@ def _cfg(blocks, **kw):
 
 def test_run_measures_exact_tau_and_matches_baseline(tiny, tmp_path):
     model, tok = tiny
+    lines = []
     doc = runner.run(model, None, tok, _cfg([4]), prompts=_prompts(),
-                     dflash_fn=scripted(2), log=lambda m: None)
+                     dflash_fn=scripted(2), log=lines.append)
     assert report.validate(doc) == []
+    progress = [m for m in lines if "ETA" in m]
+    assert len(progress) == 2 and progress[0].startswith("[  1/2] gsm8k/")
     assert set(doc["forward_times_s"]) == {"1", "4"}
     assert all(t > 0 for t in doc["forward_times_s"].values())
     for row in doc["prompts"]:
@@ -129,6 +134,26 @@ def test_random_dflash_draft_is_lossless_through_the_harness(tiny):
         rec = row["dflash"]["4"]
         assert rec["tokens_match"] is True and rec["tau"] >= 1.0
         assert sum(rec["accept_hist"]) == rec["cycles"] > 0
+
+
+def test_cli_writes_results_and_plots(tiny, tmp_path, monkeypatch):
+    import dflash_mlx
+
+    model, tok = tiny
+    monkeypatch.setattr(dflash_mlx, "load", lambda name: (model, tok))
+    monkeypatch.setattr(dflash_mlx, "load_draft", lambda name, m: None)
+    monkeypatch.setattr(runner, "dflash_stream", scripted(2))
+    monkeypatch.setattr(runner, "format_prompt", lambda t, p: p.text[:40])
+    out = tmp_path / "run"
+    rc = cli.main(["--suite", "humaneval,mbpp", "--limit", "1", "--max-tokens", "7",
+                   "--block-size", "4", "--forward-reps", "1", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert report.validate(doc) == []
+    assert doc["config"]["suites"] == ["humaneval", "mbpp"]
+    assert [r["suite"] for r in doc["prompts"]] == ["humaneval", "mbpp"]
+    for name in ("results.md", "speedup_per_suite.png", "accept_hist.png", "time_split.png"):
+        assert (out / name).stat().st_size > 0
 
 
 def test_cli_arguments_and_dispatch():

@@ -311,8 +311,13 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
         prompts: Optional[List[Prompt]] = None,
         on_prompt: Optional[Callable[[dict], None]] = None,
         log: Callable[[str], None] = _log,
-        baseline_fn=baseline_stream, dflash_fn=dflash_stream) -> dict:
-    """Benchmark every prompt; returns the result document (see report.validate)."""
+        baseline_fn=None, dflash_fn=None) -> dict:
+    """Benchmark every prompt; returns the result document (see report.validate).
+
+    `baseline_fn` / `dflash_fn` replace the two engines (tests use scripted drafts).
+    """
+    baseline_fn = baseline_fn or baseline_stream
+    dflash_fn = dflash_fn or dflash_stream
     if prompts is None:
         prompts = [p for s in cfg.suites
                    for p in load_suite(s, cfg.limit, cfg.seed, cfg.data_dir)]
