@@ -148,7 +148,9 @@ class Target:
     @contextmanager
     def _taps(self, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], cache):
         layers = self.text_model.layers
-        slot = {lid: i for i, lid in enumerate(layer_ids)}
+        slot: Dict[int, List[int]] = {}
+        for i, lid in enumerate(layer_ids):  # an id may repeat (small targets)
+            slot.setdefault(lid, []).append(i)
         recorded = set(self._gdn_layers) if record is not None else set()
 
         def make_tap(idx, layer):
@@ -158,8 +160,8 @@ class Target:
                     record.gdn[idx] = (layer, x, list(cache[idx].cache))
 
             def after(out):
-                if idx in slot:
-                    features[slot[idx]] = out[0] if isinstance(out, tuple) else out
+                for i in slot.get(idx, ()):
+                    features[i] = out[0] if isinstance(out, tuple) else out
 
             return _LayerTap(layer, before, after)
 

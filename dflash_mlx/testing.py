@@ -160,3 +160,32 @@ class ScriptedDraft:
 
     def to_target_ids(self, ids):
         return ids
+
+
+def chain_target(text: str, seed: int = 0):
+    """(model, tokenizer) whose greedy continuation spells `text` over and over.
+
+    A tiny llama whose decoder layers are silenced (o_proj/down_proj zero), so the
+    logits depend only on the current token; the LM head maps each byte of `text`
+    to the next one. Lets tests check streamed text (multi-byte UTF-8 split over
+    tokens) against a known answer.
+    """
+    model, tok = tiny_target("llama", seed=seed, layer_types=None, sliding_window=None)
+    ids = tok.encode(text, add_special_tokens=False)
+    succ = {a: b for a, b in zip(ids, ids[1:] + ids[:1])}
+    if len(succ) != len(ids):
+        raise ValueError("chain_target needs a text whose byte tokens are all distinct")
+    rng = np.random.default_rng(seed)
+    H = model.args.hidden_size
+    embed = rng.standard_normal((VOCAB, H)).astype(np.float32)
+    head = np.zeros((VOCAB, H), dtype=np.float32)
+    for a, b in succ.items():
+        head[b] += embed[a] / np.linalg.norm(embed[a]) * 8.0
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    model.model.embed_tokens.weight = mx.array(embed)
+    model.model.norm.weight = mx.ones((H,))
+    model.lm_head.weight = mx.array(head)
+    mx.eval(model.parameters())
+    return model, tok

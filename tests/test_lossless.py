@@ -1,0 +1,135 @@
+"""Exactness: DFlash greedy output equals plain mlx-lm greedy decoding, token for token."""
+
+import random
+
+import pytest
+
+from dflash_mlx import stream_generate
+from dflash_mlx.draft import random_draft
+from dflash_mlx.target import Target
+from dflash_mlx.testing import EOS_ID, ScriptedDraft, greedy_reference, tiny_target
+
+ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text"]
+_MODELS = {}
+
+
+def model_for(arch):
+    if arch not in _MODELS:
+        _MODELS[arch] = tiny_target(arch, seed=1)
+    return _MODELS[arch]
+
+
+def run(model, draft, tok, prompt, **kw):
+    tokens, accepts, responses = [], [], []
+    for r in stream_generate(model, draft, tok, prompt, **kw):
+        tokens += r.tokens
+        responses.append(r)
+    return tokens, responses
+
+
+def prompt_of(length, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(0, 256) for _ in range(length)]
+
+
+def clean_case(model, length, max_tokens, seed):
+    """A prompt whose greedy continuation has no EOS (the engine stops on EOS, as mlx-lm does),
+    so every case runs to its full length."""
+    for s in range(seed, seed + 50):
+        prompt = prompt_of(length, s)
+        ref = greedy_reference(model, prompt, max_tokens)
+        if EOS_ID not in ref:
+            return prompt, ref
+    raise AssertionError("no EOS-free case found")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size,prompt_len", [(1, 1), (2, 37), (4, 5), (16, 70)])
+def test_random_draft_matches_greedy(arch, block_size, prompt_len):
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, prompt_len, 24, seed=prompt_len)
+    draft = random_draft(model, num_layers=2, block_size=16, seed=block_size)
+    out, _ = run(model, draft, tok, prompt, max_tokens=24, block_size=block_size, stop_token_ids=[])
+    assert out == ref
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_partial_accepts_long_prompt_past_window(arch):
+    """Scripted drafts that are right for a random number of tokens, then wrong:
+    every cycle rolls back a different amount, the prompt is past every sliding window."""
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 300, 60, seed=7)
+    rng = random.Random(arch)
+    wrong = [rng.randrange(0, 17) for _ in range(200)]
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=16)
+    out, responses = run(model, draft, tok, prompt, max_tokens=60, stop_token_ids=[])
+    assert out == ref
+    # the engine accepted exactly what the script made acceptable
+    assert responses[-1].accept_lengths[:-1] == draft.expected_accepts[: len(responses[-1].accept_lengths) - 1]
+    assert len(set(responses[-1].accept_lengths)) > 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_oracle_draft_accepts_every_block(arch, block_size):
+    model, tok = model_for(arch)
+    max_tokens = 1 + 3 * block_size  # first token from prefill, then 3 full blocks
+    prompt, ref = clean_case(model, 20, max_tokens, seed=3)
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=block_size)
+    out, responses = run(model, draft, tok, prompt, max_tokens=max_tokens, stop_token_ids=[])
+    assert out == ref
+    assert responses[-1].accept_lengths == [block_size - 1] * 3
+    assert responses[-1].tau == block_size
+    assert [r.from_draft for r in responses[1:]] == [[True] * (block_size - 1) + [False]] * 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_always_wrong_draft_accepts_nothing(arch):
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 9, 12, seed=4)
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 0, block_size=8)
+    out, responses = run(model, draft, tok, prompt, max_tokens=12, stop_token_ids=[])
+    assert out == ref
+    assert responses[-1].accept_lengths == [0] * 11
+    assert responses[-1].tau == 1.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gemma3_text"])
+def test_stop_token_mid_block(arch):
+    """A stop id inside a fully accepted block ends generation there, nothing past it."""
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 15, 40, seed=5)
+    # a token that first appears at position >= 3 (inside the first 16-token block)
+    for stop_pos in range(3, 40):
+        if ref[stop_pos] not in ref[:stop_pos]:
+            break
+    else:
+        pytest.skip("greedy output has no fresh token to stop on")
+    stop = ref[stop_pos]
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=16)
+    out, responses = run(model, draft, tok, prompt, max_tokens=40, stop_token_ids=[stop])
+    assert out == ref[: stop_pos + 1]
+    assert responses[-1].finish_reason == "stop"
+    assert responses[-1].token == stop
+    assert responses[-1].generation_tokens == stop_pos + 1
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gemma4_text"])
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 18])
+def test_max_tokens_inside_a_block(arch, max_tokens):
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 11, max_tokens, seed=6)
+    draft = ScriptedDraft(Target(model), prompt + greedy_reference(model, prompt, 40), lambda c: 10**9)
+    out, responses = run(model, draft, tok, prompt, max_tokens=max_tokens, stop_token_ids=[])
+    assert out == ref and len(out) == max_tokens
+    assert responses[-1].finish_reason == "length"
+    assert responses[-1].generation_tokens == max_tokens
+
+
+def test_baseline_mode_matches_greedy():
+    model, tok = model_for("gemma3_text")
+    prompt, ref = clean_case(model, 40, 20, seed=8)
+    draft = random_draft(model)
+    out, responses = run(model, draft, tok, prompt, max_tokens=20, baseline=True, stop_token_ids=[])
+    assert out == ref
+    assert all(len(r.tokens) == 1 for r in responses)
