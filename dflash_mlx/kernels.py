@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional, Tuple, Union
 
 import mlx.core as mx
+import mlx.nn as nn
 
 # Kernels whose Metal path has passed tests/test_kernels_metal.py on an Apple GPU.
 VERIFIED_ON_APPLE: frozenset = frozenset()
@@ -40,6 +41,7 @@ _SPECS = {
     "gdn_replay": (["state_in", "k", "g", "tape", "steps", "T"], ["state_out"]),
 }
 
+QMM_MIN_M = 4
 QMM_MAX_M = 16
 QMM_ROWS = 4  # weight rows per SIMD-group
 
@@ -171,6 +173,9 @@ def draft_inject(draft, features: mx.array, cache) -> None:
     S = features.shape[1]
     if S == 0:
         return
+    if not all(type(l.self_attn.k_proj) is nn.Linear and type(l.self_attn.v_proj) is nn.Linear
+               and "bias" not in l.self_attn.k_proj for l in draft.layers):
+        return draft.inject(features, cache)  # quantized/biased projections: keep the draft's path
     offsets = {c.offset for c in cache}
     if len(offsets) != 1:
         raise ValueError("draft_inject: layer caches disagree on the context offset")
@@ -216,12 +221,27 @@ def qmm_small_m_metal(x, w, scales, biases, group_size: int = 64, bits: int = 4,
 
 
 def qmm_small_m(x, w, scales, biases, group_size: int = 64, bits: int = 4):
-    """mx.quantized_matmul(x, w, scales, biases, transpose=True, ...) with the small-M kernel when on."""
+    """mx.quantized_matmul(x, w, scales, biases, transpose=True, ...) with the small-M kernel when on.
+
+    The kernel takes verify widths QMM_MIN_M..QMM_MAX_M; narrower products stay
+    on MLX's own qmv (tuned for decode), wider ones on its qmm.
+    """
     M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
-    if (use_metal("qmm_small_m") and M <= QMM_MAX_M and bits in (2, 4, 8)
-            and group_size >= 32 and x.shape[-1] % group_size == 0):
+    if (QMM_MIN_M <= M <= QMM_MAX_M and bits in (2, 4, 8) and group_size >= 32
+            and x.shape[-1] % group_size == 0 and use_metal("qmm_small_m")):
         return qmm_small_m_metal(x, w, scales, biases, group_size, bits)
     return qmm_small_m_reference(x, w, scales, biases, group_size, bits)
+
+
+def quantized_linear(layer, x):
+    """`layer(x)` for an affine nn.QuantizedLinear, through qmm_small_m (for a scoped verify hook)."""
+    if getattr(layer, "mode", "affine") != "affine":
+        return layer(x)
+    out = qmm_small_m(x, layer["weight"], layer["scales"], layer.get("biases"),
+                      layer.group_size, layer.bits)
+    if "bias" in layer:
+        out = out + layer["bias"]
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -306,6 +326,35 @@ def gdn_replay_metal(state, k, g, tape, steps, factory=None):
         output_shapes=[state.shape],
         output_dtypes=[state.dtype],
     )[0]
+
+
+def gated_delta_update_taped(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
+                             tape_out: list, use_kernel: bool = True, lower_bound=None,
+                             allow_neg_eigval: bool = False):
+    """Drop-in for mlx_lm's `gated_delta_update` during verify that records a tape.
+
+    Appends (state_in, k, g, tape) to `tape_out` for `gdn_replay`. Bind
+    `tape_out` with functools.partial and install it only for the verify
+    forward (scoped hook). Padding masks are not supported (verify has none).
+    """
+    from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
+
+    if mask is not None:
+        raise ValueError("gated_delta_update_taped: padding masks are not supported")
+    beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    if lower_bound is None:
+        g = compute_g(A_log, a, dt_bias)
+    else:
+        g = compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+    if state is None:
+        B, _, _, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    y, new_state, tape = gdn_tape(q, k, v, g, beta, state)
+    tape_out.append((state, k, g, tape))
+    return y, new_state
 
 
 def gdn_tape(q, k, v, g, beta, state):
