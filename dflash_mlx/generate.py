@@ -29,6 +29,7 @@ class DFlashResponse:
     prompt_tokens: int
     prompt_tps: float
     prompt_time: float
+    prefill_tokens: int  # prompt tokens actually run (the rest came from prompt_cache)
     generation_tokens: int
     generation_tps: float
     peak_memory: float
@@ -181,7 +182,7 @@ def stream_generate(
         raise ValueError("the prompt is empty: give at least one token of input")
     use_draft = draft is not None and not baseline
     target = _target_for(model, draft)
-    block = (block_size or draft.block_size) if use_draft else 1
+    block = (draft.block_size if block_size is None else block_size) if use_draft else 1
     if block < 1:
         raise ValueError(f"block_size must be >= 1, got {block}")
     if max_tokens < 1:
@@ -215,8 +216,8 @@ def stream_generate(
 
     # -- prefill ----------------------------------------------------------------
     tic = time.perf_counter()
-    state.valid = False  # until the caches and `tokens` agree again
     new_ids = _reuse(state, prompt_ids, target, draft if use_draft else None)
+    state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
     if use_draft and state.pending is not None:
         draft.inject(state.pending, state.draft_cache)
@@ -251,6 +252,7 @@ def stream_generate(
             prompt_tokens=len(prompt_ids),
             prompt_tps=prompt_tps,
             prompt_time=prompt_time,
+            prefill_tokens=len(new_ids),
             generation_tokens=n_generated,
             generation_tps=n_generated / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,

@@ -1,0 +1,92 @@
+"""Engine behaviour beyond exactness: streamed text, prompt cache reuse, errors."""
+
+import pytest
+
+from dflash_mlx import generate, make_prompt_cache, stream_generate
+from dflash_mlx.draft import random_draft
+from dflash_mlx.target import Target
+from dflash_mlx.testing import EOS_ID, ScriptedDraft, chain_target, greedy_reference, tiny_target
+
+TEXT = "hé 日✓"  # 1-, 2-, 3- and 3-byte characters, all bytes distinct
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 3, 16])
+def test_streamed_text_handles_split_multibyte_characters(block_size):
+    model, tok = chain_target(TEXT)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    n = 3 * len(ids) - 1
+    ref = greedy_reference(model, ids[:1], n)
+    draft = ScriptedDraft(Target(model), ids[:1] + ref, lambda c: 10**9)
+    pieces = [r.text for r in stream_generate(model, draft, tok, ids[:1], max_tokens=n, block_size=block_size)]
+    assert "".join(pieces) == (TEXT * 3)[1:]
+    assert all("\ufffd" not in p for p in pieces)  # never a half character
+
+
+def test_prompt_cache_reuses_prefix_and_stays_exact():
+    for arch in ["qwen3", "qwen3_5", "gemma3_text"]:
+        model, tok = tiny_target(arch, seed=4)
+        draft = random_draft(model, num_layers=1, block_size=8)
+        turn1 = list(range(40, 75))
+        cache = make_prompt_cache(model, draft)
+        out1 = [t for r in stream_generate(model, draft, tok, turn1, max_tokens=10, prompt_cache=cache, stop_token_ids=[EOS_ID]) for t in r.tokens]
+        turn2 = turn1 + out1 + list(range(100, 112))
+        responses = list(stream_generate(model, draft, tok, turn2, max_tokens=12, prompt_cache=cache))
+        out2 = [t for r in responses for t in r.tokens]
+        assert responses[0].prefill_tokens == 1 + 12, arch  # last answer token + the new turn
+        assert responses[0].prompt_tokens == len(turn2)
+        fresh = [t for r in stream_generate(model, draft, tok, turn2, max_tokens=12) for t in r.tokens]
+        assert out2 == fresh == greedy_reference(model, turn2, 12, stop_ids=[EOS_ID])[: len(out2)], arch
+        assert len(out2) == 12 or out2[-1] == EOS_ID
+
+
+def test_prompt_cache_diverging_history_trims_or_resets():
+    for arch in ["qwen3", "qwen3_5"]:
+        model, tok = tiny_target(arch, seed=5)
+        draft = random_draft(model, block_size=4)
+        cache = make_prompt_cache(model, draft)
+        list(stream_generate(model, draft, tok, list(range(50, 90)), max_tokens=5, prompt_cache=cache))
+        edited = list(range(50, 70)) + [1, 2, 3]
+        responses = list(stream_generate(model, draft, tok, edited, max_tokens=8, prompt_cache=cache))
+        out = [t for r in responses for t in r.tokens]
+        assert out == greedy_reference(model, edited, 8, stop_ids=[EOS_ID])
+        # KV caches trim back to the shared prefix; recurrent state cannot, so it re-prefills
+        assert responses[0].prefill_tokens == (3 if arch == "qwen3" else len(edited))
+
+
+def test_generate_returns_whole_text():
+    model, tok = chain_target(TEXT)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    draft = random_draft(model, block_size=4)
+    assert generate(model, draft, tok, ids[:1], max_tokens=len(ids) - 1) == TEXT[1:]
+
+
+def test_errors_are_clear():
+    model, tok = tiny_target("llama")
+    draft = random_draft(model)
+    with pytest.raises(ValueError, match="empty"):
+        list(stream_generate(model, draft, tok, "", max_tokens=4))
+    with pytest.raises(ValueError, match=r"100 tokens but .* context window of 64"):
+        small, tok2 = tiny_target("llama", max_position_embeddings=64)
+        list(stream_generate(small, random_draft(small), tok2, list(range(100)), max_tokens=4))
+    with pytest.raises(ValueError, match="block_size"):
+        list(stream_generate(model, draft, tok, "hi", block_size=0))
+
+
+def test_generation_stops_at_context_window():
+    model, tok = tiny_target("qwen3", max_position_embeddings=48)
+    responses = list(stream_generate(model, random_draft(model), tok, list(range(40)), max_tokens=100, stop_token_ids=[]))
+    last = responses[-1]
+    assert last.generation_tokens <= 8 and last.finish_reason in ("length", "stop")
+
+
+def test_interrupted_generation_leaves_cache_usable():
+    """Abandoning a stream mid-answer (Ctrl-C in a client) must not corrupt the next turn."""
+    model, tok = tiny_target("qwen3_5", seed=6)
+    draft = random_draft(model, block_size=4)
+    cache = make_prompt_cache(model, draft)
+    stream = stream_generate(model, draft, tok, list(range(60, 90)), max_tokens=30, prompt_cache=cache)
+    next(stream), next(stream)
+    stream.close()
+    prompt = list(range(60, 90)) + [7, 8]
+    out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=6, prompt_cache=cache) for t in r.tokens]
+    assert out == greedy_reference(model, prompt, 6, stop_ids=[EOS_ID])
