@@ -1,0 +1,110 @@
+"""Write tiny GGUF files the way llama.cpp's converter does, for fast loader tests.
+
+The conversions applied here are llama.cpp's (convert_hf_to_gguf.py): llama Q/K
+rows permuted for its RoPE layout, Gemma norms stored as 1 + w. Loading one of
+these files must give back the original model exactly.
+"""
+
+import numpy as np
+
+from dflash_mlx.testing import tiny_target
+
+LLAMA = dict(layer_types=None, sliding_window=None, tie_word_embeddings=False)
+# llama.cpp fixes Gemma 3's sliding pattern at 6 and the query scale at head_dim^-0.5.
+GEMMA3 = dict(num_hidden_layers=6, sliding_window_pattern=6, sliding_window=8, query_pre_attn_scalar=16)
+
+
+def byte_vocab():
+    """A byte-level BPE vocabulary (GPT-2 alphabet), two specials, one merge."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = list(bytes_to_unicode().values())
+    tokens = alphabet + ["<bos>", "<eos>", "\u0120t"]
+    types = [1] * 256 + [3, 3, 1]
+    return tokens, types, ["\u0120 t"]
+
+
+def permute_rows(w, n_heads):
+    """llama.cpp's permutation (the inverse of gguf_loader.unpermute_rows)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def gguf_name(hf: str, arch: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    parts = hf.split(".")
+    layer, rest = parts[2], ".".join(parts[3:-1])
+    names = {
+        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
+        "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+        "post_attention_layernorm": "ffn_norm", "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    }
+    if arch == "gemma3":
+        names["post_attention_layernorm"] = "post_attention_norm"
+    name = names[rest]
+    return f"blk.{layer}.{name}.{parts[-1]}"
+
+
+def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, version=None, **overrides):
+    """Write a tiny random model as GGUF; returns the mlx-lm model it came from."""
+    import gguf
+    from mlx.utils import tree_flatten
+
+    mlx_arch = {"llama": "llama", "gemma3": "gemma3_text"}.get(arch, "llama")
+    cfg = dict(LLAMA if mlx_arch == "llama" else GEMMA3, **overrides)
+    tokens, types, merges = byte_vocab()
+    cfg.setdefault("vocab_size", len(tokens))
+    model, _ = tiny_target(mlx_arch, seed=seed, **cfg)
+    a = model.args
+    w = gguf.GGUFWriter(str(path), arch_name or arch)
+    p = arch_name or arch
+    w.add_uint32(f"{p}.block_count", a.num_hidden_layers)
+    w.add_uint32(f"{p}.context_length", a.max_position_embeddings)
+    w.add_uint32(f"{p}.embedding_length", a.hidden_size)
+    w.add_uint32(f"{p}.feed_forward_length", a.intermediate_size)
+    w.add_uint32(f"{p}.attention.head_count", a.num_attention_heads)
+    w.add_uint32(f"{p}.attention.head_count_kv", a.num_key_value_heads)
+    w.add_float32(f"{p}.rope.freq_base", float(a.rope_theta))
+    w.add_float32(f"{p}.attention.layer_norm_rms_epsilon", float(a.rms_norm_eps))
+    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
+    if arch == "gemma3":
+        w.add_uint32(f"{p}.attention.key_length", head_dim)
+        w.add_uint32(f"{p}.attention.value_length", head_dim)
+        w.add_uint32(f"{p}.attention.sliding_window", a.sliding_window)
+    else:
+        w.add_uint32(f"{p}.rope.dimension_count", head_dim)
+        w.add_uint32(f"{p}.vocab_size", a.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(257)
+    w.add_add_bos_token(False)
+    for name, value in tree_flatten(model.parameters()):
+        t = np.array(value, dtype=np.float32)
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            t = permute_rows(t, a.num_attention_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            t = permute_rows(t, a.num_key_value_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            t = t + 1.0
+        gname = gguf_name(name, arch)
+        if qtype is not None and t.ndim == 2:
+            w.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if version is not None:  # corrupt the version field on purpose
+        with open(path, "r+b") as f:
+            f.seek(4)
+            f.write(int(version).to_bytes(4, "little"))
+    return model
