@@ -89,6 +89,23 @@ def test_harness_reports_deadlock_and_out_of_bounds_writes():
         k2(inputs=[x], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(1,)], output_dtypes=[mx.float32])
 
 
+def test_harness_16bit_floats_round_like_mlx():
+    k = compat("cast16", ["x"], ["h", "bf"], """
+      uint i = thread_position_in_grid.x;
+      h[i] = static_cast<half>(x[i]);
+      bf[i] = static_cast<bfloat16_t>(x[i]);
+    """)
+    mx.random.seed(0)
+    x = mx.concatenate([
+        mx.random.normal((200,)) * 10.0 ** mx.random.randint(-9, 6, (200,)).astype(mx.float32),
+        mx.array([0.0, -0.0, 65504.0, 65520.0, 1e6, 6e-8, 3e-8, 1.0 + 2**-11, 1.0 + 3 * 2**-11]),
+    ])
+    h, bf = k(inputs=[x], grid=(x.size, 1, 1), threadgroup=(64, 1, 1),
+              output_shapes=[x.shape, x.shape], output_dtypes=[mx.float16, mx.bfloat16])
+    np.testing.assert_array_equal(np.array(h.view(mx.uint16)), np.array(x.astype(mx.float16).view(mx.uint16)))
+    np.testing.assert_array_equal(np.array(bf.view(mx.uint16)), np.array(x.astype(mx.bfloat16).view(mx.uint16)))
+
+
 # ----------------------------------------------------------- KV injection
 
 

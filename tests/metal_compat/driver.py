@@ -183,11 +183,12 @@ class CompatKernel:
             f"{tmpl_decl}void {fname}(\n  " + ",\n  ".join(params) + ") {",
             self.source,
             "}",
+            "static void mc_thread(void* ctx, const mcompat::ThreadInfo& ti) {",
+            "  void** bufs = (void**)ctx;",
+            f"  {fname}{tmpl_inst}(" + ", ".join(args) + ");",
+            "}",
             'extern "C" int mc_run(void** bufs, const int* grid, const int* tg, char* err, int errlen) {',
-            "  std::function<void(const mcompat::ThreadInfo&)> body = [&](const mcompat::ThreadInfo& ti) {",
-            f"    {fname}{tmpl_inst}(" + ", ".join(args) + ");",
-            "  };",
-            "  return mcompat::dispatch(grid, tg, body, err, errlen);",
+            "  return mcompat::dispatch(grid, tg, mc_thread, bufs, err, errlen);",
             "}",
         ]
         return "\n".join(code) + "\n"

@@ -27,16 +27,13 @@
 
 #pragma once
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
-#include <limits>
+// Only light C headers: this file is compiled once per kernel instantiation.
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <type_traits>
-#include <vector>
 #include <ucontext.h>
 
 // ---------------------------------------------------------------- qualifiers
@@ -53,8 +50,9 @@ typedef unsigned char uchar;
 // ------------------------------------------------------------ 16-bit floats
 namespace mcompat {
 
-inline uint32_t f2u(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
-inline float u2f(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int imin(int a, int b) { return a < b ? a : b; }
+inline uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+inline float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
 inline uint16_t float_to_half_bits(float f) {
   uint32_t x = f2u(f);
@@ -68,7 +66,7 @@ inline uint16_t float_to_half_bits(float f) {
     // value = absx as float; half subnormal unit is 2^-24
     float a = u2f(absx);
     float scaled = a * 16777216.0f;  // / 2^-24
-    uint32_t q = (uint32_t)std::nearbyint(scaled);  // default mode: RNE
+    uint32_t q = (uint32_t)nearbyintf(scaled);  // default mode: RNE
     return sign | (uint16_t)q;
   }
   uint32_t mant = absx & 0x7fffffu;
@@ -193,23 +191,23 @@ namespace metal {
 #define MCOMPAT_UNARY(name, expr) \
   inline float name(float x) { return expr; }
 #define MCOMPAT_MATH_SET                                  \
-  MCOMPAT_UNARY(exp, std::exp(x))                         \
-  MCOMPAT_UNARY(exp2, std::exp2(x))                       \
-  MCOMPAT_UNARY(log, std::log(x))                         \
-  MCOMPAT_UNARY(log2, std::log2(x))                       \
-  MCOMPAT_UNARY(sqrt, std::sqrt(x))                       \
-  MCOMPAT_UNARY(rsqrt, 1.0f / std::sqrt(x))               \
-  MCOMPAT_UNARY(cos, std::cos(x))                         \
-  MCOMPAT_UNARY(sin, std::sin(x))                         \
-  MCOMPAT_UNARY(tanh, std::tanh(x))                       \
-  MCOMPAT_UNARY(abs, std::fabs(x))                        \
-  MCOMPAT_UNARY(fabs, std::fabs(x))                       \
-  MCOMPAT_UNARY(floor, std::floor(x))                     \
-  MCOMPAT_UNARY(ceil, std::ceil(x))                       \
-  inline float pow(float a, float b) { return std::pow(a, b); } \
-  inline float fma(float a, float b, float c) { return std::fma(a, b, c); } \
-  inline float max(float a, float b) { return std::fmax(a, b); } \
-  inline float min(float a, float b) { return std::fmin(a, b); }
+  MCOMPAT_UNARY(exp, expf(x))                         \
+  MCOMPAT_UNARY(exp2, exp2f(x))                       \
+  MCOMPAT_UNARY(log, logf(x))                         \
+  MCOMPAT_UNARY(log2, log2f(x))                       \
+  MCOMPAT_UNARY(sqrt, sqrtf(x))                       \
+  MCOMPAT_UNARY(rsqrt, 1.0f / sqrtf(x))               \
+  MCOMPAT_UNARY(cos, cosf(x))                         \
+  MCOMPAT_UNARY(sin, sinf(x))                         \
+  MCOMPAT_UNARY(tanh, tanhf(x))                       \
+  MCOMPAT_UNARY(abs, fabsf(x))                        \
+  MCOMPAT_UNARY(fabs, fabsf(x))                       \
+  MCOMPAT_UNARY(floor, floorf(x))                     \
+  MCOMPAT_UNARY(ceil, ceilf(x))                       \
+  inline float pow(float a, float b) { return powf(a, b); } \
+  inline float fma(float a, float b, float c) { return fmaf(a, b, c); } \
+  inline float max(float a, float b) { return fmaxf(a, b); } \
+  inline float min(float a, float b) { return fminf(a, b); }
 MCOMPAT_MATH_SET
 inline int max(int a, int b) { return a > b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
@@ -274,12 +272,16 @@ struct SimdGroup {
   bool active[2][kSimdWidth];
 };
 
+typedef void (*ThreadFn)(void* ctx, const ThreadInfo& ti);
+
 struct Group {
   ucontext_t sched;
-  std::vector<Fiber> fibers;
-  std::vector<SimdGroup> simd;
-  std::vector<char*> stacks;
-  const std::function<void(const ThreadInfo&)>* body = nullptr;
+  Fiber* fibers = nullptr;      // one per thread of the current threadgroup
+  SimdGroup* simd = nullptr;
+  char** stacks = nullptr;
+  int n = 0, nsimd = 0, capacity = 0;
+  ThreadFn body = nullptr;
+  void* ctx = nullptr;
   char error[512] = {0};
 };
 
@@ -288,7 +290,7 @@ inline Fiber*& cur_fiber() { static Fiber* f = nullptr; return f; }
 
 inline void fail(const char* msg) {
   Group* g = cur_group();
-  if (g && !g->error[0]) std::snprintf(g->error, sizeof(g->error), "%s", msg);
+  if (g && !g->error[0]) snprintf(g->error, sizeof(g->error), "%s", msg);
 }
 
 inline void park(int kind) {
@@ -300,7 +302,7 @@ inline void park(int kind) {
 inline void trampoline() {
   Group* g = cur_group();
   Fiber* f = cur_fiber();
-  (*g->body)(f->ti);
+  g->body(g->ctx, f->ti);
   f->state = DONE;
   // uc_link returns to the scheduler.
 }
@@ -313,7 +315,7 @@ inline int simd_exchange(const T& x) {
   Fiber* f = cur_fiber();
   SimdGroup& sg = cur_group()->simd[f->ti.simdgroup_index_in_threadgroup];
   int buf = f->coll_seq++ & 1;
-  std::memcpy(sg.slot[buf][f->ti.thread_index_in_simdgroup], &x, sizeof(T));
+  memcpy(sg.slot[buf][f->ti.thread_index_in_simdgroup], &x, sizeof(T));
   f->wait_buf = buf;
   park(WAIT_SIMD);
   return buf;
@@ -324,7 +326,7 @@ inline T simd_get(int buf, int lane) {
   Fiber* f = cur_fiber();
   SimdGroup& sg = cur_group()->simd[f->ti.simdgroup_index_in_threadgroup];
   T v;
-  std::memcpy(&v, sg.slot[buf][lane], sizeof(T));
+  memcpy(&v, sg.slot[buf][lane], sizeof(T));
   return v;
 }
 
@@ -334,18 +336,29 @@ inline bool simd_active(int buf, int lane) {
       cur_group()->simd[f->ti.simdgroup_index_in_threadgroup].active[buf][lane];
 }
 
-// Runs one threadgroup of `n` threads to completion. Returns false (with
-// g.error set) on deadlock or an error raised by the kernel.
-inline bool run_threadgroup(Group& g, int n) {
-  g.fibers.assign(n, Fiber());
-  int nsimd = (n + kSimdWidth - 1) / kSimdWidth;
-  g.simd.assign(nsimd, SimdGroup());
-  while ((int)g.stacks.size() < n) g.stacks.push_back((char*)std::malloc(kStackBytes));
-  return true;
+// Prepares fibers, SIMD-group exchange slots and stacks for `n` threads.
+inline void setup_threadgroup(Group& g, int n) {
+  if (n > g.capacity) {
+    delete[] g.fibers;
+    delete[] g.simd;
+    g.fibers = new Fiber[n];
+    g.simd = new SimdGroup[(n + kSimdWidth - 1) / kSimdWidth];
+    char** stacks = new char*[n];
+    for (int i = 0; i < n; ++i) stacks[i] = i < g.capacity ? g.stacks[i] : (char*)malloc(kStackBytes);
+    delete[] g.stacks;
+    g.stacks = stacks;
+    g.capacity = n;
+  }
+  g.n = n;
+  g.nsimd = (n + kSimdWidth - 1) / kSimdWidth;
+  for (int i = 0; i < n; ++i) g.fibers[i] = Fiber();
+  memset(g.simd, 0, sizeof(SimdGroup) * g.nsimd);
 }
 
+// Runs the prepared threadgroup to completion. Returns false (with g.error
+// set) on deadlock.
 inline bool schedule(Group& g) {
-  int n = (int)g.fibers.size();
+  int n = g.n;
   for (int i = 0; i < n; ++i) {
     Fiber& f = g.fibers[i];
     getcontext(&f.ctx);
@@ -354,7 +367,7 @@ inline bool schedule(Group& g) {
     f.ctx.uc_link = &g.sched;
     makecontext(&f.ctx, (void (*)())trampoline, 0);
   }
-  int nsimd = (int)g.simd.size();
+  int nsimd = g.nsimd;
   while (true) {
     bool ran = false;
     for (int i = 0; i < n; ++i) {
@@ -368,7 +381,7 @@ inline bool schedule(Group& g) {
     // Release SIMD-groups whose running lanes all wait at a collective.
     bool released = false;
     for (int s = 0; s < nsimd; ++s) {
-      int lo = s * kSimdWidth, hi = std::min(n, lo + kSimdWidth);
+      int lo = s * kSimdWidth, hi = mcompat::imin(n, lo + kSimdWidth);
       int waiting = 0, alive = 0;
       for (int i = lo; i < hi; ++i) {
         if (g.fibers[i].state == DONE) continue;
@@ -394,14 +407,15 @@ inline bool schedule(Group& g) {
     }
     // Release the threadgroup barrier once every running thread is there.
     int waiting_tg = 0, alive = 0;
-    for (auto& f : g.fibers) {
-      if (f.state == DONE) continue;
+    for (int i = 0; i < n; ++i) {
+      if (g.fibers[i].state == DONE) continue;
       ++alive;
-      if (f.state == WAIT_TG) ++waiting_tg;
+      if (g.fibers[i].state == WAIT_TG) ++waiting_tg;
     }
     if (alive == 0) return true;
     if (waiting_tg == alive) {
-      for (auto& f : g.fibers) if (f.state == WAIT_TG) f.state = RUNNABLE;
+      for (int i = 0; i < n; ++i)
+        if (g.fibers[i].state == WAIT_TG) g.fibers[i].state = RUNNABLE;
       released = true;
     }
     if (!ran && !released) {
@@ -413,12 +427,12 @@ inline bool schedule(Group& g) {
 
 // Dispatches `grid` threads in threadgroups of `tg` (non-uniform edge groups,
 // like dispatchThreads), one threadgroup at a time.
-inline int dispatch(const int* grid, const int* tg,
-                    const std::function<void(const ThreadInfo&)>& body,
+inline int dispatch(const int* grid, const int* tg, ThreadFn body, void* ctx,
                     char* err, int errlen) {
   Group g;
   cur_group() = &g;
-  g.body = &body;
+  g.body = body;
+  g.ctx = ctx;
   int ngx = (grid[0] + tg[0] - 1) / tg[0];
   int ngy = (grid[1] + tg[1] - 1) / tg[1];
   int ngz = (grid[2] + tg[2] - 1) / tg[2];
@@ -426,11 +440,11 @@ inline int dispatch(const int* grid, const int* tg,
   for (int gz = 0; gz < ngz && rc == 0; ++gz)
     for (int gy = 0; gy < ngy && rc == 0; ++gy)
       for (int gx = 0; gx < ngx && rc == 0; ++gx) {
-        int ax = std::min(tg[0], grid[0] - gx * tg[0]);
-        int ay = std::min(tg[1], grid[1] - gy * tg[1]);
-        int az = std::min(tg[2], grid[2] - gz * tg[2]);
+        int ax = mcompat::imin(tg[0], grid[0] - gx * tg[0]);
+        int ay = mcompat::imin(tg[1], grid[1] - gy * tg[1]);
+        int az = mcompat::imin(tg[2], grid[2] - gz * tg[2]);
         int n = ax * ay * az;
-        run_threadgroup(g, n);
+        setup_threadgroup(g, n);
         for (int i = 0; i < n; ++i) {
           ThreadInfo& t = g.fibers[i].ti;
           uint lx = i % ax, ly = (i / ax) % ay, lz = i / (ax * ay);
@@ -456,11 +470,14 @@ inline int dispatch(const int* grid, const int* tg,
           t.dispatch_quadgroups_per_threadgroup = (tg[0] * tg[1] * tg[2] + 3) / 4;
         }
         if (!schedule(g)) {
-          std::snprintf(err, errlen, "threadgroup (%d,%d,%d): %s", gx, gy, gz, g.error);
+          snprintf(err, errlen, "threadgroup (%d,%d,%d): %s", gx, gy, gz, g.error);
           rc = 1;
         }
       }
-  for (char* s : g.stacks) std::free(s);
+  for (int i = 0; i < g.capacity; ++i) free(g.stacks[i]);
+  delete[] g.stacks;
+  delete[] g.fibers;
+  delete[] g.simd;
   cur_group() = nullptr;
   return rc;
 }
