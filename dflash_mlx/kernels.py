@@ -164,15 +164,91 @@ def stacked_kv_weight(draft) -> mx.array:
     return w
 
 
-def draft_inject(draft, features: mx.array, cache) -> None:
+class StackedContextCache:
+    """Preallocated context K/V of all draft layers: keys, values [L, B, Hkv, capacity, D].
+
+    `views` is the per-layer list the draft takes in place of `draft.make_cache()`
+    (each view has the ContextCache interface: offset, append, fetch, trim).
+    `draft_inject` writes all layers with one slice update per tensor. Sliding
+    layers keep their whole history here; the draft's mask applies the window.
+    """
+
+    step = 256
+
+    def __init__(self, num_layers: int):
+        self.keys = None
+        self.values = None
+        self.views = [_StackedView(self, i) for i in range(num_layers)]
+
+    def _reserve(self, need: int, like: mx.array):
+        """like: [.., B, Hkv, S, D] (one layer's or all layers' new keys)."""
+        cap = 0 if self.keys is None else self.keys.shape[3]
+        if need <= cap:
+            return
+        new_cap = -(-need // self.step) * self.step
+        B, H, _, D = like.shape[-4:]
+        shape = (len(self.views), B, H, new_cap - cap, D)
+        grow = mx.zeros(shape, dtype=like.dtype)
+        if self.keys is None:
+            self.keys, self.values = grow, mx.zeros(shape, dtype=like.dtype)
+        else:
+            self.keys = mx.concatenate([self.keys, grow], axis=3)
+            self.values = mx.concatenate([self.values, mx.zeros(shape, dtype=like.dtype)], axis=3)
+
+    def write(self, keys: mx.array, values: mx.array):
+        """keys, values: [L, B, Hkv, S, D] at every layer's current offset (all equal)."""
+        off = self.views[0].offset
+        S = keys.shape[3]
+        self._reserve(off + S, keys)
+        self.keys[:, :, :, off:off + S, :] = keys
+        self.values[:, :, :, off:off + S, :] = values
+        for v in self.views:
+            v.offset = off + S
+
+
+class _StackedView:
+    window = None
+
+    def __init__(self, stack: StackedContextCache, layer: int):
+        self.stack = stack
+        self.layer = layer
+        self.offset = 0
+
+    def append(self, keys: mx.array, values: mx.array):
+        st, off, S = self.stack, self.offset, keys.shape[2]
+        st._reserve(off + S, keys)
+        st.keys[self.layer, :, :, off:off + S, :] = keys
+        st.values[self.layer, :, :, off:off + S, :] = values
+        self.offset = off + S
+        return self.fetch()
+
+    def trim(self, n: int) -> int:
+        n = min(n, self.offset)
+        self.offset -= n
+        return n
+
+    def fetch(self):
+        if self.stack.keys is None or self.offset == 0:
+            return None, None
+        return (self.stack.keys[self.layer, :, :, : self.offset, :],
+                self.stack.values[self.layer, :, :, : self.offset, :])
+
+
+def make_stacked_cache(draft) -> list:
+    """Per-layer views over one StackedContextCache (use instead of draft.make_cache())."""
+    return StackedContextCache(len(draft.layers)).views
+
+
+def draft_inject(draft, features: Optional[mx.array], cache) -> None:
     """Drop-in for `draft.inject(features, cache)`: one matmul + one kernel for all layers.
 
-    Layers must share head layout and k_norm eps (true for every z-lab draft);
-    the caches receive per-layer [B, Hkv, S, D] slices via ContextCache.append.
+    Layers must share head layout and k_norm eps (true for every z-lab draft).
+    With views from `make_stacked_cache` the K/V land in the stacked buffer with
+    one slice update each; with ContextCache lists, per layer via append.
     """
-    S = features.shape[1]
-    if S == 0:
+    if features is None or features.shape[1] == 0:
         return
+    S = features.shape[1]
     if not all(type(l.self_attn.k_proj) is nn.Linear and type(l.self_attn.v_proj) is nn.Linear
                and "bias" not in l.self_attn.k_proj for l in draft.layers):
         return draft.inject(features, cache)  # quantized/biased projections: keep the draft's path
@@ -187,6 +263,10 @@ def draft_inject(draft, features: mx.array, cache) -> None:
     )
     k_w = mx.stack([layer.self_attn.k_norm.weight for layer in draft.layers])
     keys, values = context_kv(kv, k_w, offsets.pop(), eps=attn.k_norm.eps, rope=draft._rope)
+    stack = getattr(cache[0], "stack", None)
+    if stack is not None and all(getattr(c, "stack", None) is stack for c in cache):
+        stack.write(keys, values)
+        return
     for i, c in enumerate(cache):
         c.append(keys[i], values[i])
 

@@ -158,21 +158,44 @@ def _tiny_draft(num_layers=2):
     return draft
 
 
-def test_draft_inject_kernel_matches_draft(monkeypatch):
-    # The whole opt-in path (stacked matmul + kernel + cache appends) against
-    # the draft's own per-layer injection, over two steps so offsets move.
+@pytest.mark.parametrize("stacked", [False, True])
+def test_draft_inject_kernel_matches_draft(monkeypatch, stacked):
+    # The whole opt-in path (stacked matmul + kernel + cache writes) against
+    # the draft's own per-layer injection, over steps so offsets move, then the
+    # draft's block forward on both caches.
     draft = _tiny_draft()
     monkeypatch.setattr(kernels, "context_kv", partial(kernels.context_kv_metal, factory=compat))
-    ref_cache, ker_cache = draft.make_cache(), draft.make_cache()
-    for S in (5, 2):
+    ref_cache = draft.make_cache()
+    ker_cache = kernels.make_stacked_cache(draft) if stacked else draft.make_cache()
+    for S in (5, 2, 0):
         feats = mx.random.normal((1, S, 128))
         draft.inject(feats, ref_cache)
         kernels.draft_inject(draft, feats, ker_cache)
+    kernels.draft_inject(draft, None, ker_cache)
     for rc, kc in zip(ref_cache, ker_cache):
         assert rc.offset == kc.offset == 7
         (rk, rv), (kk, kv) = rc.fetch(), kc.fetch()
         close(kk, rk, atol=2e-5, rtol=1e-5)
         close(kv, rv, atol=2e-5, rtol=1e-5)
+    x = mx.random.normal((1, 4, 64))
+    h_ref, h_ker = x, x
+    for layer, rc, kc in zip(draft.layers, ref_cache, ker_cache):
+        h_ref, h_ker = layer(h_ref, draft._rope, rc), layer(h_ker, draft._rope, kc)
+    close(h_ker, h_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_stacked_cache_views_behave_like_context_cache():
+    # The reference path (draft.inject -> per-layer append) and trim work on views.
+    draft = _tiny_draft()
+    ref, views = draft.make_cache(), kernels.make_stacked_cache(draft)
+    feats = mx.random.normal((1, 300, 128))  # crosses the 256-entry growth step
+    draft.inject(feats, ref)
+    draft.inject(feats, views)
+    for rc, vc in zip(ref, views):
+        assert rc.trim(3) == vc.trim(3) == 3 and rc.offset == vc.offset == 297
+        (rk, rv), (vk, vv) = rc.fetch(), vc.fetch()
+        close(vk, rk, atol=0)
+        close(vv, rv, atol=0)
 
 
 # ------------------------------------------------------ small-M quantized matmul
