@@ -11,8 +11,9 @@
 //   out     [M, N]                T
 // Template: T, M, N, K, BITS (2, 4 or 8), GS (32, 64 or 128), ROWS
 // Grid (32, ceil(N / ROWS), 1), threadgroup (32, n, 1): each SIMD-group owns
-// ROWS weight rows and all M input rows, so every weight word is read and
-// dequantized once per launch and reused M times (a plain qmv reads it M times).
+// ROWS weight rows and all M input rows: every weight word is read and
+// dequantized once per launch and reused for all M rows (M separate qmv
+// launches would read it M times), and every x value is read once per ROWS rows.
 // Lanes stride over the packed words of a row; a word never straddles groups
 // because GS >= 32 >= 32 / BITS values.
 
@@ -32,21 +33,29 @@ for (int m = 0; m < M; ++m)
 for (int wi = lane; wi < WPR; wi += 32) {
   const int k0 = wi * VPW;
   const int grp = k0 / GS;
+  // Dequantize this word of each owned row once (rows past N read as zero)...
+  float wv[ROWS][VPW];
   for (int r = 0; r < ROWS; ++r) {
     const uint n = n0 + r;
-    if (n >= uint(N)) break;
-    const uint32_t word = w[size_t(n) * WPR + wi];
-    const float sc = static_cast<float>(scales[size_t(n) * GPR + grp]);
-    const float bi = static_cast<float>(biases[size_t(n) * GPR + grp]);
-    float wv[VPW];
+    const bool valid = n < uint(N);
+    const uint32_t word = valid ? w[size_t(n) * WPR + wi] : 0u;
+    const float sc = valid ? static_cast<float>(scales[size_t(n) * GPR + grp]) : 0.0f;
+    const float bi = valid ? static_cast<float>(biases[size_t(n) * GPR + grp]) : 0.0f;
     for (int j = 0; j < VPW; ++j) {
-      wv[j] = sc * float((word >> (j * BITS)) & MASK) + bi;
+      wv[r][j] = sc * float((word >> (j * BITS)) & MASK) + bi;
     }
-    for (int m = 0; m < M; ++m) {
-      auto xr = x + size_t(m) * K + k0;
+  }
+  // ...then stream each input row's matching VPW values past all of them.
+  for (int m = 0; m < M; ++m) {
+    auto xr = x + size_t(m) * K + k0;
+    float xv[VPW];
+    for (int j = 0; j < VPW; ++j) {
+      xv[j] = static_cast<float>(xr[j]);
+    }
+    for (int r = 0; r < ROWS; ++r) {
       float d = 0.0f;
       for (int j = 0; j < VPW; ++j) {
-        d += static_cast<float>(xr[j]) * wv[j];
+        d += xv[j] * wv[r][j];
       }
       acc[m][r] += d;
     }
