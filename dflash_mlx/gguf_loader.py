@@ -108,6 +108,8 @@ class _Cursor:
         buf, pos, out = self.buf, self.pos, []
         unpack, n_buf = struct.Struct("<Q").unpack_from, len(buf)
         for _ in range(count):
+            if pos + 8 > n_buf:
+                raise GGUFError(f"{self.path}: truncated GGUF header (string past end of file)")
             n = unpack(buf, pos)[0]
             pos += 8
             if pos + n > n_buf:
