@@ -338,6 +338,13 @@ class DFlashDraftModel(nn.Module):
     def inject(self, features: Optional[mx.array], cache: List[ContextCache]):
         if features is None:
             return
+        from dflash_mlx import kernels
+
+        if kernels.use_metal("kv_inject"):  # off unless verified on Apple GPUs (see metal/README.md)
+            return kernels.draft_inject(self, features, cache)
+        self.inject_reference(features, cache)
+
+    def inject_reference(self, features: mx.array, cache: List[ContextCache]):
         h_ctx = self.fuse(features)
         for layer, c in zip(self.layers, cache):
             layer.self_attn.inject(h_ctx, self._rope, c)

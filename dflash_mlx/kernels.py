@@ -251,7 +251,7 @@ def draft_inject(draft, features: Optional[mx.array], cache) -> None:
     S = features.shape[1]
     if not all(type(l.self_attn.k_proj) is nn.Linear and type(l.self_attn.v_proj) is nn.Linear
                and "bias" not in l.self_attn.k_proj for l in draft.layers):
-        return draft.inject(features, cache)  # quantized/biased projections: keep the draft's path
+        return draft.inject_reference(features, cache)  # quantized/biased projections: keep the draft's path
     offsets = {c.offset for c in cache}
     if len(offsets) != 1:
         raise ValueError("draft_inject: layer caches disagree on the context offset")
