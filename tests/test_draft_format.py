@@ -161,3 +161,13 @@ def test_incremental_injection_equals_one_shot(target):
         draft.inject(feats[:, s:e], inc)
     logits_inc = draft.propose_logits(last, None, inc, 8)
     np.testing.assert_allclose(np.array(logits_one), np.array(logits_inc), rtol=1e-4, atol=1e-4)
+
+
+def test_hub_id_offline_error(monkeypatch, tmp_path, target):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    import huggingface_hub.constants as c
+
+    monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="offline"):
+        load_draft("z-lab/not-a-real-draft-b16", target[0])
