@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sweep, e.g. 4,8,16 (overrides --block-size)")
     p.add_argument("--model", default="smollm2-135m", help="packaged name | folder | .gguf | hub id")
     p.add_argument("--draft", default=None, help="draft (default: the same name as --model)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="weights dtype (default: the loader's, float32 on CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (tokens checked)")
     p.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
     p.add_argument("--out", default=None,
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
     from . import report, runner
 
     print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
-    model, tokenizer = load(args.model)
+    model, tokenizer = load(args.model, dtype=args.dtype)
     draft = load_draft(draft_name, model)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=args.max_tokens, block_sizes=blocks,

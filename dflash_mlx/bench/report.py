@@ -97,6 +97,18 @@ def _ms(split: Optional[dict], phase: str) -> str:
     return "–" if not split else f"{split[phase] * 1e3:.0f}"
 
 
+def _load_line(doc: dict) -> str:
+    env = doc["environment"]
+    threads = {k: v for k, v in (env.get("thread_env") or {}).items() if v}
+    start, end, cpus = env.get("loadavg"), doc.get("loadavg_end"), env.get("cpu_count")
+    line = (f"Machine load (1-min average) {_f(start, '{:.1f}', '?')} at start, "
+            f"{_f(end, '{:.1f}', '?')} at end, {cpus} CPUs; BLAS threads "
+            + (", ".join(f"{k}={v}" for k, v in threads.items()) or "default") + ".")
+    if cpus and max(start or 0, end or 0) > cpus:
+        line += " **The machine was shared: absolute timings are contended; ratios are less affected.**"
+    return line
+
+
 def markdown(doc: dict) -> str:
     env, cfg = doc["environment"], doc["config"]
     blocks = [str(b) for b in cfg["block_sizes"]]
@@ -106,6 +118,8 @@ def markdown(doc: dict) -> str:
         "",
         f"{env['date']} · MLX {env['mlx_version']} ({env['backend']}) · BLAS {env.get('blas') or '?'} · "
         f"{env['cpu']}" + (f" · GPU {env['gpu']}" if env.get("gpu") else "") + f" · dtype {env['dtype']}",
+        "",
+        _load_line(doc),
         "",
         f"Suites {', '.join(cfg['suites'])}; {cfg['limit']} prompts each (seed {cfg['seed']}), "
         f"max {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"

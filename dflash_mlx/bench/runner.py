@@ -209,6 +209,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _loadavg() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def _model_dtype(model) -> str:
     from mlx.utils import tree_flatten
 
@@ -230,6 +237,11 @@ def environment(model=None) -> dict:
         "gpu": None,
         "blas": None,
         "dtype": _model_dtype(model) if model is not None else None,
+        # BLAS threads and machine load explain most run-to-run spread on shared
+        # CPUs (OpenBLAS with more threads than free cores thrashes).
+        "thread_env": {k: os.environ.get(k) for k in
+                       ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+        "loadavg": _loadavg(),
     }
     try:
         import mlx_lm
@@ -401,6 +413,7 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
             f"({first['speedup']:.2f}x){flag}  elapsed {_fmt_s(elapsed)}  "
             f"ETA {_fmt_s(metrics.eta_seconds(i + 1, len(prompts), elapsed))}")
     doc["wall_s"] = time.perf_counter() - start
+    doc["loadavg_end"] = _loadavg()
     return doc
 
 
