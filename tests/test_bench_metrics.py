@@ -19,7 +19,7 @@ def test_accept_histogram_has_one_bin_per_possible_accept_length():
 
 
 def test_generation_rate_excludes_prefill_tokens_and_time():
-    t = Trace(tokens=list(range(11)), prompt_tokens=100, prefill_tokens=1,
+    t = Trace(tokens=list(range(11)), prompt_tokens=100, first_tokens=1,
               prefill_s=5.0, generation_s=2.0)
     assert t.generated == 10
     assert metrics.generation_tps(t) == pytest.approx(5.0)

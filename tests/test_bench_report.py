@@ -15,15 +15,15 @@ def _doc(mismatch=False):
     eos = {0}
     rows = []
     for i, suite in enumerate(["gsm8k", "gsm8k", "mtbench"]):
-        base = Trace(tokens=[5, 6, 7, 8, 9, 0], prompt_tokens=20, prefill_tokens=1,
+        base = Trace(tokens=[5, 6, 7, 8, 9, 0], prompt_tokens=20, first_tokens=1,
                      prefill_s=0.2, generation_s=0.4)
         base.tokens = metrics.strip_stop(base.tokens, eos)
         dflash = {}
         for b in BLOCKS:
             toks = [5, 6, 7, 8, 9] if not (mismatch and i == 1) else [5, 6, 1, 8, 9]
-            timed = Trace(tokens=toks, prompt_tokens=20, prefill_tokens=1, prefill_s=0.25,
+            timed = Trace(tokens=toks, prompt_tokens=20, first_tokens=1, prefill_s=0.25,
                           generation_s=0.2, accept_lengths=[1, 1])
-            prof = Trace(tokens=toks, prompt_tokens=20, prefill_tokens=1, prefill_s=0.3,
+            prof = Trace(tokens=toks, prompt_tokens=20, first_tokens=1, prefill_s=0.3,
                          generation_s=0.3, accept_lengths=[1, 1], profiled_cycles=2,
                          cycle_times={"draft": 0.02, "verify": 0.2, "rollback": 0.01,
                                       "other": 0.03})

@@ -29,7 +29,7 @@ class Trace:
 
     tokens: List[int]
     prompt_tokens: int
-    prefill_tokens: int  # tokens that arrived with the first response
+    first_tokens: int  # tokens that arrived with the first response (the prefill's)
     prefill_s: float  # call start -> first response
     generation_s: float  # first response -> last response
     accept_lengths: List[int] = field(default_factory=list)  # DFlash only
@@ -39,7 +39,7 @@ class Trace:
 
     @property
     def generated(self) -> int:
-        return len(self.tokens) - self.prefill_tokens
+        return len(self.tokens) - self.first_tokens
 
 
 def generation_tps(trace: Trace) -> float:

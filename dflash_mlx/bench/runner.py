@@ -78,7 +78,7 @@ def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
     sums: Dict[str, float] = {}
     profiled = 0
     last = None
-    prefill_tokens = 0
+    first_tokens = 0
     tic = time.perf_counter()
     t_first = t_last = tic
     for r in responses:
@@ -86,7 +86,7 @@ def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
         new = list(r.tokens) if getattr(r, "tokens", None) is not None else [r.token]
         if last is None:
             t_first = now
-            prefill_tokens = len(new)
+            first_tokens = len(new)
         tokens.extend(new)
         t_last = now
         ct = getattr(r, "cycle_times", None)
@@ -103,7 +103,7 @@ def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
     return metrics.Trace(
         tokens=kept,
         prompt_tokens=last.prompt_tokens,
-        prefill_tokens=min(prefill_tokens, len(kept)),
+        first_tokens=min(first_tokens, len(kept)),
         prefill_s=t_first - tic,
         generation_s=t_last - t_first,
         accept_lengths=list(getattr(last, "accept_lengths", None) or []),
