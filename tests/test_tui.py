@@ -1,0 +1,412 @@
+"""The chat app, headless (Textual's pilot) on tiny random models.
+
+The tiny qwen3 target answers greedily with ':' bytes, which re-tokenize to the
+same tokens, so a second turn's prompt starts with exactly the tokens the cache
+holds and the reuse arithmetic below is exact.
+"""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
+from dflash_mlx import testing
+from dflash_mlx.draft import random_draft
+from dflash_mlx.generate import encode_prompt, stream_generate
+from dflash_mlx.target import Target
+from dflash_mlx.tui.app import ChatApp, main, parse_args
+from dflash_mlx.tui.segments import CycleText
+from dflash_mlx.tui.session import ChatSession, Settings
+from dflash_mlx.tui.stats import histogram, sparkline
+from dflash_mlx.tui.template import render_prompt, role_template
+from dflash_mlx.tui.widgets import MessageView, SettingsScreen, StatsPanel
+
+MAX = 12  # answer length in most tests: short, so each test takes well under a second
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = testing.tiny_target("qwen3", seed=0)
+    draft = random_draft(model, num_layers=1, block_size=4)
+    return model, tok, draft
+
+
+def run(app, script, size=(110, 40)):
+    """Run `script(pilot)` against `app` headless; return what it returns."""
+
+    async def go():
+        async with app.run_test(size=size) as pilot:
+            return await script(pilot)
+
+    return asyncio.run(go())
+
+
+async def wait_for(pilot, cond, timeout=30.0, what="condition"):
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await pilot.pause(0.02)
+
+
+async def ask(pilot, text, turns_before=None):
+    app = pilot.app
+    n = app.turns if turns_before is None else turns_before
+    app.query_one("#prompt").value = text
+    await pilot.press("enter")
+    await wait_for(pilot, lambda: app.turns > n, what="the answer")
+    await pilot.pause(0.05)
+    return app._last_turn
+
+
+def notifications(app):
+    return [(n.message, n.severity) for n in app._notifications]
+
+
+def prompt_ids(tok, messages):
+    return encode_prompt(tok, render_prompt(tok, messages))
+
+
+def oracle_draft(model, tok, prompt, n, block_size=4, accept=10**9):
+    """A scripted draft that knows the target's greedy answer to `prompt` (accepts up to `accept` per cycle)."""
+    ids = prompt_ids(tok, [{"role": "user", "content": prompt}])
+    ref = testing.greedy_reference(model, ids, n + block_size)
+    return testing.ScriptedDraft(Target(model), ids + ref, lambda c: accept, block_size=block_size)
+
+
+# -- plain pieces -----------------------------------------------------------------
+
+
+def test_sparkline_and_histogram():
+    assert sparkline([0, 3, 1], top=3) == "▁█▃"
+    assert sparkline([]) == ""
+    assert len(sparkline(list(range(100)), width=32)) == 32
+    lines = histogram([0, 0, 2, 2, 2, 3], 4, width=6)
+    assert lines == ["0 │████ 2", "1 │", "2 │██████ 3", "3 │██ 1"]
+
+
+def test_role_template_history_is_a_prefix_of_the_next_prompt():
+    first = role_template([{"role": "user", "content": "hi"}])
+    answer = " hello"
+    second = role_template([
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": answer},
+        {"role": "user", "content": "more"},
+    ])
+    assert second.startswith(first + answer)
+    assert first == "User: hi\nAssistant:"
+
+
+def test_cycle_text_holds_back_split_characters(tiny):
+    _, tok, _ = tiny
+    ids = tok.encode("é!", add_special_tokens=False)  # 'é' is two byte tokens
+    assert len(ids) == 3
+    ct = CycleText(tok, stop_ids=tok.eos_token_ids)
+    assert ct.add(ids[:1], [False]) == []  # half a character: nothing to show yet
+    segs = ct.add(ids[1:] + [testing.EOS_ID], [True, False, False])
+    assert [(s.text, s.drafted, s.cycle) for s in segs] == [("é", True, 1), ("!", False, 1)]
+    assert (ct.drafted, ct.bonus) == (1, 2) and ct.text == "é!"
+
+
+def test_cli_args_and_bad_settings(capsys):
+    a = parse_args(["--model", "m", "--block-size", "3", "--temperature", "0.5", "--max-tokens", "9", "--system", "S"])
+    assert (a.model, a.draft, a.block_size, a.temperature, a.max_tokens, a.system) == ("m", None, 3, 0.5, 9, "S")
+    assert parse_args([]).model == "smollm2-135m"
+    assert main(["--max-tokens", "0"]) == 2  # refused before any model loads
+    assert "max tokens" in capsys.readouterr().err
+
+
+# -- the app ----------------------------------------------------------------------
+
+
+def test_send_prompt_streams_text_and_stats(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, model_name="tiny-qwen3", draft_name="random-b4",
+                  settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        turn = await ask(pilot, "hello")
+        view = [v for v in app.query(MessageView) if v.role == "assistant"][0]
+        return turn, view.text, view.query_one("Markdown").source, app.query_one(StatsPanel).plain
+
+    turn, view_text, md_source, panel = run(app, script)
+    ids = prompt_ids(tok, [{"role": "user", "content": "hello"}])
+    expected = testing.greedy_reference(model, ids, MAX)
+    assert turn.tokens == expected  # exact: DFlash greedy == the target's greedy
+    assert view_text == md_source == tok.decode(expected) == turn.text
+    assert len(turn.stats.accept_lengths) == MAX - 1  # one cycle per token: the random draft is never right
+    for line in ("model  tiny-qwen3", "draft  random-b4", f"tokens    {MAX:8d}",
+                 f"prompt    {len(ids):8d}  prefilled {len(ids)}", "tau           1.00"):
+        assert line in panel
+    assert turn.stats.tps > 0 and "DFlash" in panel
+
+
+class Gate:
+    """Wraps the engine: after `after` responses it blocks until released (a slow model)."""
+
+    def __init__(self, after):
+        self.after = after
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        for i, r in enumerate(stream_generate(*args, **kwargs)):
+            yield r
+            if i + 1 == self.after:
+                self.reached.set()
+                assert self.release.wait(20)
+
+
+def test_stop_mid_answer_keeps_the_conversation(tiny):
+    model, tok, draft = tiny
+    gate = Gate(after=3)
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=40), stream_fn=gate)
+
+    async def script(pilot):
+        app.query_one("#prompt").value = "hello"
+        await pilot.press("enter")
+        await wait_for(pilot, gate.reached.is_set, what="the engine to pause")
+        view = [v for v in app.query(MessageView) if v.role == "assistant"][0]
+        # streamed: the partial answer is on screen while the engine is still busy
+        await wait_for(pilot, lambda: view.query_one("Markdown").source == ":" * 3, what="streamed text")
+        assert app.busy and "tokens           3" in app.query_one(StatsPanel).plain
+        await pilot.press("escape")  # the UI answers while the engine thread is blocked
+        assert app.status == "stopping"
+        gate.release.set()
+        await wait_for(pilot, lambda: app.turns == 1, what="the stop")
+        await pilot.pause(0.05)
+        stopped = app._last_turn
+        assert view.note_text == "(stopped)"
+        # the conversation goes on from the partial answer
+        gate.after = 0
+        nxt = await ask(pilot, "go on", turns_before=1)
+        return stopped, nxt
+
+    stopped, nxt = run(app, script)
+    assert stopped.stopped and stopped.stats.finish == "stopped"
+    assert len(stopped.tokens) == 4  # the cycle in flight when Esc came, then no more
+    assert app.session.messages[:2] == [{"role": "user", "content": "hello"},
+                                        {"role": "assistant", "content": "::::"}]
+    assert nxt.stats.finish == "length" and len(nxt.tokens) == 40
+
+
+def test_second_turn_reuses_the_cache_exactly(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        first = await ask(pilot, "hello")
+        second = await ask(pilot, "and then?")
+        return first, second, app.query_one(StatsPanel).plain
+
+    first, second, panel = run(app, script)
+    ids1 = first.prompt_ids
+    ids2 = prompt_ids(tok, [{"role": "user", "content": "hello"},
+                            {"role": "assistant", "content": first.text},
+                            {"role": "user", "content": "and then?"}])
+    assert second.prompt_ids == ids2
+    assert ids2[: len(ids1) + MAX] == ids1 + first.tokens  # the answer re-tokenizes to itself
+    # The cache holds prompt 1 and every answer token but the last (it was never fed
+    # back), so the new turn prefills that token plus the new turn's text only.
+    new = len(ids2) - (len(ids1) + MAX - 1)
+    assert second.stats.prefill_tokens == new < len(ids2) // 2
+    assert f"prompt    {len(ids2):8d}  prefilled {new}" in panel
+    assert f"reused {len(ids2) - new}" in panel
+    # exact: the same tokens as prefilling the whole conversation from scratch
+    fresh = [t for r in stream_generate(model, draft, tok, ids2, max_tokens=MAX) for t in r.tokens]
+    assert second.tokens == fresh
+
+
+def test_turn_ending_on_eos_reuses_the_cache(tiny):
+    """ChatML-like: the stop token is also the template's end-of-turn marker.
+
+    The engine never feeds the stop token to the target, the template writes it
+    back after the answer, so the next prompt starts with everything cached."""
+    model, _, draft = tiny
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    base = testing.byte_tokenizer()
+    colon = base.encode(":", add_special_tokens=False)[0]
+    tok = TokenizerWrapper(base._tokenizer, eos_token_ids=[colon])
+
+    def chatml(messages):  # role_template with ':' closing each assistant turn
+        return "".join(f"{m['content']}:\n\n" if m["role"] == "assistant" else role_template([m])
+                       for m in messages)
+
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX), template=chatml)
+
+    async def script(pilot):
+        return await ask(pilot, "hello"), await ask(pilot, "again")
+
+    first, second = run(app, script)
+    assert first.stats.finish == "stop" and first.tokens == [colon] and first.text == ""
+    assert second.prompt_ids[: len(first.prompt_ids) + 1] == first.prompt_ids + [colon]
+    assert second.stats.prefill_tokens == len(second.prompt_ids) - len(first.prompt_ids)
+
+
+def test_settings_change_takes_effect(tiny):
+    model, tok, _ = tiny
+    draft = oracle_draft(model, tok, "hello", 20)  # accepts every drafted token
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs)
+        return stream_generate(*args, **kwargs)
+
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX), stream_fn=recording)
+
+    async def script(pilot):
+        before = await ask(pilot, "hello")
+        await pilot.press("ctrl+n")
+        await pilot.press("f2")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#block_size").value = "2"
+        app.screen.query_one("#max_tokens").value = "7"
+        app.screen.query_one("#temperature").value = "0"
+        app.screen.query_one("#system").value = ""
+        await pilot.click("#save")
+        await pilot.pause(0.05)
+        assert not isinstance(app.screen, SettingsScreen)
+        draft.cycle = 0
+        after = await ask(pilot, "hello")
+        return before, after, app.query_one(StatsPanel).plain
+
+    before, after, panel = run(app, script)
+    # block 4: three drafted tokens kept per cycle (the last cycle is cut by max tokens)
+    assert set(before.stats.accept_lengths[:-1]) == {3}
+    assert calls[-1]["block_size"] == 2 and calls[-1]["max_tokens"] == 7
+    assert len(after.tokens) == 7 and after.stats.finish == "length"
+    assert set(after.stats.accept_lengths) == {1}  # block 2: one drafted token per cycle
+    assert "block 2  temp 0  max 7" in panel
+
+
+def test_bad_setting_is_refused_with_a_notification(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        await pilot.press("f2")
+        app.screen.query_one("#max_tokens").value = "lots"
+        await pilot.click("#save")
+        await pilot.pause(0.05)
+        return isinstance(app.screen, SettingsScreen), notifications(app)
+
+    still_open, notes = run(app, script)
+    assert still_open
+    assert any("whole numbers" in m and sev == "error" for m, sev in notes)
+    assert app.session.settings.max_tokens == MAX
+
+
+def test_engine_error_shows_a_notification_and_the_app_goes_on(tiny):
+    model, tok, draft = tiny
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the accelerator caught fire")
+        yield  # a generator, like the engine
+
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX), stream_fn=broken)
+
+    async def script(pilot):
+        app.query_one("#prompt").value = "hello"
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: notifications(app), what="a notification")
+        await wait_for(pilot, lambda: not app.busy, what="the app to be idle")
+        notes = notifications(app)
+        app.session.stream_fn = stream_generate
+        turn = await ask(pilot, "hello")
+        return notes, turn
+
+    notes, turn = run(app, script)
+    assert notes == [("RuntimeError: the accelerator caught fire", "error")]
+    assert len(turn.tokens) == MAX
+    # the failed turn left no trace in the conversation: the retry prefills from scratch
+    assert app.session.messages == [{"role": "user", "content": "hello"},
+                                    {"role": "assistant", "content": turn.text}]
+    assert turn.stats.prefill_tokens == turn.stats.prompt_tokens
+
+
+def test_colour_by_cycle_marks_drafted_and_bonus_tokens(tiny):
+    model, tok, _ = tiny
+    draft = oracle_draft(model, tok, "hello", MAX, block_size=4, accept=2)
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        turn = await ask(pilot, "hello")
+        await pilot.press("f4")
+        await pilot.pause(0.05)
+        view = [v for v in app.query(MessageView) if v.role == "assistant"][0]
+        shown = view.query_one(".cycles").display and not view.query_one("Markdown").display
+        return turn, view, shown, app.query_one(StatsPanel).plain
+
+    turn, view, shown, panel = run(app, script)
+    # first token from prefill, then cycles of 2 drafted + 1 bonus
+    assert turn.from_draft[:7] == [False, True, True, False, True, True, False]
+    assert (turn.cycles.drafted, turn.cycles.bonus) == (turn.from_draft.count(True), turn.from_draft.count(False))
+    assert set(turn.stats.accept_lengths[:-1]) == {2}
+    assert [s.drafted for s in view.segments[:4]] == [False, True, False, True]
+    assert "".join(s.text for s in view.segments) == turn.text
+    assert "colour by cycle: on" in panel and shown
+
+
+def test_baseline_rate_on_request(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        turn = await ask(pilot, "hello")
+        assert "(F3) tok/s" in app.query_one(StatsPanel).plain
+        await pilot.press("f3")
+        await wait_for(pilot, lambda: app.baselines == 1, what="the baseline run")
+        await pilot.pause(0.05)
+        return turn, app.query_one(StatsPanel).plain
+
+    turn, panel = run(app, script)
+    assert turn.stats.baseline_tps > 0 and turn.stats.baseline_same is True
+    assert "same tokens" in panel and "speed-up" in panel
+
+
+def test_new_chat_forgets_the_conversation(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        await ask(pilot, "hello")
+        await pilot.press("ctrl+n")
+        await pilot.pause(0.05)
+        assert len(app.query(MessageView)) == 0
+        return await ask(pilot, "hello")
+
+    turn = run(app, script)
+    assert app.session.messages[0] == {"role": "user", "content": "hello"} and len(app.session.messages) == 2
+    assert turn.stats.prefill_tokens == turn.stats.prompt_tokens  # nothing cached from before
+
+
+def test_quit_while_answering_ends_the_engine_thread(tiny):
+    model, tok, draft = tiny
+    gate = Gate(after=2)
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=200), stream_fn=gate)
+    threads = {}
+
+    async def script(pilot):
+        app.query_one("#prompt").value = "hello"
+        await pilot.press("enter")
+        await wait_for(pilot, gate.reached.is_set, what="the engine to pause")
+        threads["engine"] = [t for t in threading.enumerate() if t is not threading.main_thread()]
+        gate.release.set()
+        await pilot.press("ctrl+q")
+
+    run(app, script)
+    assert app.return_code in (0, None)
+    assert not any(t.is_alive() for t in threads["engine"] if "asyncio" in t.name)
+    assert app.session.last.stopped  # the answer was cut at the next cycle, not run to 200
+    assert len(app.session.last.tokens) < 200
+
+
+def test_session_without_textual(tiny):
+    """The session is usable on its own (one thread, no UI)."""
+    model, tok, draft = tiny
+    s = ChatSession(model, tok, draft, Settings(max_tokens=5, system="Be brief."))
+    seen = []
+    t = s.turn("hi", lambda turn, new: seen.append(len(turn.tokens)), lambda: False)
+    assert seen == [1, 2, 3, 4, 5] and t.prompt_ids == encode_prompt(tok, "Be brief.\n\nUser: hi\nAssistant:")

@@ -1,0 +1,348 @@
+"""`dflash-mlx chat`: a terminal chat that shows speculative decoding at work.
+
+Threading: every MLX call (loading, generation, the baseline run) happens on one
+long-lived Textual thread worker that takes jobs from a queue, so the models are
+only ever used from one thread and the UI thread never waits on the model. The
+worker reports back with messages; the UI redraws streamed text on a short timer
+so a fast model cannot flood it.
+"""
+
+import argparse
+import queue
+import threading
+import time
+from typing import Callable, Optional
+
+from textual import work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, VerticalScroll
+from textual.message import Message
+from textual.widgets import Footer, Header, Input
+from textual.worker import get_current_worker
+
+from dflash_mlx.tui.session import ChatSession, Settings, Turn
+from dflash_mlx.tui.stats import panel_lines
+from dflash_mlx.tui.template import Template
+from dflash_mlx.tui.widgets import MessageView, SettingsScreen, StatsPanel
+
+REDRAW_S = 0.1  # streamed text and stats are redrawn at most this often
+
+
+class Loaded(Message):
+    def __init__(self, session: ChatSession, model_name: str, draft_name: str, note: str = ""):
+        super().__init__()
+        self.session, self.model_name, self.draft_name, self.note = session, model_name, draft_name, note
+
+
+class TurnUpdate(Message):
+    """A snapshot of the answer after one engine cycle (copied: the worker keeps appending)."""
+
+    def __init__(self, turn: Turn, final: bool = False):
+        super().__init__()
+        self.turn = turn
+        self.text = turn.text
+        self.segments = list(turn.cycles.segments)
+        self.final = final
+
+
+class BaselineDone(Message):
+    def __init__(self, turn: Turn):
+        super().__init__()
+        self.turn = turn
+
+
+class EngineFailed(Message):
+    def __init__(self, what: str, error: BaseException):
+        super().__init__()
+        self.what, self.error = what, error
+
+
+class ChatApp(App):
+    TITLE = "dflash-mlx chat"
+    CSS = """
+    #chat { width: 1fr; height: 1fr; padding: 0 1; }
+    #prompt { dock: bottom; }
+    """
+    BINDINGS = [
+        Binding("escape", "stop", "stop"),
+        # priority: the input box would otherwise take ctrl+c as "copy"
+        Binding("ctrl+c", "stop", "stop", show=False, priority=True),
+        Binding("ctrl+n", "new_chat", "new chat"),
+        Binding("f2", "settings", "settings"),
+        Binding("f3", "baseline", "plain-decoding rate"),
+        Binding("f4,ctrl+t", "toggle_colours", "colour by cycle"),
+        Binding("ctrl+q", "quit", "quit", priority=True),
+    ]
+
+    def __init__(self, model=None, tokenizer=None, draft=None, *, model_name: Optional[str] = None,
+                 draft_name: Optional[str] = None, settings: Optional[Settings] = None,
+                 template: Optional[Template] = None, stream_fn: Optional[Callable] = None):
+        """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
+        (`model_name`, `draft_name`) on the engine thread once the app is up."""
+        super().__init__()
+        self.settings = (settings or Settings()).check()
+        self.template = template
+        self.stream_fn = stream_fn
+        self.session: Optional[ChatSession] = None
+        self._given = (model, tokenizer, draft) if model is not None else None
+        self.model_name = model_name or (type(model).__module__.rsplit(".", 1)[-1] if model is not None else "")
+        self.draft_name = draft_name or ("none" if draft is None and model is not None else "")
+        self.colour_cycles = False
+        self.busy = False
+        self.status = "loading" if self._given is None else "ready"
+        self.turns = 0  # answers finished (stopped ones included); tests wait on it
+        self.baselines = 0
+        self._jobs: "queue.Queue" = queue.Queue()
+        self._stop = threading.Event()
+        self._current: Optional[MessageView] = None
+        self._last_turn: Optional[Turn] = None
+
+    # -- layout --------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Header()
+        with Horizontal():
+            yield VerticalScroll(id="chat")
+            yield StatsPanel(id="stats")
+        yield Input(placeholder="Message (Enter to send, Esc to stop, F2 settings, Ctrl+Q quit)", id="prompt")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self._engine_loop()
+        self.set_interval(REDRAW_S, self._redraw)
+        if self._given is not None:
+            model, tokenizer, draft = self._given
+            self.session = self._new_session(model, tokenizer, draft)
+        else:
+            self._submit("loading the model", self._load)
+        self._refresh_panel()
+        self.query_one("#prompt", Input).focus()
+
+    def _new_session(self, model, tokenizer, draft) -> ChatSession:
+        kwargs = {} if self.stream_fn is None else {"stream_fn": self.stream_fn}
+        return ChatSession(model, tokenizer, draft, self.settings, self.template, **kwargs)
+
+    # -- the engine thread -----------------------------------------------------------
+    @work(thread=True, group="engine", exit_on_error=False)
+    def _engine_loop(self) -> None:
+        worker = get_current_worker()
+        while not worker.is_cancelled:
+            try:
+                job = self._jobs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if job is None:
+                return
+            what, fn = job
+            try:
+                fn()
+            except Exception as e:  # reported in the UI; the engine thread lives on
+                self.post_message(EngineFailed(what, e))
+
+    def _submit(self, what: str, fn: Callable[[], None]) -> None:
+        self._jobs.put((what, fn))
+
+    def _load(self) -> None:
+        from dflash_mlx import load, load_draft
+        from dflash_mlx import packaged
+
+        model, tokenizer = load(self.model_name, quiet=True)
+        draft_name = self.draft_name or self.model_name
+        note = ""
+        label = draft_name
+        if packaged.is_packaged(draft_name) and packaged.packaged_draft_dir(draft_name) is None:
+            note = "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)"
+            label = f"{draft_name} (untrained)"
+        draft = load_draft(draft_name, model, quiet=True)
+        self.post_message(Loaded(self._new_session(model, tokenizer, draft), self.model_name, label, note))
+
+    def _stopping(self) -> bool:
+        return self._stop.is_set() or get_current_worker().is_cancelled
+
+    # -- messages from the engine -------------------------------------------------------
+    def on_loaded(self, msg: Loaded) -> None:
+        self.session = msg.session
+        self.model_name, self.draft_name = msg.model_name, msg.draft_name
+        self.status = "ready"
+        if msg.note:
+            self.notify(msg.note, title="draft", severity="warning", timeout=8)
+        self._refresh_panel()
+
+    def on_turn_update(self, msg: TurnUpdate) -> None:
+        if self._current is None:
+            return
+        self._current.stream(msg.text, msg.segments)
+        self._last_turn = msg.turn
+        if msg.final:
+            turn = msg.turn
+            self._current.flush()
+            if turn.stopped:
+                self._current.note("(stopped)")
+            elif turn.stats.finish == "length":
+                self._current.note(f"(max tokens: {turn.settings.max_tokens})")
+            self._current = None
+            self.busy = False
+            self.status = "ready"
+            self.turns += 1
+            self._refresh_panel()
+
+    def on_baseline_done(self, msg: BaselineDone) -> None:
+        self.busy = False
+        self.status = "ready"
+        self.baselines += 1
+        self._refresh_panel()
+
+    def on_engine_failed(self, msg: EngineFailed) -> None:
+        self.notify(f"{type(msg.error).__name__}: {msg.error}", title=f"error {msg.what}",
+                    severity="error", timeout=10)
+        if self._current is not None:
+            self._current.note("(failed: see the notification; the conversation is unchanged)")
+            self._current.flush()
+            self._current = None
+        self.busy = False
+        self.status = "ready" if self.session is not None else "not loaded"
+        self._refresh_panel()
+
+    def _redraw(self) -> None:
+        if self._current is not None:
+            self._current.flush()
+            self.query_one("#chat", VerticalScroll).scroll_end(animate=False)
+            self._refresh_panel()
+
+    def _refresh_panel(self) -> None:
+        s = self.session.settings if self.session else self.settings
+        block = self.session.block_size if self.session else (s.block_size or 0)
+        stats = self._last_turn.stats if self._last_turn is not None else None
+        self.query_one(StatsPanel).show(panel_lines(
+            stats, self.model_name or "?", self.draft_name or "?", block, s.temperature,
+            s.max_tokens, self.colour_cycles, self.status,
+        ))
+
+    # -- user actions -----------------------------------------------------------------
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        text = event.value.strip()
+        if not text:
+            return
+        if self.session is None:
+            self.notify("the model is still loading", severity="warning")
+            return
+        if self.busy:
+            self.notify("still answering: Esc stops it", severity="warning")
+            return
+        event.input.value = ""
+        self.send(text)
+
+    def send(self, text: str) -> None:
+        chat = self.query_one("#chat", VerticalScroll)
+        chat.mount(MessageView("user", text))
+        self._current = MessageView("assistant", colour_cycles=self.colour_cycles)
+        chat.mount(self._current)
+        chat.scroll_end(animate=False)
+        self.busy = True
+        self.status = "generating"
+        self._stop.clear()
+        session = self.session
+
+        def job():
+            turn = session.turn(text, lambda t, new: self.post_message(TurnUpdate(t)), self._stopping)
+            self.post_message(TurnUpdate(turn, final=True))
+
+        self._submit("while answering", job)
+
+    def action_stop(self) -> None:
+        if self.busy:
+            self._stop.set()
+            self.status = "stopping"
+        else:
+            self.notify("nothing to stop (Ctrl+Q quits)", timeout=2)
+
+    def action_new_chat(self) -> None:
+        if self.busy:
+            self.notify("stop the answer first (Esc)", severity="warning")
+            return
+        self.query_one("#chat", VerticalScroll).remove_children()
+        self._last_turn = None
+        if self.session is not None:
+            session = self.session
+            # the cache's arrays belong to the engine thread: drop them there
+            self._submit("starting a new chat", session.new_chat)
+        self._refresh_panel()
+
+    def action_settings(self) -> None:
+        current = self.session.settings if self.session else self.settings
+        draft_block = getattr(self.session.draft, "block_size", 1) if self.session and self.session.draft else 1
+
+        def apply(new: Optional[Settings]) -> None:
+            if new is None:
+                return
+            self.settings = new
+            if self.session is not None:
+                # read by the next turn; a running answer keeps its own copy
+                self.session.settings = new
+            self._refresh_panel()
+            self.notify("settings saved: they apply from the next answer", timeout=3)
+
+        self.push_screen(SettingsScreen(current, draft_block), apply)
+
+    def action_baseline(self) -> None:
+        turn = self._last_turn
+        if turn is None or self.busy:
+            self.notify("ask something first, and wait for the answer", severity="warning")
+            return
+        self.busy = True
+        self.status = "plain decoding"
+        self._stop.clear()
+        self._refresh_panel()
+        session = self.session
+
+        def job():
+            session.baseline(turn, self._stopping)
+            self.post_message(BaselineDone(turn))
+
+        self._submit("in the plain-decoding run", job)
+
+    def action_toggle_colours(self) -> None:
+        self.colour_cycles = not self.colour_cycles
+        for view in self.query(MessageView):
+            if view.role == "assistant":
+                view.set_colour_cycles(self.colour_cycles)
+        self._refresh_panel()
+
+    def on_unmount(self) -> None:
+        self._stop.set()
+        self._jobs.put(None)
+
+
+def parse_args(argv):
+    from dflash_mlx.packaged import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
+    p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per cycle (default: the draft's)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    import sys
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = Settings(args.block_size, args.temperature, args.max_tokens, args.system).check()
+    except ValueError as e:
+        print(f"dflash-mlx chat: {e}", file=sys.stderr)
+        return 2
+    app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings)
+    app.run()  # Textual restores the terminal when run() returns, also after an exception
+    # MLX tears down per-thread state after the engine thread has been joined;
+    # exiting at that moment aborts in libstdc++ ("terminate called without an
+    # active exception"), so give it a moment.
+    time.sleep(0.2)
+    return app.return_code or 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

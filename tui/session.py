@@ -1,0 +1,143 @@
+"""A conversation with one model + draft: prompts, the kept prompt cache, turns.
+
+No Textual here: the app calls these methods on its engine thread, and tests can
+call them directly. Every MLX call of a session must happen on one thread.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+from dflash_mlx.generate import encode_prompt, make_prompt_cache, stream_generate
+
+from dflash_mlx.tui.segments import CycleText, Segment
+from dflash_mlx.tui.stats import TurnStats
+from dflash_mlx.tui.template import Template, render_prompt
+
+
+@dataclass
+class Settings:
+    block_size: Optional[int] = None  # None: the draft's own block size
+    temperature: float = 0.0
+    max_tokens: int = 512
+    system: str = ""
+
+    def check(self) -> "Settings":
+        if self.block_size is not None and self.block_size < 1:
+            raise ValueError(f"block size must be at least 1 (got {self.block_size})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        if self.max_tokens < 1:
+            raise ValueError(f"max tokens must be at least 1 (got {self.max_tokens})")
+        return self
+
+
+@dataclass
+class Turn:
+    """One answer as it is produced."""
+
+    user: str
+    prompt_ids: List[int]
+    settings: Settings
+    text: str = ""
+    tokens: List[int] = field(default_factory=list)
+    from_draft: List[bool] = field(default_factory=list)
+    stats: TurnStats = field(default_factory=TurnStats)
+    cycles: Optional[CycleText] = None
+    stopped: bool = False
+
+
+class ChatSession:
+    def __init__(self, model, tokenizer, draft, settings: Optional[Settings] = None,
+                 template: Optional[Template] = None, stream_fn=stream_generate):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.draft = draft
+        self.settings = settings or Settings()
+        self.template = template
+        self.stream_fn = stream_fn  # the engine; tests wrap it to pace or break it
+        self.messages: List[Dict[str, str]] = []  # user/assistant turns, system kept apart
+        self.cache = None
+        self.last: Optional[Turn] = None
+
+    @property
+    def block_size(self) -> int:
+        if self.settings.block_size is not None:
+            return self.settings.block_size
+        return getattr(self.draft, "block_size", 1) if self.draft is not None else 1
+
+    def new_chat(self) -> None:
+        """Forget the conversation and the cache (it is rebuilt on the next turn)."""
+        self.messages = []
+        self.cache = None
+        self.last = None
+
+    def prompt_ids(self, messages) -> List[int]:
+        text = render_prompt(self.tokenizer, messages, self.settings.system or None, self.template)
+        return encode_prompt(self.tokenizer, text)
+
+    def stop_ids(self):
+        return set(getattr(self.tokenizer, "eos_token_ids", None) or ())
+
+    def turn(self, user: str, on_update: Callable[[Turn, List[Segment]], None],
+             should_stop: Callable[[], bool]) -> Turn:
+        """Answer `user`, calling `on_update` after every engine cycle.
+
+        The conversation keeps a stopped answer as far as it got. If the engine
+        fails, the conversation is left as it was before this turn.
+        """
+        s = self.settings
+        messages = self.messages + [{"role": "user", "content": user}]
+        turn = Turn(user, self.prompt_ids(messages), Settings(**vars(s)))
+        turn.cycles = CycleText(self.tokenizer, self.stop_ids())
+        self.last = turn
+        if self.cache is None:
+            self.cache = make_prompt_cache(self.model, self.draft)
+        stream = self.stream_fn(
+            self.model, self.draft, self.tokenizer, turn.prompt_ids,
+            max_tokens=s.max_tokens, block_size=s.block_size, temperature=s.temperature,
+            prompt_cache=self.cache,
+        )
+        try:
+            for r in stream:
+                turn.text += r.text
+                turn.tokens.extend(r.tokens)
+                turn.from_draft.extend(r.from_draft)
+                turn.stats.update(r)
+                new = turn.cycles.add(r.tokens, r.from_draft)
+                on_update(turn, new)
+                if r.finish_reason is None and should_stop():
+                    # Between cycles the cache and its token list agree, so the
+                    # next turn still reuses everything up to here.
+                    turn.stopped = True
+                    turn.stats.finish = "stopped"
+                    break
+        finally:
+            stream.close()
+        self.messages = messages + [{"role": "assistant", "content": turn.text}]
+        return turn
+
+    def baseline(self, turn: Turn, should_stop: Callable[[], bool]) -> Turn:
+        """Decode `turn`'s prompt again with the target alone; record the rate on `turn`.
+
+        It gets a fresh cache (plain decoding cannot use one holding draft context)
+        and the same token budget as the answer, so the rates are comparable.
+        """
+        s = turn.settings
+        budget = max(1, turn.stats.generation_tokens)
+        stats, tokens = TurnStats(), []
+        stream = self.stream_fn(
+            self.model, self.draft, self.tokenizer, turn.prompt_ids, max_tokens=budget,
+            temperature=s.temperature, baseline=True,
+        )
+        try:
+            for r in stream:
+                tokens.extend(r.tokens)
+                stats.update(r)
+                if should_stop():
+                    return turn
+        finally:
+            stream.close()
+        turn.stats.baseline_tps = stats.tps
+        # Greedy DFlash must give the target's own tokens; with sampling they differ anyway.
+        turn.stats.baseline_same = tokens == turn.tokens if s.temperature == 0 else None
+        return turn
