@@ -108,3 +108,15 @@ def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, vers
             f.seek(4)
             f.write(int(version).to_bytes(4, "little"))
     return model
+
+
+_PACKAGED = {}
+
+
+def load_packaged(name):
+    """Packaged models load once per test session (several test files use them)."""
+    from dflash_mlx.loading import load
+
+    if name not in _PACKAGED:
+        _PACKAGED[name] = load(name, quiet=True)
+    return _PACKAGED[name]

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_mlx import gguf_loader, loading, packaged
 from dflash_mlx.gguf_loader import GGUFError
-from gguf_helpers import permute_rows, write_tiny_gguf
+from gguf_helpers import load_packaged, permute_rows, write_tiny_gguf
 
 IDS = [1, 5, 70, 200, 33, 12, 99, 256, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
 
@@ -215,7 +215,7 @@ def perplexity(model, tokenizer, text):
 def test_packaged_model_perplexity(name, monkeypatch):
     # Real caches: a first run converts the tokenizer once (Gemma: ~10 s).
     monkeypatch.delenv("XDG_CACHE_HOME")
-    model, tokenizer = loading.load(name, quiet=True)
+    model, tokenizer = load_packaged(name)
     ppl = perplexity(model, tokenizer, PARAGRAPH)
     # Measured: SmolLM2 ~16, Gemma ~13 on this paragraph. Loader bugs are far off:
     # SmolLM2 without un-permuting Q/K ~87; Gemma without the norm shift ~1e8.
