@@ -7,6 +7,7 @@ these files must give back the original model exactly.
 
 import numpy as np
 
+from dflash_mlx.loading import load as _load  # bound now: tests may patch loading.load
 from dflash_mlx.testing import tiny_target
 
 LLAMA = dict(layer_types=None, sliding_window=None, tie_word_embeddings=False)
@@ -115,8 +116,6 @@ _PACKAGED = {}
 
 def load_packaged(name):
     """Packaged models load once per test session (several test files use them)."""
-    from dflash_mlx.loading import load
-
     if name not in _PACKAGED:
-        _PACKAGED[name] = load(name, quiet=True)
+        _PACKAGED[name] = _load(name, quiet=True)
     return _PACKAGED[name]

@@ -1,0 +1,199 @@
+"""`dflash-mlx "prompt"`: JSON output, DFlash == baseline, and every error path."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_mlx import run
+from dflash_mlx.draft import random_draft, save_draft
+from gguf_helpers import load_packaged, write_tiny_gguf
+
+REPO = Path(__file__).resolve().parents[1]
+JSON_KEYS = {
+    "text", "tokens", "prompt_tokens", "generation_tokens", "accept_lengths", "tau",
+    "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason", "model", "draft",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama GGUF, a draft for it, a draft for another model, a short-context GGUF."""
+    d = tmp_path_factory.mktemp("cli")
+    model = write_tiny_gguf(d / "tiny.gguf", "llama")
+    save_draft(random_draft(model, num_layers=1, block_size=4), d / "draft")
+    other = write_tiny_gguf(d / "other.gguf", "gemma3")
+    save_draft(random_draft(other, num_layers=1, block_size=4), d / "other_draft")
+    write_tiny_gguf(d / "short.gguf", "llama", max_position_embeddings=32)
+    return d
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def cli(capsys, *argv):
+    code = run.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_json_fields(tiny, capsys):
+    code, out, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "--draft", str(tiny / "draft"),
+                         "--max-tokens", "12", "--json", "hello world")
+    assert code == 0, err
+    r = json.loads(out)
+    assert set(r) == JSON_KEYS
+    assert r["generation_tokens"] == len(r["tokens"]) and 1 <= len(r["tokens"]) <= 12
+    assert r["prompt_tokens"] == len("hello world")  # byte-level vocabulary, no merge applies
+    assert r["finish_reason"] in ("stop", "length")
+    assert r["model"] == str(tiny / "tiny.gguf") and r["draft"] == str(tiny / "draft")
+    assert r["accept_lengths"] and all(0 <= a <= 3 for a in r["accept_lengths"])
+    assert r["tau"] == pytest.approx(sum(a + 1 for a in r["accept_lengths"]) / len(r["accept_lengths"]))
+    assert r["generation_tps"] > 0 and r["prompt_tps"] > 0 and r["peak_memory_gb"] >= 0
+
+
+def test_dflash_equals_baseline(tiny, capsys):
+    base = ["--model", str(tiny / "tiny.gguf"), "--max-tokens", "24", "--json", "the cat sat on"]
+    code, out, err = cli(capsys, *base, "--draft", str(tiny / "draft"))
+    assert code == 0, err
+    spec = json.loads(out)
+    code, out, err = cli(capsys, *base, "--baseline")
+    assert code == 0, err
+    plain = json.loads(out)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"]
+    assert plain["draft"] is None
+
+
+def test_streams_text_then_stats_line(tiny, capsys):
+    code, out, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "--draft", str(tiny / "draft"),
+                         "--max-tokens", "8", "--temperature", "0.8", "--seed", "3", "hi")
+    assert code == 0, err
+    stats = [line for line in err.splitlines() if "tok/s" in line]
+    assert len(stats) == 1 and "tokens" in stats[0] and "tau" in stats[0]
+    assert out.endswith("\n")
+
+
+def test_unknown_model_lists_packaged(capsys):
+    code, out, err = cli(capsys, "--model", "smollm9", "hi")
+    assert code != 0 and out == ""
+    assert "unknown model 'smollm9'" in err and "smollm2-135m" in err and "gemma3-270m" in err
+
+
+def test_missing_file(capsys, tmp_path):
+    code, _, err = cli(capsys, "--model", str(tmp_path / "missing.gguf"), "hi")
+    assert code != 0 and "no such file" in err
+
+
+def test_draft_mismatch(tiny, capsys):
+    code, _, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "--draft", str(tiny / "other_draft"), "hi")
+    assert code != 0
+    assert "does not fit model" in err and "another target" in err
+
+
+def test_model_without_draft_needs_draft_or_baseline(tiny, capsys):
+    code, _, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "hi")
+    assert code != 0 and "--draft" in err and "--baseline" in err
+
+
+def test_prompt_past_context_window(tiny, capsys):
+    code, _, err = cli(capsys, "--model", str(tiny / "short.gguf"), "--baseline", "x" * 40)
+    assert code == 2
+    assert "40 tokens, past the model's context window of 32" in err
+
+
+def test_max_tokens_clamped_to_context_window(tiny, capsys):
+    code, out, err = cli(capsys, "--model", str(tiny / "short.gguf"), "--baseline", "--json",
+                         "--max-tokens", "100", "x" * 20)
+    assert code == 0, err
+    assert "lowered to 12" in err
+    assert json.loads(out)["generation_tokens"] <= 12
+
+
+@pytest.mark.parametrize("prompt", ["", "   \n"])
+def test_empty_prompt(capsys, prompt):
+    code, _, err = cli(capsys, prompt)
+    assert code == 2 and "prompt is empty" in err
+
+
+def test_non_utf8_argv(capsys):
+    # argv bytes that are not UTF-8 reach Python as lone surrogates
+    code, _, err = cli(capsys, "caf\udce9")
+    assert code == 2 and "not valid UTF-8" in err
+
+
+def test_non_utf8_stdin(capsys, monkeypatch):
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9 au lait"))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    code, _, err = cli(capsys, "-")
+    assert code == 2 and "standard input is not valid UTF-8" in err
+
+
+def test_bad_options(capsys):
+    for argv in (["--max-tokens", "0", "hi"], ["--top-p", "0", "hi"], ["--temperature", "-1", "hi"],
+                 ["--block-size", "0", "hi"]):
+        code, _, err = cli(capsys, *argv)
+        assert code == 2 and "must be" in err, argv
+
+
+def test_ctrl_c_exits_cleanly(tiny, capsys, monkeypatch):
+    import dflash_mlx
+
+    real = dflash_mlx.stream_generate
+
+    def interrupted(*args, **kwargs):
+        for i, r in enumerate(real(*args, **kwargs)):
+            if i == 1:
+                raise KeyboardInterrupt
+            yield r
+
+    monkeypatch.setattr(dflash_mlx, "stream_generate", interrupted)
+    code, out, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "--draft", str(tiny / "draft"),
+                         "--max-tokens", "30", "hello")
+    assert code == 130
+    assert "interrupted" in err and "Traceback" not in err
+
+
+def test_help_is_honest_about_the_draft(capsys):
+    with pytest.raises(SystemExit) as e:
+        run.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    from dflash_mlx.packaged import packaged_draft_dir
+
+    if packaged_draft_dir("smollm2-135m") is None:
+        assert "untrained" in out and "exactly the target's own" in out
+    for opt in ("--model", "--draft", "--max-tokens", "--block-size", "--temperature", "--top-p",
+                "--top-k", "--min-p", "--seed", "--system", "--no-chat-template", "--baseline", "--json"):
+        assert opt in out
+
+
+def test_entry_point_error_has_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "--model", str(tmp_path / "m.gguf"), "hi"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1
+    assert r.stderr.strip().startswith("dflash-mlx: error:") and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_default_model_answers(capsys, monkeypatch):
+    """The embedded default end to end: smollm2-135m + its packaged draft."""
+    import dflash_mlx.loading as loading
+
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setattr(loading, "load", lambda name, **kw: load_packaged(name))
+    q = ["--max-tokens", "10", "--json", "What is the capital of France?"]
+    code, out, err = cli(capsys, *q)
+    assert code == 0, err
+    spec = json.loads(out)
+    assert "Paris" in spec["text"]
+    assert spec["model"] == "smollm2-135m" and spec["draft"].startswith("smollm2-135m")
+    code, out, err = cli(capsys, *q, "--baseline")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == spec["tokens"]
