@@ -1,0 +1,175 @@
+"""`dflash-mlx train`: data generation, training and export in one resumable command.
+
+    dflash-mlx train --target smollm2-135m --out drafts/smollm2 --steps 2000
+
+Everything lives in a run folder (default `<out>.run`): the target's responses
+(token ids), the fp16 feature cache, checkpoints and the curve. Re-running the
+same command (or passing --resume) continues where a killed run stopped.
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="dflash-mlx train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="packaged name, mlx-lm folder, .gguf file or hub id")
+    p.add_argument("--out", required=True, help="folder for the exported draft")
+    p.add_argument("--run-dir", help="working folder (default: <out>.run)")
+    g = p.add_argument_group("data")
+    g.add_argument("--gsm8k", type=int, default=None, help="GSM8K train prompts (default: all 7473)")
+    g.add_argument("--sharegpt", type=int, default=6000, help="ShareGPT prompts (0: none)")
+    g.add_argument("--max-new-tokens", type=int, default=192)
+    g.add_argument("--max-prompt-tokens", type=int, default=320)
+    g.add_argument("--gen-batch", type=int, default=32)
+    g.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long")
+    g.add_argument("--skip-gen", action="store_true", help="train on the responses already generated")
+    g.add_argument("--no-feature-cache", action="store_true",
+                   help="recompute target features every step instead of caching them (fp16) on disk")
+    g = p.add_argument_group("draft")
+    g.add_argument("--layers", type=int, default=2)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--target-layers", type=str, default=None,
+                   help="comma-separated target layer ids to tap (default: 4 spread taps)")
+    g.add_argument("--intermediate-size", type=int, default=None)
+    g.add_argument("--draft-vocab", type=int, default=16384, help="reduced draft vocabulary (0: full)")
+    g = p.add_argument_group("training")
+    g.add_argument("--steps", type=int, default=2000)
+    g.add_argument("--batch-tokens", type=int, default=2048, help="block tokens per step")
+    g.add_argument("--blocks-per-seq", type=int, default=8)
+    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--warmup", type=float, default=0.04)
+    g.add_argument("--gamma", type=float, default=7.0)
+    g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--minutes", type=float, default=None, help="stop training after this long (then export)")
+    g.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds")
+    g.add_argument("--snapshot-every", type=int, default=0, help="steps between weight snapshots")
+    g.add_argument("--eval-every", type=int, default=100)
+    g.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="dtype of the exported weights")
+    return p
+
+
+def load_target(spec: str):
+    """(model, tokenizer) for a target spec; uses dflash_mlx.load."""
+    from dflash_mlx import load
+
+    out = load(spec)
+    return out[0], out[1]
+
+
+def _layer_ids(arg, num_layers: int, n_draft: int):
+    from dflash_mlx.draft import default_target_layer_ids
+
+    if arg:
+        return [int(x) for x in arg.split(",")]
+    return default_target_layer_ids(num_layers, max(n_draft, 4))
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    import mlx.core as mx
+    import numpy as np
+
+    from dflash_mlx.draft import DFlashDraftModel, random_draft_config
+    from dflash_mlx.target import Target
+    from dflash_mlx.train import data as D
+    from dflash_mlx.train.export import export_draft, model_card
+    from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, plot_curves, split_records
+    from dflash_mlx.train.vocab import build_vocab, coverage
+
+    out = Path(args.out)
+    run = Path(args.run_dir or str(out) + ".run")
+    run.mkdir(parents=True, exist_ok=True)
+    log_file = (run / "train.log").open("a")
+
+    def log(s):
+        print(s, file=sys.stderr, flush=True)
+        log_file.write(s + "\n")
+        log_file.flush()
+
+    model, tokenizer = load_target(args.target)
+    target = Target(model)
+    layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
+    responses = run / "responses.jsonl"
+    feat_dir = None if args.no_feature_cache else run / "features"
+
+    if not args.skip_gen:
+        prompts = D.default_prompts(args.gsm8k, args.sharegpt, seed=args.seed)
+        deadline = time.time() + 60 * args.gen_minutes if args.gen_minutes else None
+        log(f"generating responses for up to {len(prompts)} prompts -> {responses}")
+        D.generate_responses(
+            model, tokenizer, prompts, responses, max_tokens=args.max_new_tokens,
+            max_prompt_tokens=args.max_prompt_tokens, batch_size=args.gen_batch, deadline=deadline,
+            feature_layers=None if feat_dir is None else layer_ids, feature_dir=feat_dir,
+        )
+    records = [r for r in D.read_records(responses) if len(r["response"]) >= 2]
+    if not records:
+        raise SystemExit(f"no responses in {responses}: run without --skip-gen first")
+    train, held = split_records(records, min(32, max(1, len(records) // 50)))
+
+    cfg_path = run / "draft_config.json"
+    if cfg_path.exists():  # a resumed run keeps its architecture and vocabulary
+        from dflash_mlx.draft import DraftConfig
+
+        dcfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
+    else:
+        extra = {}
+        if args.intermediate_size:
+            extra["intermediate_size"] = args.intermediate_size
+        dcfg = random_draft_config(target, num_layers=args.layers, block_size=args.block_size,
+                                   target_layer_ids=layer_ids, **extra)
+        cfg_path.write_text(json.dumps(dcfg.to_dict(), indent=2))
+    mx.random.seed(args.seed)
+    draft = DFlashDraftModel(dcfg)
+    mx.eval(draft.parameters())
+    draft.bind(target)
+    vocab_path = run / "draft_vocab.npy"
+    if args.draft_vocab and args.draft_vocab < target.vocab_size:
+        if not vocab_path.exists():
+            eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
+            np.save(vocab_path, build_vocab(train, args.draft_vocab, target.vocab_size, always=eos))
+        vocab = np.load(vocab_path)
+        draft.set_vocab(mx.array(vocab))
+        log(f"draft vocabulary: {len(vocab)} tokens, {100 * coverage(train, vocab):.2f}% of response tokens")
+
+    tcfg = TrainConfig(
+        steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
+        warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
+        checkpoint_every=args.checkpoint_every, snapshot_every=args.snapshot_every, eval_every=args.eval_every,
+    )
+    feats = FeatureSource(target, dcfg.target_layer_ids, feat_dir, save_missing=feat_dir is not None)
+    trainer = Trainer(draft, train, held, feats, tcfg, run, log=log)
+    if args.resume and trainer.resume():
+        log(f"resumed at step {trainer.step} ({trainer.tokens} supervised tokens)")
+    n_resp = sum(len(r["response"]) for r in records)
+    log(f"{len(train)} training / {len(held)} held-out records, {n_resp} response tokens; "
+        f"{trainer.seqs_per_step} sequences x {tcfg.blocks_per_seq} blocks per step")
+    deadline = time.time() + 60 * args.minutes if args.minutes else None
+    trainer.train(deadline=deadline)
+    state = trainer.state_dict()
+    plot_curves(state, run / "training_curve.png")
+    info = {
+        "target": args.target,
+        "records": len(records),
+        "response_tokens": n_resp,
+        "steps": trainer.step,
+        "supervised_tokens": trainer.tokens,
+        "train_seconds": trainer.elapsed,
+        "state": state,
+    }
+    export_draft(draft, out, dtype=getattr(mx, args.dtype), card=model_card(info),
+                 curve=run / "training_curve.png")
+    log(f"exported draft to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

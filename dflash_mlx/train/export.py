@@ -1,0 +1,94 @@
+"""Write a trained draft in z-lab's format, with a model card.
+
+config.json + model.safetensors (via `dflash_mlx.draft.save_draft`, loadable by
+any z-lab-format loader), plus the optional reduced vocabulary
+(`draft_vocab.safetensors`), README.md and the training curve.
+"""
+
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from dflash_mlx.draft import DFlashDraftModel, save_draft
+
+
+def export_draft(draft: DFlashDraftModel, out_dir, dtype=mx.float16, card: Optional[str] = None,
+                 curve: Optional[Path] = None, metadata: Optional[dict] = None) -> Path:
+    """Save `draft` (weights cast to `dtype`) to `out_dir`; returns the folder."""
+    copy = DFlashDraftModel(draft.config)
+    weights = [(k, v.astype(dtype)) for k, v in tree_flatten(draft.parameters())]
+    copy.load_weights(weights)
+    if draft.vocab_ids is not None:
+        copy.set_vocab(draft.vocab_ids.astype(mx.int32))
+    mx.eval(copy.parameters())
+    out_dir = Path(out_dir)
+    save_draft(copy, out_dir, metadata={"format": "mlx", **(metadata or {})})
+    if card is not None:
+        (out_dir / "README.md").write_text(card)
+    if curve is not None and Path(curve).exists():
+        shutil.copyfile(curve, out_dir / "training_curve.png")
+    return out_dir
+
+
+def model_card(info: dict) -> str:
+    """README.md for an exported draft.
+
+    info: target, records, response_tokens, steps, supervised_tokens,
+    train_seconds, state (trainer state: config, draft_config, evals), and
+    optionally tau (suite -> {"tau", "prompts", "tokens"}), tau_curve
+    (list of {"tokens", "tau"}), compute (free text), notes (free text).
+    """
+    st = info.get("state", {})
+    cfg, dcfg = st.get("config", {}), st.get("draft_config", {})
+    dfl = dcfg.get("dflash_config", {})
+    lines = [
+        f"# DFlash draft for {info.get('target', '?')}",
+        "",
+        "A block-diffusion draft in z-lab's DFlash format (`config.json` + `model.safetensors`), "
+        "trained with `dflash-mlx train`. `draft_vocab.safetensors` (optional) holds the reduced "
+        "draft vocabulary; a plain z-lab loader ignores it and scores the full vocabulary.",
+        "",
+        "## Architecture",
+        f"- {dcfg.get('num_hidden_layers')} draft layers, hidden {dcfg.get('hidden_size')}, "
+        f"{dcfg.get('num_attention_heads')} heads / {dcfg.get('num_key_value_heads')} KV heads, "
+        f"MLP {dcfg.get('intermediate_size')}, block size {dcfg.get('block_size')}",
+        f"- target layers tapped: {dfl.get('target_layer_ids')}, mask token id {dfl.get('mask_token_id')}",
+        "",
+        "## Data",
+        f"- {info.get('records')} prompts answered greedily by the target itself "
+        f"({info.get('response_tokens')} response tokens): GSM8K *train* split and ShareGPT first turns. "
+        "No evaluation split was used.",
+        "",
+        "## Training",
+        f"- {info.get('steps')} steps, {info.get('supervised_tokens')} supervised (mask-position) tokens, "
+        f"{cfg.get('batch_tokens')} block tokens per step ({cfg.get('blocks_per_seq')} blocks per sequence)",
+        f"- AdamW lr {cfg.get('lr')} (cosine, warm-up {cfg.get('warmup')}), grad clip {cfg.get('grad_clip')}, "
+        f"loss weights exp(-(k-1)/{cfg.get('gamma')}), seed {cfg.get('seed')}",
+        f"- compute: {info.get('compute') or ''} {info.get('train_seconds', 0) / 60:.0f} min of training",
+    ]
+    evals = st.get("evals") or []
+    if evals:
+        lines += ["", "## Held-out curve (estimate from the training forward)", "",
+                  "| step | supervised tokens | loss | top-1 acc | tau estimate |", "|---|---|---|---|---|"]
+        for e in evals:
+            lines.append(f"| {e['step']} | {e['tokens']} | {e['val_loss']:.3f} | {e['val_acc']:.3f} | "
+                         f"{e['val_tau_hat']:.2f} |")
+    tau = info.get("tau")
+    if tau:
+        lines += ["", "## Measured tau (engine, greedy, block size 16)", "",
+                  "| suite | prompts | generated tokens | tau |", "|---|---|---|---|"]
+        for suite, t in tau.items():
+            lines.append(f"| {suite} | {t['prompts']} | {t['tokens']} | {t['tau']:.2f} |")
+    curve = info.get("tau_curve")
+    if curve:
+        lines += ["", "## Learning curve (engine tau vs training tokens)", "",
+                  "| supervised tokens | tau |", "|---|---|"]
+        for p in curve:
+            lines.append(f"| {p['tokens']} | {p['tau']:.2f} |")
+    if info.get("notes"):
+        lines += ["", "## Notes", "", info["notes"]]
+    lines += ["", "![training curve](training_curve.png)", ""]
+    return "\n".join(lines)

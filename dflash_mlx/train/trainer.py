@@ -1,0 +1,433 @@
+"""Train a DFlash draft against a frozen target.
+
+Each step takes a few target-generated sequences, picks K random anchors in
+each response, and trains all K blocks [anchor, MASK x (B-1)] of a sequence in
+one forward (`forward.py`, block-sparse mask). Target features come from the
+on-disk fp16 cache the data generation wrote, or are recomputed with the frozen
+target when a record has none.
+
+Determinism: the batch of step s depends only on (seed, s) (an epoch
+permutation plus a per-step anchor RNG), so a run resumed from a checkpoint
+takes exactly the steps an uninterrupted run would. Checkpoints (draft
+weights, AdamW state, history) are written to a temporary folder and renamed
+into place, so a kill never leaves a torn checkpoint.
+"""
+
+import json
+import math
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+
+from dflash_mlx.draft import DFlashDraftModel, DraftConfig
+from dflash_mlx.train.data import feature_file, fmt_time
+from dflash_mlx.train.forward import training_logits
+from dflash_mlx.train.loss import block_loss, block_metrics, expected_tau
+from dflash_mlx.train.vocab import index_map
+
+CHECKPOINT = "checkpoint"  # the latest full checkpoint (weights + optimizer + state)
+SNAPSHOTS = "snapshots"  # weights-only copies kept for the learning curve
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_tokens: int = 2048  # block tokens per step (sequences x blocks x block size)
+    blocks_per_seq: int = 8
+    lr: float = 6e-4
+    warmup: float = 0.04  # fraction of steps
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0
+    seed: int = 0
+    max_seq_len: int = 512
+    checkpoint_every: float = 180.0  # seconds between checkpoints
+    snapshot_every: int = 0  # steps between weight snapshots (0: none)
+    eval_every: int = 100  # steps between held-out evaluations
+    eval_records: int = 32
+    log_every: int = 10
+
+
+def lr_schedule(cfg: TrainConfig):
+    warm = max(1, int(round(cfg.warmup * cfg.steps)))
+    return optim.join_schedules(
+        [
+            optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
+            optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * cfg.min_lr_ratio),
+        ],
+        [warm],
+    )
+
+
+def split_records(records: Sequence[dict], n_eval: int):
+    """Held-out records for evaluation: chosen by id hash, stable as data grows."""
+    import hashlib
+
+    def key(r):
+        return hashlib.sha1(r["id"].encode()).hexdigest()
+
+    ranked = sorted(records, key=key)
+    held = {r["id"] for r in ranked[:n_eval]}
+    return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
+
+
+class FeatureSource:
+    """Target features of a record: the fp16 cache when present, else the frozen target."""
+
+    def __init__(self, target, layer_ids: Sequence[int], feature_dir=None, save_missing: bool = False):
+        self.target = target
+        self.layer_ids = list(layer_ids)
+        self.feature_dir = Path(feature_dir) if feature_dir else None
+        self.save_missing = save_missing and self.feature_dir is not None
+
+    def __call__(self, rec: dict) -> np.ndarray:
+        """[len-1, n_tl*H] features of positions 0..len-2 (float16 or float32)."""
+        n = len(rec["prompt"]) + len(rec["response"]) - 1
+        if self.feature_dir is not None:
+            path = feature_file(self.feature_dir, rec["id"])
+            if path.exists():
+                f = np.load(path, mmap_mode="r")
+                if f.shape[0] >= n:
+                    return f[:n]
+        seq = rec["prompt"] + rec["response"][:-1]
+        _, feats, _ = self.target.forward(mx.array([seq]), None, self.layer_ids)
+        f = np.array(feats[0].astype(mx.float16))
+        if self.save_missing:
+            path = feature_file(self.feature_dir, rec["id"])
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp.npy")
+            np.save(tmp, f)
+            tmp.replace(path)
+        return f
+
+
+@dataclass
+class Batch:
+    features: mx.array  # [N, S, n_tl*H]
+    block_ids: mx.array  # [N, K*B]
+    anchors: mx.array  # [N, K]
+    labels: mx.array  # [N, K, B-1] draft-vocabulary indices
+    valid: mx.array  # [N, K, B-1] label exists and is in the draft vocabulary
+    exists: mx.array  # [N, K, B-1] label exists
+
+    @property
+    def supervised(self) -> int:
+        return int(self.exists.sum().item())
+
+
+def make_batch(
+    records: Sequence[dict],
+    features: Callable[[dict], np.ndarray],
+    rng: np.random.Generator,
+    block_size: int,
+    blocks_per_seq: int,
+    mask_token_id: int,
+    vocab_index: np.ndarray,
+    max_seq_len: int = 512,
+) -> Batch:
+    """K random anchors in each record's response; blocks past the end are masked."""
+    B, K = block_size, blocks_per_seq
+    feats, blocks, anchors, labels, valid, exists = [], [], [], [], [], []
+    for rec in records:
+        seq = (rec["prompt"] + rec["response"])[:max_seq_len]
+        T = len(seq)
+        P = min(len(rec["prompt"]), T - 2)
+        cand = np.arange(P, T - 1)  # anchors need at least one label after them
+        take = min(K, len(cand))
+        a = np.sort(rng.choice(cand, size=take, replace=False)) if take else np.zeros(0, np.int64)
+        a_ok = np.arange(K) < take
+        a = np.concatenate([a, np.full(K - take, P, dtype=a.dtype)]).astype(np.int64)
+        pos = a[:, None] + np.arange(1, B)[None]  # label positions [K, B-1]
+        ex = (pos < T) & a_ok[:, None]
+        seq_np = np.asarray(seq, dtype=np.int64)
+        lab_full = np.where(ex, seq_np[np.minimum(pos, T - 1)], 0)
+        lab = vocab_index[lab_full]
+        va = ex & (lab >= 0)
+        blk = np.full((K, B), mask_token_id, dtype=np.int64)
+        blk[:, 0] = seq_np[a]
+        feats.append(np.asarray(features(rec))[: T - 1])
+        blocks.append(blk.reshape(-1))
+        anchors.append(a)
+        labels.append(np.maximum(lab, 0))
+        valid.append(va)
+        exists.append(ex)
+    S = max(f.shape[0] for f in feats)
+    F = np.zeros((len(feats), S, feats[0].shape[1]), dtype=np.float32)
+    for i, f in enumerate(feats):
+        F[i, : f.shape[0]] = f
+    return Batch(
+        mx.array(F),
+        mx.array(np.stack(blocks).astype(np.int32)),
+        mx.array(np.stack(anchors).astype(np.int32)),
+        mx.array(np.stack(labels).astype(np.int32)),
+        mx.array(np.stack(valid)),
+        mx.array(np.stack(exists)),
+    )
+
+
+class Trainer:
+    """Owns the draft, optimizer, data order and checkpoints of one run folder."""
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel,
+        train_records: Sequence[dict],
+        eval_records: Sequence[dict],
+        features: Callable[[dict], np.ndarray],
+        cfg: TrainConfig,
+        run_dir,
+        log: Optional[Callable[[str], None]] = None,
+    ):
+        self.draft = draft
+        self.train_records = list(train_records)
+        self.eval_records = list(eval_records)
+        self.features = features
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        B = draft.config.block_size
+        self.seqs_per_step = max(1, cfg.batch_tokens // (cfg.blocks_per_seq * B))
+        vocab = None if draft.vocab_ids is None else np.array(draft.vocab_ids)
+        self.vocab_index = index_map(vocab, draft.config.vocab_size)
+        self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
+        self.optimizer.init(draft.trainable_parameters())
+        self.step = 0
+        self.tokens = 0  # supervised (mask-position) tokens seen
+        self.elapsed = 0.0  # training seconds, summed over resumed runs
+        self.history: List[Dict] = []
+        self.evals: List[Dict] = []
+        self._loss_and_grad = nn.value_and_grad(draft, self._loss)
+
+    # -- data order ---------------------------------------------------------
+
+    def batch_records(self, step: int) -> List[dict]:
+        """Records of step `step`: consecutive slices of a per-epoch seeded permutation."""
+        n = len(self.train_records)
+        out = []
+        start = step * self.seqs_per_step
+        for i in range(start, start + self.seqs_per_step):
+            epoch, j = divmod(i, n)
+            perm = np.random.default_rng([self.cfg.seed, epoch]).permutation(n)
+            out.append(self.train_records[perm[j]])
+        return out
+
+    def batch(self, step: int) -> Batch:
+        rng = np.random.default_rng([self.cfg.seed, 1_000_003, step])
+        c = self.draft.config
+        return make_batch(
+            self.batch_records(step), self.features, rng, c.block_size, self.cfg.blocks_per_seq,
+            c.mask_token_id, self.vocab_index, self.cfg.max_seq_len,
+        )
+
+    # -- one step -------------------------------------------------------------
+
+    def _loss(self, model, batch: Batch):
+        logits = training_logits(model, batch.features, batch.block_ids, batch.anchors)
+        loss, _ = block_loss(logits, batch.labels, batch.valid, self.cfg.gamma)
+        return loss, logits
+
+    def train_step(self, batch: Batch):
+        (loss, logits), grads = self._loss_and_grad(self.draft, batch)
+        grads, gnorm = optim.clip_grad_norm(grads, self.cfg.grad_clip)
+        self.optimizer.update(self.draft, grads)
+        corr, n, acc_sum, blocks = block_metrics(logits, batch.labels, batch.valid, batch.exists)
+        mx.eval(self.draft.parameters(), self.optimizer.state, loss, gnorm, corr, n, acc_sum, blocks)
+        return {
+            "loss": loss.item(),
+            "acc": corr.item() / max(n.item(), 1),
+            "tau_hat": expected_tau(acc_sum.item(), blocks.item()),
+            "gnorm": gnorm.item(),
+            "supervised": int(n.item()),
+        }
+
+    def evaluate(self) -> Dict:
+        """Held-out loss, accuracy and expected accept length (fixed anchors)."""
+        if not self.eval_records:
+            return {}
+        c = self.draft.config
+        rng = np.random.default_rng([self.cfg.seed, 7])
+        tot = {"loss": 0.0, "w": 0.0, "corr": 0, "n": 0, "acc": 0, "blocks": 0}
+        for i in range(0, len(self.eval_records), self.seqs_per_step):
+            b = make_batch(
+                self.eval_records[i : i + self.seqs_per_step], self.features, rng, c.block_size,
+                self.cfg.blocks_per_seq, c.mask_token_id, self.vocab_index, self.cfg.max_seq_len,
+            )
+            logits = training_logits(self.draft, b.features, b.block_ids, b.anchors)
+            loss, w = block_loss(logits, b.labels, b.valid, self.cfg.gamma)
+            corr, n, acc_sum, blocks = block_metrics(logits, b.labels, b.valid, b.exists)
+            mx.eval(loss, w, corr, n, acc_sum, blocks)
+            tot["loss"] += loss.item() * w.item()
+            tot["w"] += w.item()
+            tot["corr"] += corr.item()
+            tot["n"] += n.item()
+            tot["acc"] += acc_sum.item()
+            tot["blocks"] += blocks.item()
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "val_loss": tot["loss"] / max(tot["w"], 1e-9),
+            "val_acc": tot["corr"] / max(tot["n"], 1),
+            "val_tau_hat": expected_tau(tot["acc"], tot["blocks"]),
+        }
+
+    # -- checkpoints ----------------------------------------------------------
+
+    def state_dict(self) -> Dict:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "elapsed": self.elapsed,
+            "config": asdict(self.cfg),
+            "draft_config": self.draft.config.to_dict(),
+            "history": self.history,
+            "evals": self.evals,
+        }
+
+    def save_checkpoint(self):
+        """weights + optimizer + state, written to a temp folder and renamed into place."""
+        final = self.run_dir / CHECKPOINT
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=self.run_dir))
+        try:
+            mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(self.draft.parameters())))
+            opt = dict(tree_flatten(self.optimizer.state))
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), {k: v for k, v in opt.items() if isinstance(v, mx.array)})
+            if self.draft.vocab_ids is not None:
+                mx.save_safetensors(str(tmp / "vocab.safetensors"), {"token_ids": self.draft.vocab_ids})
+            (tmp / "state.json").write_text(json.dumps(self.state_dict()))
+            old = self.run_dir / (CHECKPOINT + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            if final.exists():
+                final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def save_snapshot(self):
+        d = self.run_dir / SNAPSHOTS
+        d.mkdir(exist_ok=True)
+        name = d / f"step{self.step:07d}.safetensors"
+        tmp = d / f".tmp-{name.name}"
+        mx.save_safetensors(str(tmp), dict(tree_flatten(self.draft.parameters())),
+                            metadata={"step": str(self.step), "tokens": str(self.tokens)})
+        tmp.replace(name)
+
+    def resume(self) -> bool:
+        """Continue from the latest checkpoint of run_dir (False: none there)."""
+        ck = self.run_dir / CHECKPOINT
+        if not ck.exists() and (self.run_dir / (CHECKPOINT + ".old")).exists():
+            ck = self.run_dir / (CHECKPOINT + ".old")  # killed between the two renames
+        if not (ck / "state.json").exists():
+            return False
+        state = json.loads((ck / "state.json").read_text())
+        self.draft.load_weights(list(mx.load(str(ck / "draft.safetensors")).items()))
+        if (ck / "vocab.safetensors").exists():
+            self.draft.set_vocab(mx.load(str(ck / "vocab.safetensors"))["token_ids"])
+        opt = mx.load(str(ck / "optimizer.safetensors"))
+        self.optimizer.state = tree_unflatten(list(opt.items()))
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.elapsed = state.get("elapsed", 0.0)
+        self.history, self.evals = state["history"], state["evals"]
+        mx.eval(self.draft.parameters(), self.optimizer.state)
+        return True
+
+    # -- loop -------------------------------------------------------------------
+
+    def train(self, stop_after: Optional[int] = None, deadline: Optional[float] = None):
+        """Run to cfg.steps (or `stop_after` more steps, or until `deadline`)."""
+        cfg = self.cfg
+        end = cfg.steps if stop_after is None else min(cfg.steps, self.step + stop_after)
+        last_ck = time.perf_counter()
+        t0 = time.perf_counter()
+        start_elapsed, start_step = self.elapsed, self.step
+        window = []
+        while self.step < end:
+            if deadline is not None and time.time() > deadline:
+                self.log(f"deadline reached at step {self.step}")
+                break
+            m = self.train_step(self.batch(self.step))
+            self.step += 1
+            self.tokens += m["supervised"]
+            self.elapsed = start_elapsed + time.perf_counter() - t0
+            window.append(m)
+            if self.step % cfg.log_every == 0 or self.step == end:
+                rec = {
+                    "step": self.step,
+                    "tokens": self.tokens,
+                    "loss": float(np.mean([w["loss"] for w in window])),
+                    "acc": float(np.mean([w["acc"] for w in window])),
+                    "tau_hat": float(np.mean([w["tau_hat"] for w in window])),
+                    "lr": float(self.optimizer.learning_rate.item()),
+                    "elapsed": self.elapsed,
+                }
+                window = []
+                self.history.append(rec)
+                rate = (self.step - start_step) / max(time.perf_counter() - t0, 1e-9)
+                eta = (end - self.step) / rate if rate > 0 else float("inf")
+                self.log(
+                    f"step {self.step}/{cfg.steps} [{'#' * int(20 * self.step / cfg.steps):<20}] "
+                    f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} tau^ {rec['tau_hat']:.2f} "
+                    f"lr {rec['lr']:.2e} | {self.tokens / max(self.elapsed, 1e-9):.0f} tok/s | "
+                    f"elapsed {fmt_time(self.elapsed)} ETA {fmt_time(eta)}"
+                )
+            if cfg.eval_every and self.step % cfg.eval_every == 0:
+                ev = self.evaluate()
+                if ev:
+                    self.evals.append(ev)
+                    self.log(
+                        f"eval step {self.step}: loss {ev['val_loss']:.3f} acc {ev['val_acc']:.3f} "
+                        f"tau^ {ev['val_tau_hat']:.2f}"
+                    )
+            if cfg.snapshot_every and self.step % cfg.snapshot_every == 0:
+                self.save_snapshot()
+            if time.perf_counter() - last_ck > cfg.checkpoint_every:
+                self.save_checkpoint()
+                last_ck = time.perf_counter()
+        self.save_checkpoint()
+        return self.history
+
+
+def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
+    """Training curve PNG: loss/accuracy vs supervised tokens, held-out tau estimate
+    (and engine-measured tau where given)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hist, evals = state.get("history", []), state.get("evals", [])
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    if hist:
+        t = [h["tokens"] for h in hist]
+        axes[0].plot(t, [h["loss"] for h in hist], label="train", alpha=0.6)
+        axes[1].plot(t, [h["acc"] for h in hist], label="train", alpha=0.6)
+        axes[2].plot(t, [h["tau_hat"] for h in hist], label="train tau (estimate)", alpha=0.5)
+    if evals:
+        t = [e["tokens"] for e in evals]
+        axes[0].plot(t, [e["val_loss"] for e in evals], "o-", label="held-out")
+        axes[1].plot(t, [e["val_acc"] for e in evals], "o-", label="held-out")
+        axes[2].plot(t, [e["val_tau_hat"] for e in evals], "o-", label="held-out tau (estimate)")
+    if tau_points:
+        axes[2].plot([p["tokens"] for p in tau_points], [p["tau"] for p in tau_points], "s-",
+                     label="engine tau (greedy, B=16)")
+    for ax, title in zip(axes, ["weighted CE loss", "top-1 accuracy (mask positions)", "tau"]):
+        ax.set_title(title)
+        ax.set_xlabel("supervised tokens")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

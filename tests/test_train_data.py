@@ -1,0 +1,81 @@
+"""Prompt sources (truncated-JSON salvage, vendored GSM8K train) and resumable response generation."""
+
+import json
+
+import dflash_mlx  # noqa: F401
+import mlx.core as mx
+import numpy as np
+
+from dflash_mlx.target import Target
+from dflash_mlx.testing import tiny_target
+from dflash_mlx.train import data as D
+
+
+def _conv(i, human, gpt="ok"):
+    return {"id": f"c{i}", "conversations": [{"from": "human", "value": human}, {"from": "gpt", "value": gpt},
+                                             {"from": "human", "value": f"follow-up {i}"}]}
+
+
+def test_salvage_truncated_json_keeps_every_complete_record(tmp_path):
+    recs = [_conv(0, "first [question] with {braces}"), _conv(1, "second \"quoted\""), _conv(2, "third")]
+    text = json.dumps(recs + [_conv(3, "fourth, cut")], indent=2)
+    cut = text.index("fourth") + 3  # mid-record, inside a string
+    path = tmp_path / "sharegpt.json"
+    path.write_text(text[:cut])
+    assert D.salvage_json_records(path) == recs
+    # an intact file reads completely, an empty one yields nothing
+    path.write_text(json.dumps(recs))
+    assert D.salvage_json_records(path) == recs
+    path.write_text("")
+    assert D.salvage_json_records(path) == []
+
+
+def test_sharegpt_prompts_first_human_turns_deduplicated(tmp_path):
+    recs = [_conv(0, "alpha"), _conv(1, "alpha"), _conv(2, "  "), _conv(3, "x" * 50), _conv(4, "beta")]
+    text = json.dumps(recs)
+    path = tmp_path / "s.json"
+    path.write_text(text[:-30])  # last record truncated
+    prompts = D.sharegpt_prompts(path, max_chars=20)
+    assert [p.text for p in prompts] == ["alpha"]  # dup, empty, too long dropped; beta truncated away
+    assert prompts[0].id == "sharegpt:c0:1"
+    prompts = D.sharegpt_prompts(path, max_chars=20, first_turn_only=False)
+    assert [p.text for p in prompts] == ["alpha", "follow-up 0", "follow-up 1", "follow-up 2", "follow-up 3"]
+
+
+def test_vendored_gsm8k_train_split():
+    prompts = D.gsm8k_train_prompts()
+    assert len(prompts) == 7473
+    assert prompts[0].id == "gsm8k-train:0" and prompts[0].text.startswith("Natalia sold clips")
+    assert (D.DATA_DIR / "LICENSE-gsm8k").exists()
+
+
+def test_read_records_ignores_a_torn_last_line(tmp_path):
+    p = tmp_path / "r.jsonl"
+    p.write_text('{"id": "a", "prompt": [1], "response": [2]}\n{"id": "b", "prom')
+    assert [r["id"] for r in D.read_records(p)] == ["a"]
+
+
+def test_generate_responses_is_resumable_and_caches_exact_features(tmp_path):
+    model, tok = tiny_target("llama")
+    target = Target(model)
+    prompts = [D.Prompt(f"p{i}", "abc" * (i + 1)) for i in range(5)]
+    out, feat_dir = tmp_path / "resp.jsonl", tmp_path / "feats"
+    layers = [1, 2]
+    n1 = D.generate_responses(model, tok, prompts[:3], out, max_tokens=6, batch_size=2,
+                              feature_layers=layers, feature_dir=feat_dir)
+    n2 = D.generate_responses(model, tok, prompts, out, max_tokens=6, batch_size=2,
+                              feature_layers=layers, feature_dir=feat_dir)
+    assert (n1, n2) == (3, 2)
+    recs = D.read_records(out)
+    assert sorted(r["id"] for r in recs) == [f"p{i}" for i in range(5)]
+    from dflash_mlx.testing import greedy_reference
+
+    for r in recs:
+        assert r["prompt"] == D.chat_prompt_ids(tok, dict((p.id, p.text) for p in prompts)[r["id"]])
+        # greedy, and batching with left padding does not change it
+        assert r["response"] == greedy_reference(model, r["prompt"], 6, stop_ids=tok.eos_token_ids)
+        seq = r["prompt"] + r["response"]
+        f = np.load(D.feature_file(feat_dir, r["id"]))
+        assert f.dtype == np.float16 and f.shape == (len(seq) - 1, 2 * target.hidden_size)
+        _, ref, _ = target.forward(mx.array([seq[:-1]]), None, layers)
+        np.testing.assert_allclose(f.astype(np.float32), np.array(ref[0]), atol=2e-2, rtol=2e-2)

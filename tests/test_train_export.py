@@ -1,0 +1,77 @@
+"""Exported drafts load with load_draft and round-trip; `dflash-mlx train` runs end to end."""
+
+import json
+
+import dflash_mlx  # noqa: F401
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from dflash_mlx.draft import DRAFT_VOCAB_FILE, load_draft, random_draft
+from dflash_mlx.target import Target
+from dflash_mlx.testing import tiny_target
+from dflash_mlx.train.export import export_draft, model_card
+
+
+def test_export_round_trips_through_load_draft(tmp_path):
+    model, _ = tiny_target("qwen3")
+    draft = random_draft(Target(model), num_layers=2, block_size=8, seed=2)
+    vocab = mx.array([1, 5, 9, 40, 41, 257, 299], dtype=mx.int32)
+    draft.set_vocab(vocab)
+    card = model_card({"target": "tiny", "records": 3, "steps": 1,
+                       "tau": {"gsm8k": {"tau": 2.5, "prompts": 2, "tokens": 10}}})
+    out = export_draft(draft, tmp_path / "d", dtype=mx.float16, card=card)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["README.md", "config.json", DRAFT_VOCAB_FILE, "model.safetensors"]
+    assert "| gsm8k | 2 | 10 | 2.50 |" in (out / "README.md").read_text()
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 8
+    stored = mx.load(str(out / "model.safetensors"))
+    assert all(v.dtype == mx.float16 for v in stored.values())
+    assert len(stored) == 3 + 11 * 2  # z-lab layout: no embedding, no head
+
+    loaded = load_draft(out, model)  # takes the target's dtype (float32)
+    assert loaded.config.to_dict() == draft.config.to_dict()
+    np.testing.assert_array_equal(np.array(loaded.vocab_ids), np.array(vocab))
+    a, b = dict(tree_flatten(draft.parameters())), dict(tree_flatten(loaded.parameters()))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(np.array(a[k].astype(mx.float16).astype(mx.float32)), np.array(b[k]))
+    # exporting the loaded draft again gives byte-identical weights
+    again = export_draft(loaded, tmp_path / "d2", dtype=mx.float16)
+    s2 = mx.load(str(again / "model.safetensors"))
+    for k in stored:
+        np.testing.assert_array_equal(np.array(stored[k]), np.array(s2[k]))
+    # and it still proposes over the reduced vocabulary
+    cache = loaded.make_cache()
+    _, feats, _ = loaded.target.forward(mx.array([[3, 4, 5]]), None, loaded.config.target_layer_ids)
+    assert loaded.propose_logits(mx.array([6]), feats, cache, 8).shape == (1, 7, 7)
+
+
+def test_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
+    from dflash_mlx.train import cli
+
+    model, tok = tiny_target("llama")
+    monkeypatch.setattr(cli, "load_target", lambda spec: (model, tok))
+    out = tmp_path / "draft"
+    args = ["--target", "tiny", "--out", str(out), "--gsm8k", "6", "--sharegpt", "0",
+            "--max-new-tokens", "12", "--max-prompt-tokens", "400", "--gen-batch", "3",
+            "--layers", "1", "--block-size", "4", "--draft-vocab", "100", "--steps", "4",
+            "--batch-tokens", "32", "--blocks-per-seq", "4", "--eval-every", "2"]
+    assert cli.main(args) == 0
+    run = tmp_path / "draft.run"
+    assert len((run / "responses.jsonl").read_text().splitlines()) == 6
+    assert len(list((run / "features").glob("*.npy"))) == 6
+    assert (run / "training_curve.png").stat().st_size > 1000
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 4 and len(state["evals"]) == 2
+    draft = load_draft(out, model)
+    assert draft.vocab_ids.size == 100 and draft.config.block_size == 4
+    assert (out / "training_curve.png").exists() and "4 steps" in (out / "README.md").read_text()
+    # more steps with --resume: continues from step 4 without regenerating
+    more = [a if a != "4" or args[i - 1] != "--steps" else "6" for i, a in enumerate(args)]
+    assert cli.main(more + ["--resume", "--skip-gen"]) == 0
+    state = json.loads((run / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 6 and [h["step"] for h in state["history"]] == [4, 6]
+    assert len((run / "responses.jsonl").read_text().splitlines()) == 6
