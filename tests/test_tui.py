@@ -137,7 +137,7 @@ def test_send_prompt_streams_text_and_stats(tiny):
     assert view_text == md_source == tok.decode(expected) == turn.text
     assert len(turn.stats.accept_lengths) == MAX - 1  # one cycle per token: the random draft is never right
     for line in ("model  tiny-qwen3", "draft  random-b4", f"tokens    {MAX:8d}",
-                 f"prompt    {len(ids):8d}  prefilled {len(ids)}", "tau           1.00"):
+                 f"prompt    {len(ids):8d}  prefilled {len(ids)}", "tau           1.00 tokens/forward"):
         assert line in panel
     assert turn.stats.tps > 0 and "DFlash" in panel
 
@@ -178,6 +178,7 @@ def test_stop_mid_answer_keeps_the_conversation(tiny):
         await pilot.pause(0.05)
         stopped = app._last_turn
         assert view.note_text == "(stopped)"
+        assert "finish     stopped" in app.query_one(StatsPanel).plain
         # the conversation goes on from the partial answer
         gate.after = 0
         nxt = await ask(pilot, "go on", turns_before=1)
@@ -355,7 +356,7 @@ def test_baseline_rate_on_request(tiny):
 
     async def script(pilot):
         turn = await ask(pilot, "hello")
-        assert "(F3) tok/s" in app.query_one(StatsPanel).plain
+        assert "F3 runs plain decoding" in app.query_one(StatsPanel).plain
         await pilot.press("f3")
         await wait_for(pilot, lambda: app.baselines == 1, what="the baseline run")
         await pilot.pause(0.05)
@@ -410,3 +411,19 @@ def test_session_without_textual(tiny):
     seen = []
     t = s.turn("hi", lambda turn, new: seen.append(len(turn.tokens)), lambda: False)
     assert seen == [1, 2, 3, 4, 5] and t.prompt_ids == encode_prompt(tok, "Be brief.\n\nUser: hi\nAssistant:")
+
+
+def test_model_that_fails_to_load_is_reported(tmp_path):
+    app = ChatApp(model_name=str(tmp_path / "no-such-model"))
+
+    async def script(pilot):
+        await wait_for(pilot, lambda: notifications(app), what="a notification")
+        app.query_one("#prompt").value = "hello"
+        await pilot.press("enter")  # refused politely, no crash
+        await pilot.pause(0.05)
+        return notifications(app), app.query_one(StatsPanel).plain
+
+    notes, panel = run(app, script)
+    assert notes[0][1] == "error" and "no-such-model" in notes[0][0]
+    assert notes[1][1] == "error" and "failed to load" in notes[1][0]
+    assert "status not loaded" in panel and app.session is None

@@ -224,7 +224,11 @@ class ChatApp(App):
         if not text:
             return
         if self.session is None:
-            self.notify("the model is still loading", severity="warning")
+            if self.status == "not loaded":
+                self.notify("no model: it failed to load (see the error); restart with another --model",
+                            severity="error")
+            else:
+                self.notify("the model is still loading", severity="warning")
             return
         if self.busy:
             self.notify("still answering: Esc stops it", severity="warning")

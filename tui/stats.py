@@ -68,6 +68,10 @@ class TurnStats:
             self.finish = r.finish_reason
 
 
+def memory(gb: float) -> str:
+    return f"{gb:8.2f} GB" if gb >= 1 else f"{gb * 1000:8.0f} MB"
+
+
 def panel_lines(stats: Optional[TurnStats], model_name: str, draft_name: str,
                 block_size: int, temperature: float, max_tokens: int,
                 colour_cycles: bool, status: str) -> List[str]:
@@ -86,17 +90,18 @@ def panel_lines(stats: Optional[TurnStats], model_name: str, draft_name: str,
     s = stats
     lines += [
         f"DFlash    {s.tps:8.1f} tok/s",
-        "baseline  " + (f"{s.baseline_tps:8.1f} tok/s" if s.baseline_tps is not None else "    (F3) tok/s"),
+        "baseline  " + (f"{s.baseline_tps:8.1f} tok/s" if s.baseline_tps is not None else "  F3 runs plain decoding"),
     ]
     if s.baseline_tps:
         same = {True: "same tokens", False: "tokens differ", None: ""}[s.baseline_same]
         lines.append(f"speed-up  {s.tps / s.baseline_tps:8.2f}x  {same}")
     lines += [
-        f"tau       {s.tau:8.2f}",
+        f"tau       {s.tau:8.2f} tokens/forward",
         f"tokens    {s.generation_tokens:8d}  cycles {len(s.accept_lengths)}",
         f"prompt    {s.prompt_tokens:8d}  prefilled {s.prefill_tokens}",
         f"prefill   {s.prompt_time * 1000:8.0f} ms  reused {s.reused_tokens}",
-        f"peak mem  {s.peak_memory:8.2f} GB",
+        f"peak mem  {memory(s.peak_memory)}",
+        f"finish    {s.finish or '...':>8}",
         "",
         "accept length per cycle",
         sparkline(s.accept_lengths, top=max(block_size - 1, 1)) or "-",
