@@ -490,6 +490,8 @@ def load_gguf_tokenizer(gf: GGUFFile, eos_token_ids=None):
     """mlx-lm TokenizerWrapper for the GGUF's tokenizer; converted once, then cached."""
     cache = tokenizer_cache_dir(gf)
     if not (cache / "dflash_tokenizer.json").exists():
+        if sys.stderr.isatty():
+            print(f"Converting the GGUF tokenizer (once; cached in {cache})", file=sys.stderr)
         write_tokenizer_cache(gf, cache)
     return load_tokenizer_folder(cache, eos_token_ids)
 
