@@ -154,6 +154,12 @@ def test_cli_writes_results_and_plots(tiny, tmp_path, monkeypatch):
     assert [r["suite"] for r in doc["prompts"]] == ["humaneval", "mbpp"]
     for name in ("results.md", "speedup_per_suite.png", "accept_hist.png", "time_split.png"):
         assert (out / name).stat().st_size > 0
+    # --from-json re-renders the Markdown from the JSON alone
+    (out / "results.md").unlink()
+    assert cli.main(["--from-json", str(out / "results.json"), "--no-plots"]) == 0
+    assert "| humaneval | 1 |" in (out / "results.md").read_text()
+    (out / "bad.json").write_text("{}")
+    assert cli.main(["--from-json", str(out / "bad.json")]) == 2
 
 
 def test_cli_arguments_and_dispatch():

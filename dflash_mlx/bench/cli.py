@@ -41,13 +41,33 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the profiled pass (no draft/verify/rollback split)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--from-json", metavar="RESULTS_JSON", default=None,
+                   help="run nothing: rewrite results.md and the plots next to an existing "
+                   "results.json (e.g. of an interrupted run)")
     p.add_argument("--forward-reps", type=int, default=5,
                    help="repetitions per direct forward timing (median is kept)")
     return p
 
 
+def rerender(path: Path, with_plots: bool = True) -> int:
+    import json
+
+    from . import report
+
+    doc = json.loads(path.read_text())
+    errors = report.validate(doc)
+    if errors:
+        print(f"{path}: not a benchmark result:\n  " + "\n  ".join(errors), file=sys.stderr)
+        return 2
+    paths = report.write_all(doc, path.parent, with_plots=with_plots, json_too=False)
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        return rerender(Path(args.from_json), with_plots=not args.no_plots)
     try:
         suites = parse_suites(args.suite)
     except ValueError as e:

@@ -243,7 +243,7 @@ def plots(doc: dict, out_dir: Path) -> List[Path]:
 
     # time per cycle, split by phase, per suite; baseline 1-token decode for scale
     if any(doc["summary"][b][s].get("cycle_split_s") for s in suites):
-        fig, ax = plt.subplots(figsize=(1.3 * len(suites) + 3, 4))
+        fig, ax = plt.subplots(figsize=(1.3 * len(suites) + 4.5, 4))
         bottom = [0.0] * len(suites)
         for phase in PHASES:
             vals = [1e3 * ((doc["summary"][b][s].get("cycle_split_s") or {}).get(phase, 0.0))
@@ -254,7 +254,7 @@ def plots(doc: dict, out_dir: Path) -> List[Path]:
         if t1:
             ax.axhline(t1 * 1e3, color="k", ls="--", lw=0.8, label="1-token forward")
         ax.set_ylabel("ms per cycle")
-        ax.legend()
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.set_title(f"Time per DFlash cycle, B={b} — {title}")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "time_split.png"))
@@ -285,10 +285,11 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def write_all(doc: dict, out_dir, with_plots: bool = True) -> List[Path]:
+def write_all(doc: dict, out_dir, with_plots: bool = True, json_too: bool = True) -> List[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json(doc, out_dir / "results.json")
+    if json_too:
+        write_json(doc, out_dir / "results.json")
     (out_dir / "results.md").write_text(markdown(doc))
     paths = [out_dir / "results.json", out_dir / "results.md"]
     if with_plots:
