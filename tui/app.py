@@ -10,7 +10,6 @@ so a fast model cannot flood it.
 import argparse
 import queue
 import threading
-import time
 from typing import Callable, Optional
 
 from textual import work
@@ -126,18 +125,26 @@ class ChatApp(App):
     @work(thread=True, group="engine", exit_on_error=False)
     def _engine_loop(self) -> None:
         worker = get_current_worker()
-        while not worker.is_cancelled:
-            try:
-                job = self._jobs.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if job is None:
-                return
-            what, fn = job
-            try:
-                fn()
-            except Exception as e:  # reported in the UI; the engine thread lives on
-                self.post_message(EngineFailed(what, e))
+        try:
+            while not worker.is_cancelled:
+                try:
+                    job = self._jobs.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if job is None:
+                    return
+                what, fn = job
+                try:
+                    fn()
+                except Exception as e:  # reported in the UI; the engine thread lives on
+                    self.post_message(EngineFailed(what, e))
+        finally:
+            # MLX wants a thread's streams destroyed before the thread ends; left to
+            # the exit-time teardown, it races the interpreter's shutdown and the
+            # process aborts ("terminate called without an active exception").
+            import mlx.core as mx
+
+            mx.clear_streams()
 
     def _submit(self, what: str, fn: Callable[[], None]) -> None:
         self._jobs.put((what, fn))
@@ -341,10 +348,6 @@ def main(argv=None) -> int:
         return 2
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
-    # MLX tears down per-thread state after the engine thread has been joined;
-    # exiting at that moment aborts in libstdc++ ("terminate called without an
-    # active exception"), so give it a moment.
-    time.sleep(0.2)
     return app.return_code or 0
 
 
