@@ -291,7 +291,7 @@ def write_all(doc: dict, out_dir, with_plots: bool = True, json_too: bool = True
     if json_too:
         write_json(doc, out_dir / "results.json")
     (out_dir / "results.md").write_text(markdown(doc))
-    paths = [out_dir / "results.json", out_dir / "results.md"]
+    paths = ([out_dir / "results.json"] if json_too else []) + [out_dir / "results.md"]
     if with_plots:
         paths += plots(doc, out_dir)
     return paths
