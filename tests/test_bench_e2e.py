@@ -65,6 +65,7 @@ def test_run_measures_exact_tau_and_matches_baseline(tiny, tmp_path):
     assert len(progress) == 2 and progress[0].startswith("[  1/2] gsm8k/")
     assert set(doc["forward_times_s"]) == {"1", "4"}
     assert all(t > 0 for t in doc["forward_times_s"].values())
+    assert all(len(ts) == 2 for ts in doc["forward_time_samples_s"].values())  # forward_reps
     for row in doc["prompts"]:
         assert row["baseline"]["generated"] == MAX_TOKENS - 1
         rec = row["dflash"]["4"]
@@ -122,10 +123,11 @@ def test_mismatch_is_detected_and_reported(tiny):
 
 
 def test_random_dflash_draft_is_lossless_through_the_harness(tiny):
-    if not hasattr(testing, "random_draft"):
-        pytest.skip("dflash_mlx.testing.random_draft not available yet")
+    from dflash_mlx.draft import random_draft
+
     model, tok = tiny
-    draft = testing.random_draft(model, num_layers=1, block_size=4, seed=0)
+    # the real engine and a real (untrained) DFlash draft, through the default dflash_fn
+    draft = random_draft(model, seed=0, num_layers=1, block_size=4)
     doc = runner.run(model, draft, tok, _cfg([None], warmup=False), prompts=_prompts(),
                      log=lambda m: None)
     assert report.validate(doc) == []

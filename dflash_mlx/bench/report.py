@@ -97,6 +97,11 @@ def _ms(split: Optional[dict], phase: str) -> str:
     return "–" if not split else f"{split[phase] * 1e3:.0f}"
 
 
+def _spread(doc: dict, n: str) -> str:
+    ts = (doc.get("forward_time_samples_s") or {}).get(n)
+    return f" ({min(ts) * 1e3:.0f}–{max(ts) * 1e3:.0f})" if ts else ""
+
+
 def _load_line(doc: dict) -> str:
     env = doc["environment"]
     threads = {k: v for k, v in (env.get("thread_env") or {}).items() if v}
@@ -128,9 +133,9 @@ def markdown(doc: dict) -> str:
         "tau = tokens committed per target forward; efficiency = speed-up / tau; "
         "limit = tau · t(1-token forward) / t(B-token forward).",
         "",
-        "Target forward times (context "
+        "Target forward times, median (min–max) of the samples (context "
         f"{doc['forward_context_tokens']} tokens): "
-        + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in
+        + ", ".join(f"{n} tok {t * 1e3:.1f} ms" + _spread(doc, n) for n, t in
                     sorted(fwd.items(), key=lambda kv: int(kv[0]))),
         "",
     ]

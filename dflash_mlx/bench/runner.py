@@ -152,12 +152,13 @@ def encode(tokenizer, text: str) -> List[int]:
 
 
 def measure_forward_times(model, context: List[int], sizes: Iterable[int],
-                          reps: int = 5) -> Dict[int, float]:
-    """Median seconds of one target forward of n tokens after `context`.
+                          reps: int = 5) -> Dict[int, List[float]]:
+    """Seconds of one target forward of n tokens after `context`, `reps` samples per n.
 
     A DFlash cycle's verify is one n=B forward; plain decoding is n=1. Both run
     on a cache holding the context, then the cache is rolled back so every
-    repetition sees the same length.
+    repetition sees the same length. Sizes are timed round-robin, so a burst of
+    load from other processes hits every size rather than one.
     """
     from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
 
@@ -167,23 +168,22 @@ def measure_forward_times(model, context: List[int], sizes: Iterable[int],
         mx.eval([c.state for c in cache])
         return cache
 
+    sizes = sorted(set(sizes))
     cache = fresh()
     trimmable = can_trim_prompt_cache(cache)
-    out = {}
-    for n in sorted(set(sizes)):
-        x = mx.array(context[-1:] * n)[None]
-        times = []
-        for i in range(reps + 1):  # the first repetition warms up
+    out: Dict[int, List[float]] = {n: [] for n in sizes}
+    for i in range(reps + 1):  # the first round warms up
+        for n in sizes:
             if not trimmable:
                 cache = fresh()
+            x = mx.array(context[-1:] * n)[None]
             tic = time.perf_counter()
             mx.eval(model(x, cache=cache))
             dt = time.perf_counter() - tic
             if trimmable:
                 trim_prompt_cache(cache, n)
             if i:
-                times.append(dt)
-        out[n] = statistics.median(times)
+                out[n].append(dt)
     return out
 
 
@@ -344,7 +344,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     # Target forward times at a realistic context: the median prompt length.
     ctx = sorted(encoded, key=len)[len(encoded) // 2]
     log(f"timing target forwards of 1 and {blocks} tokens after {len(ctx)} context tokens")
-    fwd = measure_forward_times(model, ctx, [1, *blocks], reps=cfg.forward_reps)
+    samples = measure_forward_times(model, ctx, [1, *blocks], reps=cfg.forward_reps)
+    fwd = {n: statistics.median(ts) for n, ts in samples.items()}
     ratio = {b: fwd[1] / fwd[b] for b in blocks}
 
     if cfg.warmup:
@@ -359,7 +360,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
         "schema": SCHEMA,
         "environment": environment(model),
         "config": {**asdict(cfg), "block_sizes": blocks, "greedy": greedy},
-        "forward_times_s": {str(k): v for k, v in fwd.items()},
+        "forward_times_s": {str(k): v for k, v in fwd.items()},  # medians
+        "forward_time_samples_s": {str(k): v for k, v in samples.items()},
         "forward_context_tokens": len(ctx),
         "prompts": [],
         "summary": {},
