@@ -34,6 +34,11 @@ def export_model(model, tokenizer, out, dtype=None, overwrite=False) -> Path:
     from mlx_lm.utils import save_config, save_model
 
     out = Path(out).expanduser()
+    if getattr(model, "gguf_rope_freqs", False):
+        raise ExportError(
+            "this GGUF sets RoPE frequencies with a rope_freqs tensor, which config.json "
+            "cannot express; load the original Hugging Face model instead"
+        )
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} exists and is not empty (use --overwrite)")
     if dtype is not None:

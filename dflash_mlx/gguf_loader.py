@@ -7,7 +7,8 @@
 GGUF converter and cached as a standard `tokenizer.json` folder in the user
 cache, keyed by the file's identity.
 
-Supported architectures: llama (SmolLM2, Llama...) and gemma3 (text).
+Supported architectures: llama (SmolLM2, Llama, incl. Llama 3.1 `rope_freqs`),
+gemma3 (text), qwen2 and qwen3.
 """
 
 import hashlib
@@ -24,7 +25,7 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "gemma3")
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
 
 # GGUF metadata value types: fixed-size scalars by struct format; 8 string, 9 array.
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -223,7 +224,7 @@ def model_config(gf: GGUFFile) -> dict:
     n_heads = need("attention.head_count")
     hidden = need("embedding_length")
     cfg = {
-        "model_type": {"llama": "llama", "gemma3": "gemma3_text"}[arch],
+        "model_type": {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}[arch],
         "hidden_size": hidden,
         "num_hidden_layers": need("block_count"),
         "intermediate_size": need("feed_forward_length"),
@@ -241,12 +242,13 @@ def model_config(gf: GGUFFile) -> dict:
     bos = gf.metadata.get("tokenizer.ggml.bos_token_id")
     if bos is not None:
         cfg["bos_token_id"] = int(bos)
-    if arch == "llama":
-        cfg["tie_word_embeddings"] = "output.weight" not in gf.tensors
-        scale = gf.arch_key("rope.scaling.type")
-        if scale not in (None, "none"):
-            raise GGUFError(f"{gf.path}: rope scaling {scale!r} is not supported")
-    elif arch == "gemma3":
+    cfg["tie_word_embeddings"] = "output.weight" not in gf.tensors
+    scale = gf.arch_key("rope.scaling.type")
+    if scale == "linear":
+        cfg["rope_scaling"] = {"type": "linear", "factor": float(gf.arch_key("rope.scaling.factor", 1.0))}
+    elif scale not in (None, "none"):
+        raise GGUFError(f"{gf.path}: rope scaling {scale!r} is not supported")
+    if arch == "gemma3":
         # The GGUF stores the sliding window but not the layer pattern, the local
         # RoPE base or the query scale; these are Gemma 3's published values and
         # mlx-lm's defaults (checked against llama.cpp in tests/test_reference_llamacpp.py).
@@ -254,7 +256,6 @@ def model_config(gf: GGUFFile) -> dict:
         cfg["sliding_window_pattern"] = 6
         cfg["rope_local_base_freq"] = 10000.0
         cfg["query_pre_attn_scalar"] = cfg["head_dim"]
-        cfg["tie_word_embeddings"] = "output.weight" not in gf.tensors
     return cfg
 
 
@@ -274,6 +275,8 @@ _LAYER_NAMES = {
 }
 _ARCH_LAYER_NAMES = {
     "llama": {"ffn_norm": "post_attention_layernorm"},
+    "qwen2": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3": {"ffn_norm": "post_attention_layernorm"},
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",
@@ -312,7 +315,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def convert_tensor(gf: GGUFFile, cfg: dict, name: str, w: np.ndarray) -> np.ndarray:
     arch = gf.architecture
-    if arch == "llama":
+    if arch == "llama":  # only llama.cpp's LlamaModel converter permutes
         if name.endswith("attn_q.weight"):
             w = unpermute_rows(w, cfg["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
@@ -371,9 +374,47 @@ def load_gguf_model(gf: GGUFFile, dtype=None, progress=None):
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
         raise GGUFError(f"{gf.path}: weights do not match the {cfg['model_type']} model: {e}") from None
+    if "rope_freqs.weight" in gf.tensors:
+        _apply_rope_freqs(model, cfg, tensor_to_numpy(gf, "rope_freqs.weight", data))
     mx.eval(model.parameters())
     model.eval()
     return model, cfg
+
+
+def _freq_rope_class():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class FreqRoPE(nn.Module):
+        """RoPE with explicit per-pair frequencies (llama.cpp's `rope_freqs`
+        tensor, written for Llama 3.1-style scaling instead of config values).
+
+        llama.cpp divides each pair's angle by its factor, so the
+        wavelength-like `freqs` mx.fast.rope takes are base^(2i/d) * factor.
+        """
+
+        def __init__(self, dims, base, factors):
+            super().__init__()
+            self.dims = dims
+            # underscore: a constant, not a parameter
+            self._freqs = (base ** (mx.arange(0, dims, 2, dtype=mx.float32) / dims)) * mx.array(factors)
+
+        def __call__(self, x, offset=0):
+            return mx.fast.rope(x, self.dims, traditional=False, base=None, scale=1.0,
+                                offset=offset, freqs=self._freqs)
+
+    return FreqRoPE
+
+
+def _apply_rope_freqs(model, cfg, factors):
+    head_dim = cfg["head_dim"]
+    if factors.shape != (head_dim // 2,):
+        raise GGUFError(f"rope_freqs has shape {factors.shape}, expected ({head_dim // 2},)")
+    rope = _freq_rope_class()(head_dim, cfg["rope_theta"], factors.astype(np.float32))
+    for layer in model.layers:
+        layer.self_attn.rope = rope
+    # config.json cannot express these frequencies; export refuses such models.
+    model.gguf_rope_freqs = True
 
 
 # ----------------------------------------------------------------------------- tokenizer

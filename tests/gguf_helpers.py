@@ -13,6 +13,9 @@ from dflash_mlx.testing import tiny_target
 LLAMA = dict(layer_types=None, sliding_window=None, tie_word_embeddings=False)
 # llama.cpp fixes Gemma 3's sliding pattern at 6 and the query scale at head_dim^-0.5.
 GEMMA3 = dict(num_hidden_layers=6, sliding_window_pattern=6, sliding_window=8, query_pre_attn_scalar=16)
+QWEN2 = dict(model_type="qwen2", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+             max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=False)
 
 
 def byte_vocab():
@@ -51,16 +54,36 @@ def gguf_name(hf: str, arch: str) -> str:
     return f"blk.{layer}.{name}.{parts[-1]}"
 
 
-def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, version=None, **overrides):
-    """Write a tiny random model as GGUF; returns the mlx-lm model it came from."""
+def tiny_qwen2(seed=0, **overrides):
+    import mlx.core as mx
+    from mlx_lm.models import qwen2
+
+    mx.random.seed(seed)
+    model = qwen2.Model(qwen2.ModelArgs.from_dict(dict(QWEN2, **overrides)))
+    model.set_dtype(mx.float32)  # random q/k/v biases too: the bias mapping is checked
+    mx.eval(model.parameters())
+    return model.eval()
+
+
+def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, version=None,
+                    rope_freqs=None, **overrides):
+    """Write a tiny random model as GGUF; returns the mlx-lm model it came from.
+
+    `rope_freqs`: per-pair RoPE divisors written as llama.cpp's `rope_freqs`
+    tensor (Llama 3.1 style); the returned model uses them too.
+    """
     import gguf
     from mlx.utils import tree_flatten
 
-    mlx_arch = {"llama": "llama", "gemma3": "gemma3_text"}.get(arch, "llama")
-    cfg = dict(LLAMA if mlx_arch == "llama" else GEMMA3, **overrides)
     tokens, types, merges = byte_vocab()
-    cfg.setdefault("vocab_size", len(tokens))
-    model, _ = tiny_target(mlx_arch, seed=seed, **cfg)
+    if arch == "qwen2":
+        model = tiny_qwen2(seed, vocab_size=len(tokens), **overrides)
+    else:
+        mlx_arch = {"llama": "llama", "gemma3": "gemma3_text", "qwen3": "qwen3"}.get(arch, "llama")
+        base = {"llama": LLAMA, "gemma3_text": GEMMA3, "qwen3": {}}[mlx_arch]
+        cfg = dict(base, **overrides)
+        cfg.setdefault("vocab_size", len(tokens))
+        model, _ = tiny_target(mlx_arch, seed=seed, **cfg)
     a = model.args
     w = gguf.GGUFWriter(str(path), arch_name or arch)
     p = arch_name or arch
@@ -72,10 +95,11 @@ def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, vers
     w.add_uint32(f"{p}.attention.head_count_kv", a.num_key_value_heads)
     w.add_float32(f"{p}.rope.freq_base", float(a.rope_theta))
     w.add_float32(f"{p}.attention.layer_norm_rms_epsilon", float(a.rms_norm_eps))
-    head_dim = a.head_dim or a.hidden_size // a.num_attention_heads
-    if arch == "gemma3":
+    head_dim = getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+    if arch in ("gemma3", "qwen3"):
         w.add_uint32(f"{p}.attention.key_length", head_dim)
         w.add_uint32(f"{p}.attention.value_length", head_dim)
+    if arch == "gemma3":
         w.add_uint32(f"{p}.attention.sliding_window", a.sliding_window)
     else:
         w.add_uint32(f"{p}.rope.dimension_count", head_dim)
@@ -87,6 +111,12 @@ def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, vers
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     w.add_add_bos_token(False)
+    if rope_freqs is not None:
+        from dflash_mlx.gguf_loader import _apply_rope_freqs
+
+        rope_freqs = np.asarray(rope_freqs, dtype=np.float32)
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+        _apply_rope_freqs(model, {"head_dim": head_dim, "rope_theta": float(a.rope_theta)}, rope_freqs)
     for name, value in tree_flatten(model.parameters()):
         t = np.array(value, dtype=np.float32)
         if arch == "llama" and name.endswith("q_proj.weight"):

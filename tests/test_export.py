@@ -80,3 +80,10 @@ def test_export_smollm2_chat_template_and_logits(tmp_path, monkeypatch):
         tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     la, lb = same_model(model, tok, theirs, their_tok, "The capital of France is Paris.")
     np.testing.assert_allclose(la, lb, atol=1e-4)
+
+
+def test_export_refuses_rope_freqs_model(tmp_path, capsys):
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src, "llama", rope_freqs=np.linspace(1.0, 8.0, 8))
+    assert export.main([str(src), str(tmp_path / "out")]) == 1
+    assert "rope_freqs" in capsys.readouterr().err

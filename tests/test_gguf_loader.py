@@ -36,10 +36,13 @@ def logits(model, ids=IDS):
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3", "llama-rope_freqs"])
 def test_tiny_roundtrip_is_exact(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
-    original = write_tiny_gguf(path, arch)
+    extra = {}
+    if arch == "llama-rope_freqs":
+        arch, extra = "llama", {"rope_freqs": np.linspace(1.0, 8.0, 8)}
+    original = write_tiny_gguf(path, arch, **extra)
     model, tokenizer, cfg = gguf_loader.load_gguf(path)
     # f32 weights, Q/K un-permuted and norms shifted back: bit-identical logits.
     np.testing.assert_array_equal(logits(model), logits(original))
@@ -127,7 +130,7 @@ def test_truncated_file(tmp_path):
 def test_unsupported_architecture_and_version(tmp_path):
     p = tmp_path / "m.gguf"
     write_tiny_gguf(p, "llama", arch_name="mamba")
-    with pytest.raises(GGUFError, match="'mamba' is not supported.*llama, gemma3"):
+    with pytest.raises(GGUFError, match="'mamba' is not supported.*llama, gemma3, qwen2, qwen3"):
         gguf_loader.load_gguf(p)
     write_tiny_gguf(p, "llama", version=99)
     with pytest.raises(GGUFError, match="unsupported GGUF version 99"):

@@ -84,12 +84,23 @@ def our_logits(model, ids):
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_tiny_f32_matches_llamacpp(tmp_path, arch):
+TINY = {
+    "llama": ("llama", {}),
+    "gemma3": ("gemma3", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    # Llama 3.1-style RoPE scaling stored as a per-pair divisor tensor
+    "llama-rope_freqs": ("llama", {"rope_freqs": np.linspace(1.0, 8.0, 8)}),
+}
+
+
+@pytest.mark.parametrize("case", list(TINY))
+def test_tiny_f32_matches_llamacpp(tmp_path, case):
     from dflash_mlx.gguf_loader import load_gguf
 
+    arch, extra = TINY[case]
     path = tmp_path / f"{arch}.gguf"
-    write_tiny_gguf(path, arch)
+    write_tiny_gguf(path, arch, **extra)
     model, tok, _ = load_gguf(path)
     # 20 tokens: past Gemma's tiny sliding window of 8, so local and global
     # layers (pattern, local RoPE base, query scale) are all checked.
