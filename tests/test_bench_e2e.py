@@ -153,6 +153,8 @@ def test_cli_writes_results_and_plots(tiny, tmp_path, monkeypatch):
     doc = json.loads((out / "results.json").read_text())
     assert report.validate(doc) == []
     assert doc["config"]["suites"] == ["humaneval", "mbpp"]
+    assert doc["config"]["command"].endswith("dflash-mlx bench --suite humaneval,mbpp --limit 1 "
+                                             f"--max-tokens 7 --block-size 4 --forward-reps 1 --out {out}")
     assert [r["suite"] for r in doc["prompts"]] == ["humaneval", "mbpp"]
     for name in ("results.md", "speedup_per_suite.png", "accept_hist.png", "time_split.png"):
         assert (out / name).stat().st_size > 0

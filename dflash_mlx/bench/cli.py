@@ -49,6 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command(argv) -> str:
+    import os
+    import shlex
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("OPENBLAS_NUM_THREADS", "DFLASH_MLX_DTYPE")
+                   if os.environ.get(k))
+    return (env + " " if env else "") + shlex.join(["dflash-mlx", "bench", *argv])
+
+
 def rerender(path: Path, with_plots: bool = True) -> int:
     import json
 
@@ -92,6 +102,7 @@ def main(argv=None) -> int:
         temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
         model=args.model, draft=draft_name, data_dir=args.data_dir,
+        command=_command(argv),
     )
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)

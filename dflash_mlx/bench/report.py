@@ -129,6 +129,8 @@ def markdown(doc: dict) -> str:
         f"Suites {', '.join(cfg['suites'])}; {cfg['limit']} prompts each (seed {cfg['seed']}), "
         f"max {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"
         + (" (greedy)" if cfg["greedy"] else "") + f", block sizes {', '.join(blocks)}.",
+        (f"Command: `{cfg['command']}`" if cfg.get("command") else ""),
+        "",
         "Baseline: mlx-lm `stream_generate` with the same target. tok/s exclude prefill. "
         "tau = tokens committed per target forward; efficiency = speed-up / tau; "
         "limit = tau · t(1-token forward) / t(B-token forward).",

@@ -44,6 +44,7 @@ class BenchConfig:
     model: str = ""
     draft: str = ""
     data_dir: Optional[str] = None
+    command: str = ""  # the command line, so a result says how to rerun it
 
 
 def _log(msg: str):
