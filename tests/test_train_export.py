@@ -75,3 +75,19 @@ def test_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     state = json.loads((run / "checkpoint" / "state.json").read_text())
     assert state["step"] == 6 and [h["step"] for h in state["history"]] == [4, 6]
     assert len((run / "responses.jsonl").read_text().splitlines()) == 6
+
+
+def test_measure_tau_pools_engine_cycles():
+    from dflash_mlx.bench.runner import encode
+    from dflash_mlx.bench.suites import format_prompt, load_suite
+    from dflash_mlx.testing import ScriptedDraft, greedy_reference
+    from dflash_mlx.train.evaluate import measure_tau
+
+    model, tok = tiny_target("llama")
+    p = load_suite("gsm8k", limit=1)[0]
+    ids = encode(tok, format_prompt(tok, p))
+    ref = ids + greedy_reference(model, ids, 13, stop_ids=tok.eos_token_ids)
+    oracle = ScriptedDraft(Target(model), ref, wrong_from=lambda c: 10**9, block_size=4)
+    out = measure_tau(model, tok, oracle, suites=("gsm8k",), limit=1, max_tokens=13, block_size=4)
+    # 13 tokens: the prefill's token, then 3 full blocks of 4 -> tau 4
+    assert out["gsm8k"]["tokens"] == 13 and out["gsm8k"]["tau"] == 4.0 and out["gsm8k"]["cycles"] == 3

@@ -85,3 +85,20 @@ def test_batches_are_a_function_of_seed_and_step(tmp_path):
         np.testing.assert_array_equal(np.array(b1.anchors), np.array(b2.anchors))
         np.testing.assert_array_equal(np.array(b1.block_ids), np.array(b2.block_ids))
     assert not np.array_equal(np.array(t1.batch(0).block_ids), np.array(t1.batch(1).block_ids))
+
+
+def test_stop_request_checkpoints_between_steps(tmp_path):
+    model, _ = tiny_target("llama")
+    t = _trainer(tmp_path, Target(model), _records(), steps=6)
+    orig = t.train_step
+
+    def step_then_signal(batch):
+        out = orig(batch)
+        if t.step == 1:  # "SIGTERM" arrives during the third step
+            t.stop_requested = True
+        return out
+
+    t.train_step = step_then_signal
+    t.train()
+    state = json.loads((tmp_path / CHECKPOINT / "state.json").read_text())
+    assert t.step == 2 and state["step"] == 2

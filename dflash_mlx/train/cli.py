@@ -37,7 +37,10 @@ def build_parser():
     g.add_argument("--target-layers", type=str, default=None,
                    help="comma-separated target layer ids to tap (default: 4 spread taps)")
     g.add_argument("--intermediate-size", type=int, default=None)
+    g.add_argument("--kv-heads", type=int, default=None, help="draft KV heads (default: as many as heads)")
     g.add_argument("--draft-vocab", type=int, default=16384, help="reduced draft vocabulary (0: full)")
+    g.add_argument("--rebuild-vocab", action="store_true",
+                   help="recount the draft vocabulary from the data now present (the weights do not depend on it)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=2000)
     g.add_argument("--batch-tokens", type=int, default=2048, help="block tokens per step")
@@ -51,6 +54,7 @@ def build_parser():
     g.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds")
     g.add_argument("--snapshot-every", type=int, default=0, help="steps between weight snapshots")
     g.add_argument("--eval-every", type=int, default=100)
+    g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
     g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="dtype of the exported weights")
@@ -63,6 +67,23 @@ def load_target(spec: str):
 
     out = load(spec)
     return out[0], out[1]
+
+
+def init_from_target(draft, target):
+    """Start the draft's final norm from the target's: the borrowed LM head then
+    sees hidden states at the scale it was trained on, so early logits are sane
+    (a unit-weight norm gives initial losses ~30 nats on SmolLM2)."""
+    import mlx.nn as nn
+
+    norm = getattr(target.text_model, "norm", None)
+    if type(norm) is nn.RMSNorm and norm.weight.shape == draft.norm.weight.shape:
+        draft.norm.weight = mx_copy(norm.weight)
+
+
+def mx_copy(a):
+    import mlx.core as mx
+
+    return mx.array(a).astype(mx.float32)
 
 
 def _layer_ids(arg, num_layers: int, n_draft: int):
@@ -82,7 +103,7 @@ def main(argv=None):
     from dflash_mlx.target import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.export import export_draft, model_card
-    from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, plot_curves, split_records
+    from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, plot_curves, split_by_hash, split_records
     from dflash_mlx.train.vocab import build_vocab, coverage
 
     out = Path(args.out)
@@ -113,7 +134,10 @@ def main(argv=None):
     records = [r for r in D.read_records(responses) if len(r["response"]) >= 2]
     if not records:
         raise SystemExit(f"no responses in {responses}: run without --skip-gen first")
-    train, held = split_records(records, min(32, max(1, len(records) // 50)))
+    train, held = split_by_hash(records, 0.03)
+    held = held[:48]
+    if not held and len(records) > 1:  # tiny data sets: keep one record aside anyway
+        train, held = split_records(records, 1)
 
     cfg_path = run / "draft_config.json"
     if cfg_path.exists():  # a resumed run keeps its architecture and vocabulary
@@ -124,16 +148,20 @@ def main(argv=None):
         extra = {}
         if args.intermediate_size:
             extra["intermediate_size"] = args.intermediate_size
+        if args.kv_heads:
+            extra["num_key_value_heads"] = args.kv_heads
         dcfg = random_draft_config(target, num_layers=args.layers, block_size=args.block_size,
                                    target_layer_ids=layer_ids, **extra)
         cfg_path.write_text(json.dumps(dcfg.to_dict(), indent=2))
     mx.random.seed(args.seed)
     draft = DFlashDraftModel(dcfg)
+    init_from_target(draft, target)
     mx.eval(draft.parameters())
     draft.bind(target)
     vocab_path = run / "draft_vocab.npy"
+    vocab = None
     if args.draft_vocab and args.draft_vocab < target.vocab_size:
-        if not vocab_path.exists():
+        if args.rebuild_vocab or not vocab_path.exists():
             eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
             np.save(vocab_path, build_vocab(train, args.draft_vocab, target.vocab_size, always=eos))
         vocab = np.load(vocab_path)
@@ -144,15 +172,27 @@ def main(argv=None):
         steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
         warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
         checkpoint_every=args.checkpoint_every, snapshot_every=args.snapshot_every, eval_every=args.eval_every,
+        log_every=args.log_every,
     )
     feats = FeatureSource(target, dcfg.target_layer_ids, feat_dir, save_missing=feat_dir is not None)
     trainer = Trainer(draft, train, held, feats, tcfg, run, log=log)
     if args.resume and trainer.resume():
         log(f"resumed at step {trainer.step} ({trainer.tokens} supervised tokens)")
+        if vocab is not None:  # the run folder's vocabulary is the current one
+            from dflash_mlx.train.vocab import index_map
+
+            draft.set_vocab(mx.array(vocab))
+            trainer.vocab_index = index_map(vocab, dcfg.vocab_size)
     n_resp = sum(len(r["response"]) for r in records)
     log(f"{len(train)} training / {len(held)} held-out records, {n_resp} response tokens; "
         f"{trainer.seqs_per_step} sequences x {tcfg.blocks_per_seq} blocks per step")
     deadline = time.time() + 60 * args.minutes if args.minutes else None
+    import signal
+
+    def stop(signum, frame):  # SIGTERM: finish the step, checkpoint, export
+        trainer.stop_requested = True
+
+    signal.signal(signal.SIGTERM, stop)
     trainer.train(deadline=deadline)
     state = trainer.state_dict()
     plot_curves(state, run / "training_curve.png")

@@ -82,6 +82,16 @@ def split_records(records: Sequence[dict], n_eval: int):
     return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
 
 
+def split_by_hash(records: Sequence[dict], frac: float):
+    """Held-out records by a fixed hash threshold: a record never changes side as data grows."""
+    import hashlib
+
+    def held(r):
+        return int(hashlib.sha1(r["id"].encode()).hexdigest()[:8], 16) < frac * 2**32
+
+    return [r for r in records if not held(r)], [r for r in records if held(r)]
+
+
 class FeatureSource:
     """Target features of a record: the fp16 cache when present, else the frozen target."""
 
@@ -209,6 +219,8 @@ class Trainer:
         self.history: List[Dict] = []
         self.evals: List[Dict] = []
         self._loss_and_grad = nn.value_and_grad(draft, self._loss)
+        # Set from a signal handler: the loop stops between steps, checkpoints, returns.
+        self.stop_requested = False
 
     # -- data order ---------------------------------------------------------
 
@@ -357,6 +369,9 @@ class Trainer:
         while self.step < end:
             if deadline is not None and time.time() > deadline:
                 self.log(f"deadline reached at step {self.step}")
+                break
+            if self.stop_requested:
+                self.log(f"stop requested at step {self.step}")
                 break
             m = self.train_step(self.batch(self.step))
             self.step += 1

@@ -1,0 +1,51 @@
+"""tau of a draft measured with the engine (greedy), on held-out benchmark prompts.
+
+tau = tokens committed per target forward, pooled over all cycles of all prompts
+of a suite (the prefill forward excluded), exactly as `DFlashResponse.tau`.
+Prompts come from the benchmark suites (evaluation splits: never used in training).
+"""
+
+import time
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+
+def measure_tau(model, tokenizer, draft, suites: Sequence[str] = ("gsm8k", "humaneval", "mtbench"),
+                limit: int = 4, max_tokens: int = 128, block_size: Optional[int] = None,
+                seed: int = 0, log=None) -> Dict[str, dict]:
+    """{suite: {"tau", "prompts", "tokens", "cycles", "seconds"}}."""
+    from dflash_mlx.bench.runner import encode
+    from dflash_mlx.bench.suites import format_prompt, load_suite
+    from dflash_mlx.generate import stream_generate
+
+    out = {}
+    for suite in suites:
+        accepts: List[int] = []
+        tokens = 0
+        t0 = time.perf_counter()
+        prompts = load_suite(suite, limit=limit, seed=seed)
+        for p in prompts:
+            ids = encode(tokenizer, format_prompt(tokenizer, p))
+            last = None
+            for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens,
+                                     block_size=block_size, temperature=0.0):
+                last = r
+            if last is not None:
+                accepts += list(last.accept_lengths)
+                tokens += last.generation_tokens
+        tau = sum(a + 1 for a in accepts) / len(accepts) if accepts else float("nan")
+        out[suite] = {"tau": tau, "prompts": len(prompts), "tokens": tokens, "cycles": len(accepts),
+                      "seconds": time.perf_counter() - t0}
+        if log:
+            log(f"{suite}: tau {tau:.2f} over {len(accepts)} cycles, {tokens} tokens, {len(prompts)} prompts")
+    return out
+
+
+def load_snapshot(draft, path) -> int:
+    """Load a trainer weight snapshot into `draft`; returns its supervised-token count."""
+    w = mx.load(str(path), return_metadata=True)
+    weights, meta = w
+    draft.load_weights(list(weights.items()))
+    mx.eval(draft.parameters())
+    return int(meta.get("tokens", 0))
