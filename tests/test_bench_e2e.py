@@ -172,3 +172,17 @@ def test_cli_arguments_and_dispatch():
     from dflash_mlx.cli import main as top_main
 
     assert top_main(["bench", "--suite", "gsm8k,nope"]) == 2  # rejected before loading
+
+
+def test_sampling_run_skips_the_identity_check(tiny):
+    from dflash_mlx.draft import random_draft
+
+    model, tok = tiny
+    draft = random_draft(model, seed=0, num_layers=1, block_size=4)
+    doc = runner.run(model, draft, tok, _cfg([4], temperature=0.8, profile=False, warmup=False),
+                     prompts=_prompts()[:1], log=lambda m: None)
+    assert report.validate(doc) == []
+    rec = doc["prompts"][0]["dflash"]["4"]
+    assert doc["config"]["greedy"] is False and rec["tokens_match"] is None
+    assert rec["generated"] > 0 and doc["prompts"][0]["baseline"]["generated"] > 0
+    assert "Not checked (temperature > 0)" in report.markdown(doc)
