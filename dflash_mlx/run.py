@@ -218,6 +218,13 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         print("\ndflash-mlx: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`dflash-mlx ... | head`): stop quietly, and keep
+        # Python from complaining again when it flushes stdout at exit
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except MemoryError:
         print("dflash-mlx: error: out of memory", file=sys.stderr)
         return EXIT_FAIL

@@ -181,6 +181,18 @@ def test_entry_point_error_has_no_traceback(tmp_path):
     assert r.stderr.strip().startswith("dflash-mlx: error:") and "Traceback" not in r.stderr
 
 
+def test_closed_stdout_pipe_is_quiet(tiny):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "dflash_mlx.cli", "--model", str(tiny / "tiny.gguf"), "--draft",
+           str(tiny / "draft"), "--max-tokens", "200", "--no-chat-template", "hello"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    p.stdout.read(1)
+    p.stdout.close()  # like `| head -c 1`
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0
+    assert "Traceback" not in err and "BrokenPipe" not in err
+
+
 @pytest.mark.slow
 def test_default_model_answers(capsys, monkeypatch):
     """The embedded default end to end: smollm2-135m + its packaged draft."""
