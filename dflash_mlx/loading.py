@@ -11,7 +11,6 @@ Override with `load(..., dtype=...)` or `DFLASH_MLX_DTYPE=float32|float16|bfloat
 """
 
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 

@@ -12,7 +12,6 @@ Trained drafts ship in `dflash_mlx/drafts/<name>/`.
 
 import importlib.metadata
 import importlib.util
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
