@@ -27,6 +27,7 @@ import importlib.util
 import os
 import struct
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -229,17 +230,25 @@ def _patched_copy(src, soname):
     """Copy `src` into the cache with DT_SONAME set to `soname` (shorter or equal)."""
     st = os.stat(src)
     key = f"{Path(src).name}-{st.st_size}-{int(st.st_mtime)}"
-    dst = _cache_dir() / key / soname
-    if dst.exists():
-        return dst
-    data = bytearray(Path(src).read_bytes())
-    set_soname(data, soname)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{soname}.{os.getpid()}")
-    tmp.write_bytes(data)
-    os.chmod(tmp, 0o755)
-    os.replace(tmp, dst)  # atomic: concurrent processes never see half a file
-    return dst
+    data = None
+    # The user cache, else the temp folder (read-only or absent home).
+    for base in (_cache_dir(), Path(tempfile.gettempdir()) / f"dflash_mlx-blas-{os.getuid()}"):
+        dst = base / key / soname
+        if dst.exists():
+            return dst
+        if data is None:
+            data = bytearray(Path(src).read_bytes())
+            set_soname(data, soname)
+        try:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(f".{soname}.{os.getpid()}")
+            tmp.write_bytes(data)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, dst)  # atomic: concurrent processes never see half a file
+            return dst
+        except OSError as e:
+            error = e
+    raise error
 
 
 DT_NULL, DT_STRTAB, DT_SONAME = 0, 5, 14

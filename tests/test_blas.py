@@ -109,3 +109,17 @@ def test_default_threads_leave_a_core_for_mlx(monkeypatch):
     assert blas.default_threads() == 1
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     assert blas.default_threads() == 4
+
+
+def test_patched_copy_falls_back_to_temp_when_cache_unwritable(tmp_path, monkeypatch):
+    libs = blas._mlx_bundled_libs()
+    if libs is None:
+        pytest.skip("no mlx_cpu.libs (not the Linux mlx[cpu] wheel)")
+    src = next(Path(libs).glob("libgfortran-*.so*"))
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder should be")
+    monkeypatch.setattr(blas, "_cache_dir", lambda: blocked / "sub")
+    monkeypatch.setattr(blas.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    dst = blas._patched_copy(str(src), "libgfortran.so.5")
+    assert dst.is_relative_to(tmp_path / "tmp")
+    assert blas.read_soname(dst.read_bytes()) == "libgfortran.so.5"
