@@ -87,3 +87,30 @@ def test_export_refuses_rope_freqs_model(tmp_path, capsys):
     write_tiny_gguf(src, "llama", rope_freqs=np.linspace(1.0, 8.0, 8))
     assert export.main([str(src), str(tmp_path / "out")]) == 1
     assert "rope_freqs" in capsys.readouterr().err
+
+
+def test_quantized_folder_cast_on_cpu_or_kept(tmp_path, monkeypatch):
+    """An mlx-lm folder with 4-bit weights: float parts follow the dtype policy,
+    DFLASH_MLX_DTYPE=keep leaves everything as stored."""
+    from mlx_lm.utils import quantize_model, save_config, save_model
+
+    src = tmp_path / "m.gguf"
+    write_tiny_gguf(src, "llama", hidden_size=64, intermediate_size=128)
+    model, tok = load(str(src), quiet=True)
+    config = export.model_config_dict(model, tok)
+    model.set_dtype(mx.bfloat16)
+    model, config = quantize_model(model, config, group_size=32, bits=4)
+    out = tmp_path / "q4"
+    save_model(out, model)
+    save_config(config, out / "config.json")
+    tok._tokenizer.save_pretrained(out)
+
+    cast, _ = load(str(out))
+    layer = cast.model.layers[0].self_attn.q_proj
+    assert layer.weight.dtype == mx.uint32 and layer.scales.dtype == mx.float32
+    ids = mx.array([[1, 2, 3, 4]])
+    ref = np.array(model(ids).astype(mx.float32))
+    np.testing.assert_allclose(np.array(cast(ids)), ref, atol=0.1 * np.abs(ref).max())
+    monkeypatch.setenv("DFLASH_MLX_DTYPE", "keep")
+    kept, _ = load(str(out))
+    assert kept.model.layers[0].self_attn.q_proj.scales.dtype == mx.bfloat16
