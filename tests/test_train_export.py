@@ -19,7 +19,7 @@ def test_export_round_trips_through_load_draft(tmp_path):
     draft = random_draft(Target(model), num_layers=2, block_size=8, seed=2)
     vocab = mx.array([1, 5, 9, 40, 41, 257, 299], dtype=mx.int32)
     draft.set_vocab(vocab)
-    card = model_card({"target": "tiny", "records": 3, "steps": 1,
+    card = model_card({"target": "tiny", "records": 3, "steps": 1, "state": {"draft_config": draft.config.to_dict()},
                        "tau": {"gsm8k": {"tau": 2.5, "prompts": 2, "tokens": 10}}})
     out = export_draft(draft, tmp_path / "d", dtype=mx.float16, card=card)
     names = sorted(p.name for p in out.iterdir())
@@ -58,7 +58,7 @@ def test_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     args = ["--target", "tiny", "--out", str(out), "--gsm8k", "6", "--sharegpt", "0",
             "--max-new-tokens", "12", "--max-prompt-tokens", "400", "--gen-batch", "3",
             "--layers", "1", "--block-size", "4", "--draft-vocab", "100", "--steps", "4",
-            "--batch-tokens", "32", "--blocks-per-seq", "4", "--eval-every", "2"]
+            "--batch-tokens", "32", "--blocks-per-seq", "4", "--eval-every", "2", "--tau-prompts", "0"]
     assert cli.main(args) == 0
     run = tmp_path / "draft.run"
     assert len((run / "responses.jsonl").read_text().splitlines()) == 6
@@ -91,3 +91,23 @@ def test_measure_tau_pools_engine_cycles():
     out = measure_tau(model, tok, oracle, suites=("gsm8k",), limit=1, max_tokens=13, block_size=4)
     # 13 tokens: the prefill's token, then 3 full blocks of 4 -> tau 4
     assert out["gsm8k"]["tokens"] == 13 and out["gsm8k"]["tau"] == 4.0 and out["gsm8k"]["cycles"] == 3
+
+
+def test_train_cli_export_only_measures_tau_into_the_card(tmp_path, monkeypatch):
+    from dflash_mlx.train import cli
+
+    model, tok = tiny_target("qwen3")
+    monkeypatch.setattr(cli, "load_target", lambda spec: (model, tok))
+    out = tmp_path / "draft"
+    base = ["--target", "tiny", "--out", str(out), "--gsm8k", "3", "--sharegpt", "0",
+            "--max-new-tokens", "10", "--max-prompt-tokens", "400", "--layers", "1", "--block-size", "4",
+            "--draft-vocab", "0", "--steps", "2", "--batch-tokens", "16", "--blocks-per-seq", "2"]
+    assert cli.main(base + ["--tau-prompts", "0"]) == 0
+    assert "Measured tau" not in (out / "README.md").read_text()
+    assert cli.main(base + ["--skip-gen", "--resume", "--export-only", "--tau-prompts", "1",
+                            "--tau-max-tokens", "6", "--tau-suites", "gsm8k"]) == 0
+    card = (out / "README.md").read_text()
+    assert "## Measured tau (engine, greedy, block size 4)" in card and "| gsm8k | 1 |" in card
+    state = json.loads((tmp_path / "draft.run" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 2  # export-only trained nothing more
+    assert not (out / DRAFT_VOCAB_FILE).exists()  # full vocabulary: no extra file

@@ -56,6 +56,12 @@ def build_parser():
     g.add_argument("--eval-every", type=int, default=100)
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    g.add_argument("--export-only", action="store_true", help="no training: export the run's checkpoint")
+    g = p.add_argument_group("evaluation (engine tau, greedy, on benchmark prompts never trained on)")
+    g.add_argument("--tau-suites", default="gsm8k,humaneval,mtbench")
+    g.add_argument("--tau-prompts", type=int, default=4, help="prompts per suite (0: skip)")
+    g.add_argument("--tau-max-tokens", type=int, default=128)
+    g.add_argument("--compute", default="", help="free text for the model card (machine, load)")
     g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
                    help="dtype of the exported weights")
     return p
@@ -193,9 +199,11 @@ def main(argv=None):
         trainer.stop_requested = True
 
     signal.signal(signal.SIGTERM, stop)
-    trainer.train(deadline=deadline)
+    if not args.export_only:
+        trainer.train(deadline=deadline)
     state = trainer.state_dict()
-    plot_curves(state, run / "training_curve.png")
+    tau_curve = read_tau_curve(run / "tau_curve.jsonl")
+    plot_curves(state, run / "training_curve.png", tau_curve)
     info = {
         "target": args.target,
         "records": len(records),
@@ -204,11 +212,32 @@ def main(argv=None):
         "supervised_tokens": trainer.tokens,
         "train_seconds": trainer.elapsed,
         "state": state,
+        "compute": args.compute,
+        "tau_curve": tau_curve,
     }
     export_draft(draft, out, dtype=getattr(mx, args.dtype), card=model_card(info),
                  curve=run / "training_curve.png")
     log(f"exported draft to {out}")
+    if args.tau_prompts > 0:
+        from dflash_mlx.draft import load_draft
+        from dflash_mlx.train.evaluate import measure_tau
+
+        shipped = load_draft(out, model)  # exactly what users get (exported dtype, vocabulary)
+        suites = [x for x in args.tau_suites.split(",") if x]
+        info["tau"] = measure_tau(model, tokenizer, shipped, suites, limit=args.tau_prompts,
+                                  max_tokens=args.tau_max_tokens, log=log)
+        (run / "tau_final.json").write_text(json.dumps(info["tau"], indent=2))
+        (out / "README.md").write_text(model_card(info))
     return 0
+
+
+def read_tau_curve(path):
+    """Engine tau measured at weight snapshots (written by an evaluation run), sorted by tokens."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    pts = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return sorted(pts, key=lambda p: p["tokens"]) or None
 
 
 if __name__ == "__main__":

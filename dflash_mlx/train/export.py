@@ -78,7 +78,7 @@ def model_card(info: dict) -> str:
                          f"{e['val_tau_hat']:.2f} |")
     tau = info.get("tau")
     if tau:
-        lines += ["", "## Measured tau (engine, greedy, block size 16)", "",
+        lines += ["", f"## Measured tau (engine, greedy, block size {dcfg.get('block_size', '?')})", "",
                   "| suite | prompts | generated tokens | tau |", "|---|---|---|---|"]
         for suite, t in tau.items():
             lines.append(f"| {suite} | {t['prompts']} | {t['tokens']} | {t['tau']:.2f} |")
