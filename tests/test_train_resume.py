@@ -102,3 +102,61 @@ def test_stop_request_checkpoints_between_steps(tmp_path):
     t.train()
     state = json.loads((tmp_path / CHECKPOINT / "state.json").read_text())
     assert t.step == 2 and state["step"] == 2
+
+
+_KILLED_RUN = r"""
+import sys, time
+sys.path.insert(0, {tests!r})
+import test_train_resume as T
+from dflash_mlx.target import Target
+from dflash_mlx.testing import tiny_target
+model, _ = tiny_target("qwen3")
+t = T._trainer({run!r}, Target(model), T._records(), steps=40)
+t.cfg.checkpoint_every = 0.0  # checkpoint after every step
+orig = t.train_step
+def slow(batch):
+    time.sleep(0.05)
+    return orig(batch)
+t.train_step = slow
+t.train()
+"""
+
+
+def test_resume_after_sigkill_matches_uninterrupted_run(tmp_path):
+    """A real process, killed with SIGKILL mid-run, resumes onto the uninterrupted trajectory."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    model, _ = tiny_target("qwen3")
+    target = Target(model)
+    full = _trainer(tmp_path / "full", target, _records(), steps=40)
+    full.train()
+
+    run = tmp_path / "killed"
+    code = _KILLED_RUN.format(tests=os.path.dirname(__file__), run=str(run))
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    state = run / CHECKPOINT / "state.json"
+    t0 = time.time()
+    while time.time() - t0 < 120:
+        try:
+            if json.loads(state.read_text())["step"] >= 5:
+                break
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            pass
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+    resumed = _trainer(run, target, _records(), steps=40)
+    assert resumed.resume()
+    killed_at = resumed.step
+    assert 5 <= killed_at < 40
+    resumed.train()
+    assert resumed.tokens == full.tokens
+    assert [h["loss"] for h in resumed.history] == [h["loss"] for h in full.history]
+    a, b = _params(full), _params(resumed)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)

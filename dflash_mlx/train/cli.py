@@ -1,10 +1,13 @@
 """`dflash-mlx train`: data generation, training and export in one resumable command.
 
-    dflash-mlx train --target smollm2-135m --out drafts/smollm2 --steps 2000
+    dflash-mlx train --target smollm2-135m --out drafts/smollm2
 
 Everything lives in a run folder (default `<out>.run`): the target's responses
-(token ids), the fp16 feature cache, checkpoints and the curve. Re-running the
-same command (or passing --resume) continues where a killed run stopped.
+(token ids), the fp16 feature cache, checkpoints, snapshots and the curve.
+Generation always skips prompts already answered; `--resume` continues training
+from the run's checkpoint. The defaults (45 min of generation, then at most
+60 min or 1000 steps of training) fit about two hours on a 2-core CPU; on a
+faster machine raise --gen-minutes/--minutes/--steps and --batch-tokens.
 """
 
 import argparse
@@ -27,7 +30,8 @@ def build_parser():
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--max-prompt-tokens", type=int, default=320)
     g.add_argument("--gen-batch", type=int, default=32)
-    g.add_argument("--gen-minutes", type=float, default=None, help="stop generating after this long")
+    g.add_argument("--gen-minutes", type=float, default=45.0,
+                   help="stop generating after this long (0: answer every prompt)")
     g.add_argument("--skip-gen", action="store_true", help="train on the responses already generated")
     g.add_argument("--no-feature-cache", action="store_true",
                    help="recompute target features every step instead of caching them (fp16) on disk")
@@ -38,19 +42,20 @@ def build_parser():
                    help="comma-separated target layer ids to tap (default: 4 spread taps)")
     g.add_argument("--intermediate-size", type=int, default=None)
     g.add_argument("--kv-heads", type=int, default=None, help="draft KV heads (default: as many as heads)")
-    g.add_argument("--draft-vocab", type=int, default=16384, help="reduced draft vocabulary (0: full)")
+    g.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: full)")
     g.add_argument("--rebuild-vocab", action="store_true",
                    help="recount the draft vocabulary from the data now present (the weights do not depend on it)")
     g = p.add_argument_group("training")
-    g.add_argument("--steps", type=int, default=2000)
-    g.add_argument("--batch-tokens", type=int, default=2048, help="block tokens per step")
-    g.add_argument("--blocks-per-seq", type=int, default=8)
-    g.add_argument("--lr", type=float, default=6e-4)
+    g.add_argument("--steps", type=int, default=1000)
+    g.add_argument("--batch-tokens", type=int, default=1024, help="block tokens per step")
+    g.add_argument("--blocks-per-seq", type=int, default=16)
+    g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--warmup", type=float, default=0.04)
     g.add_argument("--gamma", type=float, default=7.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--minutes", type=float, default=None, help="stop training after this long (then export)")
+    g.add_argument("--minutes", type=float, default=60.0,
+                   help="stop training after this long, then export (0: run all steps)")
     g.add_argument("--checkpoint-every", type=float, default=180.0, help="seconds")
     g.add_argument("--snapshot-every", type=int, default=0, help="steps between weight snapshots")
     g.add_argument("--eval-every", type=int, default=100)
