@@ -12,6 +12,7 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.accept import make_acceptor
+from dflash_mlx.adaptive import BlockSizer
 from dflash_mlx.target import Target
 
 
@@ -158,7 +159,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
-    block_size: Optional[int] = None,
+    block_size: Union[int, str, None] = None,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -174,6 +175,8 @@ def stream_generate(
     """Generate with DFlash speculative decoding, one response per cycle.
 
     Greedy output (temperature 0) is exactly the target's own greedy output.
+    `block_size`: the draft's own when None; "auto" picks each cycle's verify
+    width from measured acceptance and cycle times (see `dflash_mlx.adaptive`).
     `baseline=True` (or `draft=None`) decodes with the target alone.
     """
     tokenizer = _wrap_tokenizer(tokenizer)
@@ -182,9 +185,14 @@ def stream_generate(
         raise ValueError("the prompt is empty: give at least one token of input")
     use_draft = draft is not None and not baseline
     target = _target_for(model, draft)
-    block = (draft.block_size if block_size is None else block_size) if use_draft else 1
+    sizer = None
+    if block_size == "auto":
+        block = draft.block_size if use_draft else 1
+        sizer = BlockSizer(block) if use_draft else None
+    else:
+        block = (draft.block_size if block_size is None else int(block_size)) if use_draft else 1
     if block < 1:
-        raise ValueError(f"block_size must be >= 1, got {block}")
+        raise ValueError(f"block_size must be >= 1 or 'auto', got {block_size}")
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     stops = set(tokenizer.eos_token_ids or ()) | set(stop_token_ids or ())
@@ -280,7 +288,11 @@ def stream_generate(
     last = last.astype(mx.int32)
     pending = None
     while True:
-        bs = min(block, max_tokens - n_generated) if use_draft else 1
+        remaining = max_tokens - n_generated
+        if sizer is not None:
+            bs = sizer.choose(remaining)
+        else:
+            bs = min(block, remaining) if use_draft else 1
         times = {} if profile else None
         t0 = time.perf_counter()
         state.valid = False
@@ -301,6 +313,8 @@ def stream_generate(
         accept_len, committed = acceptor.accept(proposal, target.logits(h), draft)
         mx.eval(accept_len, committed, verify_in)  # the cycle's one host sync
         a = accept_len.item()
+        if sizer is not None:
+            sizer.update(bs, a, time.perf_counter() - t0)
         if profile:
             times["verify"] = time.perf_counter() - t1
         new_tokens = committed[0, : a + 1].tolist()

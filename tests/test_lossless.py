@@ -133,3 +133,34 @@ def test_baseline_mode_matches_greedy():
     out, responses = run(model, draft, tok, prompt, max_tokens=20, baseline=True, stop_token_ids=[])
     assert out == ref
     assert all(len(r.tokens) == 1 for r in responses)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5", "gemma4_text"])
+def test_auto_block_size_is_lossless_and_adapts(arch):
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 30, 80, seed=9)
+    # always wrong: the sizer settles on narrow verifies (between full-width probes)
+    wrong = ScriptedDraft(Target(model), prompt + ref, lambda c: 0, block_size=16)
+    out, responses = run(model, wrong, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[])
+    assert out == ref
+    assert wrong.cycle < len(responses[-1].accept_lengths)  # many cycles ran with no draft at all
+    # oracle: stays wide
+    oracle = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=16)
+    out, responses = run(model, oracle, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[])
+    assert out == ref
+    assert responses[-1].tau > 8
+
+
+def test_block_sizer_objective():
+    from dflash_mlx.adaptive import BlockSizer
+
+    sizer = BlockSizer(16)
+    sizer.times = {1: 1.0, 16: 2.0}  # a 16-token verify costs twice a decode
+    sizer.cycle = 5
+    sizer.hits, sizer.trials = [0.0] * 15, [100.0] * 15  # never accepted
+    assert sizer.choose(100) == 1
+    sizer.hits = [99.0] * 15  # nearly always accepted
+    assert sizer.choose(100) == 16
+    sizer.hits = [80.0] + [10.0] * 14  # first token often right, deeper ones rarely
+    assert 1 < sizer.choose(100) < 6
+    assert sizer.choose(1) == 1
