@@ -96,6 +96,31 @@ def test_draft_mismatch(tiny, capsys):
     assert "does not fit model" in err and "another target" in err
 
 
+def test_missing_draft_folder(tiny, capsys, tmp_path):
+    code, _, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "--draft", str(tmp_path / "nodraft"), "hi")
+    assert code == 1 and "could not load draft" in err
+
+
+def test_doctor_reports_environment(capsys):
+    import mlx.core as mx
+
+    from dflash_mlx import doctor
+
+    assert doctor.main(["--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["mlx"] == mx.__version__
+    assert r["backend"] == ("cpu" if mx.default_device().type == mx.DeviceType.cpu else r["backend"])
+    assert r["default_dtype"] == ("float32" if r["backend"] == "cpu" else "bfloat16")
+    assert set(r["packaged"]) == {"smollm2-135m", "gemma3-270m"}
+    assert r["packaged"]["smollm2-135m"]["model"].endswith(".gguf")
+    from dflash_mlx.blas import active_blas
+
+    assert r["blas"] == str(active_blas()) and r["blas_fast"] == (active_blas().name != "reference")
+    assert doctor.main([]) == 0
+    text = capsys.readouterr().out
+    assert "blas" in text and "smollm2-135m" in text and "default_dtype" in text
+
+
 def test_model_without_draft_needs_draft_or_baseline(tiny, capsys):
     code, _, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "hi")
     assert code != 0 and "--draft" in err and "--baseline" in err
