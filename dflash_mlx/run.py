@@ -17,6 +17,10 @@ class CLIError(Exception):
         self.code = code
 
 
+def _block_size(text: str):
+    return "auto" if text == "auto" else int(text)
+
+
 def _draft_note():
     from dflash_mlx.packaged import DEFAULT_MODEL, packaged_draft_dir
 
@@ -52,7 +56,9 @@ def build_parser():
         "packaged --model)",
     )
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the draft's)")
+    p.add_argument("--block-size", type=_block_size, default=None,
+                   help="draft block size, or 'auto' to pick each cycle's verify width from "
+                   "measured acceptance and cost (default: the draft's)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -70,7 +76,7 @@ def build_parser():
 def _check_args(args):
     if args.max_tokens < 1:
         raise CLIError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
-    if args.block_size is not None and args.block_size < 1:
+    if isinstance(args.block_size, int) and args.block_size < 1:
         raise CLIError(f"--block-size must be at least 1, got {args.block_size}", EXIT_USAGE)
     if args.temperature < 0:
         raise CLIError(f"--temperature must be >= 0, got {args.temperature}", EXIT_USAGE)
