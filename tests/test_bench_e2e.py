@@ -128,14 +128,19 @@ def test_random_dflash_draft_is_lossless_through_the_harness(tiny):
     model, tok = tiny
     # the real engine and a real (untrained) DFlash draft, through the default dflash_fn
     draft = random_draft(model, seed=0, num_layers=1, block_size=4)
-    doc = runner.run(model, draft, tok, _cfg([None], warmup=False), prompts=_prompts(),
+    doc = runner.run(model, draft, tok, _cfg([None, "auto"], warmup=False), prompts=_prompts(),
                      log=lambda m: None)
     assert report.validate(doc) == []
-    assert doc["config"]["block_sizes"] == [4]  # None resolved to the draft's own
+    assert doc["config"]["block_sizes"] == [4, "auto"]  # None resolved to the draft's own
+    assert set(doc["forward_times_s"]) == {"1", "4"}
     for row in doc["prompts"]:
-        rec = row["dflash"]["4"]
-        assert rec["tokens_match"] is True and rec["tau"] >= 1.0
-        assert sum(rec["accept_hist"]) == rec["cycles"] > 0
+        for b in ("4", "auto"):
+            rec = row["dflash"][b]
+            assert rec["tokens_match"] is True and rec["tau"] >= 1.0
+            assert sum(rec["accept_hist"]) == rec["cycles"] > 0
+            assert rec["max_block_size"] == 4 and len(rec["accept_hist"]) == 4
+        assert row["dflash"]["auto"]["limit"] is None  # no single verify width
+    assert "## Block size auto" in report.markdown(doc)
 
 
 def test_cli_writes_results_and_plots(tiny, tmp_path, monkeypatch):
@@ -169,6 +174,10 @@ def test_cli_writes_results_and_plots(tiny, tmp_path, monkeypatch):
 def test_cli_arguments_and_dispatch():
     args = cli.build_parser().parse_args(["--block-sizes", "4,8,16", "--suite", "all"])
     assert args.block_sizes == [4, 8, 16] and args.model == "smollm2-135m"
+    assert cli.build_parser().parse_args(["--block-sizes", "8,auto"]).block_sizes == [8, "auto"]
+    assert cli.build_parser().parse_args(["--block-size", "auto"]).block_size == "auto"
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--block-size", "wide"])
     from dflash_mlx.cli import main as top_main
 
     assert top_main(["bench", "--suite", "gsm8k,nope"]) == 2  # rejected before loading

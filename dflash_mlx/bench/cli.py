@@ -9,8 +9,21 @@ from pathlib import Path
 from .suites import SUITES, parse_suites
 
 
-def _ints(spec: str):
-    return [int(x) for x in spec.split(",") if x.strip()]
+def _block(spec: str):
+    spec = spec.strip()
+    if spec == "auto":
+        return spec
+    try:
+        b = int(spec)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"block size must be an integer or 'auto', not {spec!r}")
+    if b < 1:
+        raise argparse.ArgumentTypeError(f"block size must be >= 1, not {b}")
+    return b
+
+
+def _blocks(spec: str):
+    return [_block(x) for x in spec.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,10 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma list of {', '.join(SUITES)}, or 'all' (default: %(default)s)")
     p.add_argument("--limit", type=int, default=10, help="prompts per suite (seeded subset)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=int, default=None,
-                   help="DFlash block size (default: the draft's own)")
-    p.add_argument("--block-sizes", type=_ints, default=None,
-                   help="sweep, e.g. 4,8,16 (overrides --block-size)")
+    p.add_argument("--block-size", type=_block, default=None,
+                   help="DFlash block size, or 'auto' for the engine's adaptive verify width "
+                   "(default: the draft's own)")
+    p.add_argument("--block-sizes", type=_blocks, default=None,
+                   help="sweep, e.g. 4,8,16 or 4,8,16,auto (overrides --block-size)")
     p.add_argument("--model", default="smollm2-135m", help="packaged name | folder | .gguf | hub id")
     p.add_argument("--draft", default=None, help="draft (default: the same name as --model)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],

@@ -19,8 +19,8 @@ CONFIG_KEYS = {"suites": list, "limit": (int, type(None)), "max_tokens": int,
                "model": str, "draft": str, "profile": bool}
 BASELINE_KEYS = {"generated": int, "prefill_s": _NUM, "generation_s": _NUM, "tps": _NUM,
                  "tokens": list}
-DFLASH_KEYS = {"block_size": int, "generated": int, "generation_s": _NUM, "prefill_s": _NUM,
-               "tps": _NUM, "cycles": int, "accept_lengths": list, "accept_hist": list,
+DFLASH_KEYS = {"block_size": (int, str), "max_block_size": int, "generated": int,
+               "generation_s": _NUM, "prefill_s": _NUM, "tps": _NUM, "cycles": int, "accept_lengths": list, "accept_hist": list,
                "tau": _NUM, "speedup": _NUM, "efficiency": _NUM, "limit": _OPT_NUM,
                "forward_ratio": _OPT_NUM, "tokens_match": (bool, type(None)),
                "cycle_split_s": (dict, type(None))}
@@ -61,7 +61,8 @@ def validate(doc: dict) -> List[str]:
                 errors.append(f"{where}.dflash: missing block size {b}")
                 continue
             errors += _check(rec, DFLASH_KEYS, f"{where}.dflash[{b}]")
-            if isinstance(rec.get("accept_hist"), list) and len(rec["accept_hist"]) != int(b):
+            if (isinstance(rec.get("accept_hist"), list)
+                    and len(rec["accept_hist"]) != rec.get("max_block_size")):
                 errors.append(f"{where}.dflash[{b}].accept_hist: length != block size")
             split = rec.get("cycle_split_s")
             if isinstance(split, dict) and set(split) != set(PHASES):
@@ -268,11 +269,15 @@ def plots(doc: dict, out_dir: Path) -> List[Path]:
 
     if len(blocks) > 1:
         fig, ax = plt.subplots(figsize=(6, 4))
-        xs = [int(x) for x in blocks]
+        fixed = [b for b in blocks if b.isdigit()]
+        xs = [int(x) for x in fixed]
         for key, label in (("tau", "tau"), ("speedup", "speed-up"), ("limit", "limit")):
-            ys = [doc["summary"][x]["all"][key] for x in blocks]
+            ys = [doc["summary"][x]["all"][key] for x in fixed]
             if all(y is not None for y in ys):
                 ax.plot(xs, ys, marker="o", label=label)
+        if "auto" in blocks:  # one width per cycle, chosen by the engine: a level, not a point
+            ax.axhline(doc["summary"]["auto"]["all"]["speedup"], color="C1", ls=":",
+                       label="speed-up, auto width")
         ax.axhline(1.0, color="k", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])

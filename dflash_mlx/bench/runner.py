@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import mlx.core as mx
 
@@ -35,7 +35,8 @@ class BenchConfig:
     suites: List[str]
     limit: Optional[int] = 10
     max_tokens: int = 256
-    block_sizes: List[Optional[int]] = field(default_factory=lambda: [None])  # None: the draft's own
+    # None: the draft's own; "auto": the engine's adaptive verify width
+    block_sizes: List[Union[int, str, None]] = field(default_factory=lambda: [None])
     temperature: float = 0.0
     seed: int = 0
     warmup: bool = True
@@ -125,7 +126,7 @@ def baseline_stream(model, tokenizer, ids: List[int], max_tokens: int,
 
 
 def dflash_stream(model, draft, tokenizer, ids: List[int], max_tokens: int,
-                  block_size: Optional[int], temperature: float, seed: int,
+                  block_size: Union[int, str, None], temperature: float, seed: int,
                   profile: bool):
     from dflash_mlx.generate import stream_generate
 
@@ -274,15 +275,17 @@ def environment(model=None) -> dict:
 # -- the run -------------------------------------------------------------------
 
 
-def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: int,
+def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: Union[int, str],
                    ratio: Optional[float], greedy: bool, stops,
-                   profiled: Optional[metrics.Trace]) -> dict:
+                   profiled: Optional[metrics.Trace], max_block: Optional[int] = None) -> dict:
+    max_block = block if isinstance(block, int) else max_block
     d_tps, b_tps = metrics.generation_tps(trace), metrics.generation_tps(base)
     t = metrics.tau(trace.accept_lengths)
     s = metrics.speedup(d_tps, b_tps)
     mismatch = metrics.first_mismatch(trace.tokens, base.tokens, stops) if greedy else None
     rec = {
         "block_size": block,
+        "max_block_size": max_block,
         "prompt_tokens": trace.prompt_tokens,
         "prefill_s": trace.prefill_s,
         "prefill_tps": metrics.prefill_tps(trace),
@@ -291,7 +294,7 @@ def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: int,
         "tps": d_tps,
         "cycles": len(trace.accept_lengths),
         "accept_lengths": trace.accept_lengths,
-        "accept_hist": metrics.accept_histogram(trace.accept_lengths, block),
+        "accept_hist": metrics.accept_histogram(trace.accept_lengths, max_block),
         "tau": t,
         "speedup": s,
         "efficiency": metrics.efficiency(s, t),
@@ -338,16 +341,20 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
         raise ValueError("no prompts to run")
     blocks = [b if b is not None else draft_block_size(draft) for b in cfg.block_sizes]
     blocks = list(dict.fromkeys(blocks))  # keep order, drop repeats
+    fixed = [b for b in blocks if b != "auto"]
+    # "auto" varies the width per cycle: its histogram spans the draft's block,
+    # and it has no single verify width, so no limit.
+    max_block = draft_block_size(draft) if "auto" in blocks else None
     greedy = cfg.temperature == 0
     stops = stop_ids(tokenizer)
     encoded = [encode(tokenizer, format_prompt(tokenizer, p)) for p in prompts]
 
     # Target forward times at a realistic context: the median prompt length.
     ctx = sorted(encoded, key=len)[len(encoded) // 2]
-    log(f"timing target forwards of 1 and {blocks} tokens after {len(ctx)} context tokens")
-    samples = measure_forward_times(model, ctx, [1, *blocks], reps=cfg.forward_reps)
+    log(f"timing target forwards of 1 and {fixed} tokens after {len(ctx)} context tokens")
+    samples = measure_forward_times(model, ctx, [1, *fixed], reps=cfg.forward_reps)
     fwd = {n: statistics.median(ts) for n, ts in samples.items()}
-    ratio = {b: fwd[1] / fwd[b] for b in blocks}
+    ratio = {b: fwd[1] / fwd[b] if b in fwd else None for b in blocks}
 
     if cfg.warmup:
         # Compile kernels and fill allocator pools before anything is timed.
@@ -399,7 +406,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
                 "tokens": base.tokens,
             },
             "dflash": {
-                str(b): _dflash_record(timed[b], base, b, ratio[b], greedy, stops, profiled[b])
+                str(b): _dflash_record(timed[b], base, b, ratio[b], greedy, stops, profiled[b],
+                                       max_block)
                 for b in blocks
             },
         }
@@ -420,7 +428,7 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     return doc
 
 
-def summarize(rows: List[dict], blocks: List[int]) -> dict:
+def summarize(rows: List[dict], blocks: List[Union[int, str]]) -> dict:
     """summary[B][suite | "all"] = pooled metrics (see metrics.aggregate)."""
     out = {}
     for b in blocks:
