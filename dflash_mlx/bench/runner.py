@@ -418,7 +418,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
 
         elapsed = time.perf_counter() - start
         first = row["dflash"][str(blocks[0])]
-        flag = "" if first["tokens_match"] is not False else "  MISMATCH"
+        bad = [b for b, rec in row["dflash"].items() if rec["tokens_match"] is False]
+        flag = f"  MISMATCH (B={','.join(bad)})" if bad else ""
         log(f"[{i + 1:>3}/{len(prompts)}] {p.id:<24} B={blocks[0]} "
             f"tau {first['tau']:.2f}  {first['tps']:.1f} vs {row['baseline']['tps']:.1f} tok/s "
             f"({first['speedup']:.2f}x){flag}  elapsed {_fmt_s(elapsed)}  "
