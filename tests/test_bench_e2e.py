@@ -65,7 +65,8 @@ def test_run_measures_exact_tau_and_matches_baseline(tiny, tmp_path):
     assert len(progress) == 2 and progress[0].startswith("[  1/2] gsm8k/")
     assert set(doc["forward_times_s"]) == {"1", "4"}
     assert all(t > 0 for t in doc["forward_times_s"].values())
-    assert all(len(ts) == 2 for ts in doc["forward_time_samples_s"].values())  # forward_reps
+    # forward_reps up front, then one more sample after each of the 2 prompts
+    assert all(len(ts) == 2 + 2 for ts in doc["forward_time_samples_s"].values())
     for row in doc["prompts"]:
         assert row["baseline"]["generated"] == MAX_TOKENS - 1
         rec = row["dflash"]["4"]

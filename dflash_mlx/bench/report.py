@@ -94,6 +94,10 @@ def _f(x, fmt="{:.2f}", none="–"):
     return none if x is None else fmt.format(x)
 
 
+def _x(x) -> str:
+    return "–" if x is None else f"{x:.2f}x"
+
+
 def _ms(split: Optional[dict], phase: str) -> str:
     return "–" if not split else f"{split[phase] * 1e3:.0f}"
 
@@ -136,7 +140,8 @@ def markdown(doc: dict) -> str:
         "tau = tokens committed per target forward; efficiency = speed-up / tau; "
         "limit = tau · t(1-token forward) / t(B-token forward).",
         "",
-        "Target forward times, median (min–max) of the samples (context "
+        "Target forward times, median (min–max) of the samples taken before the first "
+        "and after every prompt (context "
         f"{doc['forward_context_tokens']} tokens): "
         + ", ".join(f"{n} tok {t * 1e3:.1f} ms" + _spread(doc, n) for n, t in
                     sorted(fwd.items(), key=lambda kv: int(kv[0]))),
@@ -157,7 +162,7 @@ def markdown(doc: dict) -> str:
             lines.append(
                 f"| {name} | {s['prompts']} | {s['tau']:.2f} | {s['baseline_tps']:.1f} | "
                 f"{s['dflash_tps']:.1f} | {s['speedup']:.2f}x | {s['efficiency']:.2f} | "
-                f"{_f(s['limit'])}x | {_ms(split, 'draft')} | {_ms(split, 'verify')} | "
+                f"{_x(s['limit'])} | {_ms(split, 'draft')} | {_ms(split, 'verify')} | "
                 f"{_ms(split, 'rollback')} | {_ms(split, 'other')} | {s['mismatches']} |"
             )
         hist = per["all"]["accept_hist"]
@@ -170,7 +175,7 @@ def markdown(doc: dict) -> str:
         for b in blocks:
             s = doc["summary"][b]["all"]
             lines.append(f"| {b} | {s['tau']:.2f} | {s['dflash_tps']:.1f} | {s['speedup']:.2f}x | "
-                         f"{s['efficiency']:.2f} | {_f(s['limit'])}x |")
+                         f"{s['efficiency']:.2f} | {_x(s['limit'])} |")
         lines.append("")
     bad = [(r["id"], b, rec) for r in doc["prompts"] for b, rec in r["dflash"].items()
            if rec.get("tokens_match") is False or rec.get("profiled_tokens_match") is False]

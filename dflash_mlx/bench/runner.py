@@ -154,7 +154,7 @@ def encode(tokenizer, text: str) -> List[int]:
 
 
 def measure_forward_times(model, context: List[int], sizes: Iterable[int],
-                          reps: int = 5) -> Dict[int, List[float]]:
+                          reps: int = 5, warmup: bool = True) -> Dict[int, List[float]]:
     """Seconds of one target forward of n tokens after `context`, `reps` samples per n.
 
     A DFlash cycle's verify is one n=B forward; plain decoding is n=1. Both run
@@ -174,7 +174,8 @@ def measure_forward_times(model, context: List[int], sizes: Iterable[int],
     cache = fresh()
     trimmable = can_trim_prompt_cache(cache)
     out: Dict[int, List[float]] = {n: [] for n in sizes}
-    for i in range(reps + 1):  # the first round warms up
+    skip = 1 if warmup else 0
+    for i in range(reps + skip):  # the first round warms up
         for n in sizes:
             if not trimmable:
                 cache = fresh()
@@ -184,7 +185,7 @@ def measure_forward_times(model, context: List[int], sizes: Iterable[int],
             dt = time.perf_counter() - tic
             if trimmable:
                 trim_prompt_cache(cache, n)
-            if i:
+            if i >= skip:
                 out[n].append(dt)
     return out
 
@@ -350,11 +351,17 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     encoded = [encode(tokenizer, format_prompt(tokenizer, p)) for p in prompts]
 
     # Target forward times at a realistic context: the median prompt length.
+    # Sampled up front and again after every prompt, so on a shared machine the
+    # forward times see the same load as the generations they are compared with.
     ctx = sorted(encoded, key=len)[len(encoded) // 2]
     log(f"timing target forwards of 1 and {fixed} tokens after {len(ctx)} context tokens")
     samples = measure_forward_times(model, ctx, [1, *fixed], reps=cfg.forward_reps)
-    fwd = {n: statistics.median(ts) for n, ts in samples.items()}
-    ratio = {b: fwd[1] / fwd[b] if b in fwd else None for b in blocks}
+
+    def ratios():
+        fwd = {n: statistics.median(ts) for n, ts in samples.items()}
+        return fwd, {b: fwd[1] / fwd[b] if b in fwd else None for b in blocks}
+
+    fwd, ratio = ratios()
 
     if cfg.warmup:
         # Compile kernels and fill allocator pools before anything is timed.
@@ -412,6 +419,11 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
             },
         }
         doc["prompts"].append(row)
+        for n, ts in measure_forward_times(model, ctx, [1, *fixed], reps=1,
+                                           warmup=False).items():
+            samples[n].extend(ts)
+        fwd, ratio = ratios()
+        _set_forward(doc, fwd, samples, ratio)
         doc["summary"] = summarize(doc["prompts"], blocks)
         if on_prompt is not None:
             on_prompt(doc)
@@ -427,6 +439,17 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     doc["wall_s"] = time.perf_counter() - start
     doc["loadavg_end"] = _loadavg()
     return doc
+
+
+def _set_forward(doc: dict, fwd, samples, ratio):
+    """Store forward times and re-derive every record's limit from the current medians."""
+    doc["forward_times_s"] = {str(k): v for k, v in fwd.items()}
+    doc["forward_time_samples_s"] = {str(k): list(v) for k, v in samples.items()}
+    for row in doc["prompts"]:
+        for b, rec in row["dflash"].items():
+            r = ratio[rec["block_size"]]
+            rec["forward_ratio"] = r
+            rec["limit"] = rec["tau"] * r if r else None
 
 
 def summarize(rows: List[dict], blocks: List[Union[int, str]]) -> dict:
