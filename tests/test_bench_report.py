@@ -85,6 +85,14 @@ def test_validate_reports_missing_and_mistyped_fields():
     assert report.validate({"schema": "x"})  # top level incomplete
 
 
+def test_files_from_before_auto_block_sizes_still_validate():
+    doc = _doc()
+    for row in doc["prompts"]:
+        for rec in row["dflash"].values():
+            del rec["max_block_size"]
+    assert report.validate(doc) == []
+
+
 def test_mismatch_is_flagged_in_summary_and_markdown():
     doc = _doc(mismatch=True)
     assert doc["summary"]["4"]["gsm8k"]["mismatches"] == 1

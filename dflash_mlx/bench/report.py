@@ -19,7 +19,7 @@ CONFIG_KEYS = {"suites": list, "limit": (int, type(None)), "max_tokens": int,
                "model": str, "draft": str, "profile": bool}
 BASELINE_KEYS = {"generated": int, "prefill_s": _NUM, "generation_s": _NUM, "tps": _NUM,
                  "tokens": list}
-DFLASH_KEYS = {"block_size": (int, str), "max_block_size": int, "generated": int,
+DFLASH_KEYS = {"block_size": (int, str), "generated": int,
                "generation_s": _NUM, "prefill_s": _NUM, "tps": _NUM, "cycles": int, "accept_lengths": list, "accept_hist": list,
                "tau": _NUM, "speedup": _NUM, "efficiency": _NUM, "limit": _OPT_NUM,
                "forward_ratio": _OPT_NUM, "tokens_match": (bool, type(None)),
@@ -61,8 +61,9 @@ def validate(doc: dict) -> List[str]:
                 errors.append(f"{where}.dflash: missing block size {b}")
                 continue
             errors += _check(rec, DFLASH_KEYS, f"{where}.dflash[{b}]")
-            if (isinstance(rec.get("accept_hist"), list)
-                    and len(rec["accept_hist"]) != rec.get("max_block_size")):
+            # max_block_size: added with block size "auto"; older files have int blocks only
+            size = rec.get("max_block_size") or (int(b) if b.isdigit() else None)
+            if isinstance(rec.get("accept_hist"), list) and len(rec["accept_hist"]) != size:
                 errors.append(f"{where}.dflash[{b}].accept_hist: length != block size")
             split = rec.get("cycle_split_s")
             if isinstance(split, dict) and set(split) != set(PHASES):
