@@ -16,6 +16,13 @@ from dflash_mlx.adaptive import BlockSizer
 from dflash_mlx.target import Target
 
 
+def tau(accept_lengths: Sequence[int]) -> float:
+    """Mean tokens committed per target forward after prefill: accepted drafts + the bonus."""
+    if not accept_lengths:
+        return 0.0
+    return sum(a + 1 for a in accept_lengths) / len(accept_lengths)
+
+
 @dataclass
 class DFlashResponse:
     """mlx-lm's `GenerationResponse` fields, plus what speculative decoding adds.
@@ -42,10 +49,7 @@ class DFlashResponse:
 
     @property
     def tau(self) -> float:
-        """Mean tokens committed per target forward (after prefill)."""
-        if not self.accept_lengths:
-            return 0.0
-        return sum(a + 1 for a in self.accept_lengths) / len(self.accept_lengths)
+        return tau(self.accept_lengths)
 
 
 @dataclass

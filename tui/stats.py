@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
+from dflash_mlx.generate import tau
+
 BARS = "▁▂▃▄▅▆▇█"
 
 
@@ -46,10 +48,7 @@ class TurnStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per target forward: (accepted drafts + 1 bonus) per cycle."""
-        if not self.accept_lengths:
-            return 0.0
-        return sum(a + 1 for a in self.accept_lengths) / len(self.accept_lengths)
+        return tau(self.accept_lengths)
 
     @property
     def reused_tokens(self) -> int:
