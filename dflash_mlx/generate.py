@@ -45,6 +45,7 @@ class DFlashResponse:
     accept_length: Optional[int] = None
     accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
+    verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
     logprobs: Optional[mx.array] = None
 
     @property
@@ -252,7 +253,7 @@ def stream_generate(
     accept_lengths: List[int] = []
     gen_tic = time.perf_counter()
 
-    def response(tokens, flags, finish, accept_length=None, cycle_times=None):
+    def response(tokens, flags, finish, accept_length=None, cycle_times=None, verify_width=None):
         if finish is not None:
             detok.finalize()
         elapsed = time.perf_counter() - gen_tic
@@ -272,6 +273,7 @@ def stream_generate(
             accept_length=accept_length,
             accept_lengths=list(accept_lengths),
             cycle_times=cycle_times,
+            verify_width=verify_width,
         )
 
     def commit(token) -> Optional[str]:
@@ -344,7 +346,7 @@ def stream_generate(
         state.valid = True
         accept_lengths.append(min(kept, a))
         last = committed[:, a] if finish is None else last
-        yield response(new_tokens[:kept], flags, finish, accept_lengths[-1], times)
+        yield response(new_tokens[:kept], flags, finish, accept_lengths[-1], times, bs)
         if finish is not None:
             return
 

@@ -20,6 +20,8 @@ Definitions used everywhere in the reports:
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from dflash_mlx.generate import tau  # noqa: F401  (re-exported: the one definition)
+
 PHASES = ("draft", "verify", "rollback", "other")
 
 
@@ -50,12 +52,6 @@ def generation_tps(trace: Trace) -> float:
 
 def prefill_tps(trace: Trace) -> float:
     return trace.prompt_tokens / trace.prefill_s if trace.prefill_s > 0 else 0.0
-
-
-def tau(accept_lengths: Sequence[int]) -> float:
-    if not accept_lengths:
-        return 0.0
-    return sum(a + 1 for a in accept_lengths) / len(accept_lengths)
 
 
 def accept_histogram(accept_lengths: Iterable[int], block_size: int) -> List[int]:
