@@ -22,14 +22,21 @@ class BlockSizer:
         self.probe_every = probe_every
         self.decay = decay  # forget old cycles slowly: acceptance drifts with the text
         n = max(max_block - 1, 0)
-        # Optimistic start (one success in one trial): untried depths look worth trying.
-        self.hits: List[float] = [1.0] * n
-        self.trials: List[float] = [1.0] * n
+        self.hits: List[float] = [0.0] * n
+        self.trials: List[float] = [0.0] * n
         self.times: Dict[int, float] = {}  # width -> EMA of seconds per cycle
         self.cycle = 0
+        self.last_choice = max_block
 
-    def alpha(self) -> List[float]:
-        return [h / t for h, t in zip(self.hits, self.trials)]
+    def alpha(self, prior: float = 0.5, strength: float = 2.0) -> List[float]:
+        """Acceptance rate per depth. A depth seen rarely leans on the depth above it
+        (a draft right at depth k is usually about as right at k+1), so depths never
+        tried neither look perfect nor hopeless."""
+        out, above = [], prior
+        for h, t in zip(self.hits, self.trials):
+            above = (h + strength * above) / (t + strength)
+            out.append(above)
+        return out
 
     def expected_tokens(self, width: int) -> float:
         total, survive = 1.0, 1.0
@@ -57,15 +64,20 @@ class BlockSizer:
         self.cycle += 1
         if limit <= 1:
             return 1
-        if self.cycle <= 2 or self.cycle % self.probe_every == 0:
-            # full width: measures every depth (and the cost of the widest verify);
-            # the second early cycle is at width 2 so the cost line has two points
-            return limit if self.cycle != 2 else 2
+        if self.cycle <= 2:
+            # full width first (every depth, the widest cost), then width 2, so the
+            # cost line has two points
+            return limit if self.cycle == 1 else 2
+        if self.cycle % self.probe_every == 0:
+            # look a little deeper than the current choice: cheap, and it keeps
+            # the acceptance of the next depths measured
+            return min(limit, max(2, 2 * self.last_choice))
         best, best_rate = 1, 0.0
         for width in range(1, limit + 1):
             rate = self.expected_tokens(width) / self.cycle_time(width)
             if rate > best_rate:
                 best, best_rate = width, rate
+        self.last_choice = best
         return best
 
     def update(self, width: int, accept_length: int, seconds: float):
