@@ -56,9 +56,9 @@ def build_parser():
         "packaged --model)",
     )
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=_block_size, default=None,
-                   help="draft block size, or 'auto' to pick each cycle's verify width from "
-                   "measured acceptance and cost (default: the draft's)")
+    p.add_argument("--block-size", type=_block_size, default="auto",
+                   help="draft block size, or 'auto' (default): pick each cycle's verify width "
+                   "from measured acceptance and cost, up to the draft's block size")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
