@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (tokens checked)")
+    p.add_argument("--draft-sampling", choices=["argmax", "sample"], default="argmax",
+                   help="proposal mode at temperature > 0: draft argmax (default) or sampled from q")
     p.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/results/<date>-<model>)")
@@ -113,7 +115,8 @@ def main(argv=None) -> int:
     draft = load_draft(draft_name, model)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=args.max_tokens, block_sizes=blocks,
-        temperature=args.temperature, seed=args.seed, warmup=not args.no_warmup,
+        temperature=args.temperature, draft_sampling=args.draft_sampling, seed=args.seed,
+        warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
         model=args.model, draft=draft_name, data_dir=args.data_dir,
         command=_command(argv),

@@ -134,7 +134,7 @@ def markdown(doc: dict) -> str:
         "",
         f"Suites {', '.join(cfg['suites'])}; {cfg['limit']} prompts each (seed {cfg['seed']}), "
         f"max {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"
-        + (" (greedy)" if cfg["greedy"] else "") + f", block sizes {', '.join(blocks)}.",
+        + (" (greedy)" if cfg["greedy"] else f", draft proposals: {cfg.get('draft_sampling', 'argmax')}") + f", block sizes {', '.join(blocks)}.",
         (f"Command: `{cfg['command']}`" if cfg.get("command") else ""),
         "",
         "Baseline: mlx-lm `stream_generate` with the same target. tok/s exclude prefill. "

@@ -13,6 +13,7 @@ draft/verify/rollback/other split. Under greedy decoding the profiled pass
 must produce the same tokens; that is checked too.
 """
 
+import functools
 import os
 import platform
 import statistics
@@ -38,6 +39,7 @@ class BenchConfig:
     # None: the draft's own; "auto": the engine's adaptive verify width
     block_sizes: List[Union[int, str, None]] = field(default_factory=lambda: [None])
     temperature: float = 0.0
+    draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.sampling)
     seed: int = 0
     warmup: bool = True
     profile: bool = True  # run the extra profiled pass for the time split
@@ -127,12 +129,12 @@ def baseline_stream(model, tokenizer, ids: List[int], max_tokens: int,
 
 def dflash_stream(model, draft, tokenizer, ids: List[int], max_tokens: int,
                   block_size: Union[int, str, None], temperature: float, seed: int,
-                  profile: bool):
+                  profile: bool, draft_sampling: str = "argmax"):
     from dflash_mlx.generate import stream_generate
 
     return stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens,
                            block_size=block_size, temperature=temperature,
-                           seed=seed, profile=profile)
+                           seed=seed, profile=profile, draft_sampling=draft_sampling)
 
 
 def draft_block_size(draft) -> int:
@@ -334,7 +336,10 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     `baseline_fn` / `dflash_fn` replace the two engines (tests use scripted drafts).
     """
     baseline_fn = baseline_fn or baseline_stream
-    dflash_fn = dflash_fn or dflash_stream
+    if dflash_fn is None:
+        dflash_fn = dflash_stream
+        if cfg.draft_sampling != "argmax":
+            dflash_fn = functools.partial(dflash_stream, draft_sampling=cfg.draft_sampling)
     if prompts is None:
         prompts = [p for s in cfg.suites
                    for p in load_suite(s, cfg.limit, cfg.seed, cfg.data_dir)]
