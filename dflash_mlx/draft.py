@@ -358,9 +358,9 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, self._rope, c)
         return self.norm(h)
 
-    def logits(self, h: mx.array) -> mx.array:
-        """Draft logits over the draft vocabulary (all target tokens, or `vocab_ids`)."""
-        out = self.target.head(h, self.vocab_ids)
+    def logits(self, h: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:
+        """Draft logits over `vocab_ids`, else the draft vocabulary (all target tokens, or `self.vocab_ids`)."""
+        out = self.target.head(h, self.vocab_ids if vocab_ids is None else vocab_ids)
         if self.config.output_multiplier != 1.0:
             out = out * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

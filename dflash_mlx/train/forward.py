@@ -86,12 +86,4 @@ def training_logits(
     N, K = anchors.shape
     B = block_ids.shape[1] // K
     h = training_hidden(draft, features, block_ids, anchors).reshape(N, K, B, -1)[:, :, 1:]
-    if vocab_ids is None:
-        return draft.logits(h)
-    out = draft.target.head(h, vocab_ids)
-    if draft.config.output_multiplier != 1.0:
-        out = out * draft.config.output_multiplier
-    cap = draft.config.final_logit_softcapping
-    if cap:
-        out = mx.tanh(out / cap) * cap
-    return out
+    return draft.logits(h, vocab_ids)
