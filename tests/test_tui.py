@@ -464,3 +464,19 @@ def test_process_exits_cleanly_after_generating_on_the_engine_thread():
     p = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "answered 60" in p.stdout and "terminate called" not in p.stderr
+
+
+def test_sampling_options_reach_the_engine():
+    a = parse_args(["--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--seed", "3"])
+    settings = Settings(a.block_size, a.temperature, a.max_tokens, a.system, a.top_p, a.top_k, a.min_p, a.seed).check()
+    model, tok = testing.tiny_target("llama")
+    calls = []
+
+    def stream_fn(*args, **kwargs):
+        calls.append(kwargs)
+        yield from ()
+
+    session = ChatSession(model, tok, random_draft(model, num_layers=1, block_size=4), settings, stream_fn=stream_fn)
+    session.turn("hi", lambda turn, new: None, lambda: False)
+    assert {k: calls[-1][k] for k in ("temperature", "top_p", "top_k", "min_p", "seed")} == {
+        "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3}

@@ -334,6 +334,10 @@ def parse_args(argv):
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
     return p.parse_args(argv)
 
 
@@ -342,7 +346,8 @@ def main(argv=None) -> int:
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        settings = Settings(args.block_size, args.temperature, args.max_tokens, args.system).check()
+        settings = Settings(args.block_size, args.temperature, args.max_tokens, args.system,
+                            args.top_p, args.top_k, args.min_p, args.seed).check()
     except ValueError as e:
         print(f"dflash-mlx chat: {e}", file=sys.stderr)
         return 2

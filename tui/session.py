@@ -20,6 +20,11 @@ class Settings:
     temperature: float = 0.0
     max_tokens: int = 512
     system: str = ""
+    # sampling filters (temperature > 0), as in `stream_generate`
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
 
     def check(self) -> "Settings":
         if self.block_size is not None and self.block_size < 1:
@@ -95,6 +100,7 @@ class ChatSession:
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids,
             max_tokens=s.max_tokens, block_size=s.block_size, temperature=s.temperature,
+            top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
             prompt_cache=self.cache,
         )
         try:

@@ -1,5 +1,6 @@
 """The chat app's widgets: one message, the live stats panel, the settings dialog."""
 
+import dataclasses
 from typing import List, Optional
 
 from rich.text import Text
@@ -163,7 +164,11 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
             max_tokens = int(field("max_tokens"))
         except ValueError:
             raise ValueError("block size and max tokens take whole numbers, temperature a number") from None
-        return Settings(block, temperature, max_tokens, self.query_one("#system", Input).value).check()
+        # sampling filters set on the command line (top-p/k, min-p, seed) carry over
+        return dataclasses.replace(
+            self.settings, block_size=block, temperature=temperature, max_tokens=max_tokens,
+            system=self.query_one("#system", Input).value,
+        ).check()
 
     def _save(self) -> None:
         try:
