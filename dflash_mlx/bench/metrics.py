@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
 from dflash_mlx.generate import tau  # noqa: F401  (re-exported: the one definition)
+from dflash_mlx.progress import eta_seconds  # noqa: F401  (re-exported)
 
 PHASES = ("draft", "verify", "rollback", "other")
 
@@ -154,8 +155,3 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
-def eta_seconds(done: int, total: int, elapsed: float) -> Optional[float]:
-    """Remaining time if the remaining units cost what the finished ones did."""
-    if done <= 0:
-        return None
-    return elapsed / done * (total - done)

@@ -25,6 +25,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import mlx.core as mx
 
+from dflash_mlx.progress import format_duration
+
 from . import metrics
 from .suites import Prompt, format_prompt, load_suite
 
@@ -52,13 +54,6 @@ class BenchConfig:
 
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
-
-
-def _fmt_s(s: Optional[float]) -> str:
-    if s is None:
-        return "?"
-    s = int(round(s))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 # -- streams -----------------------------------------------------------------
@@ -439,8 +434,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
         flag = f"  MISMATCH (B={','.join(bad)})" if bad else ""
         log(f"[{i + 1:>3}/{len(prompts)}] {p.id:<24} B={blocks[0]} "
             f"tau {first['tau']:.2f}  {first['tps']:.1f} vs {row['baseline']['tps']:.1f} tok/s "
-            f"({first['speedup']:.2f}x){flag}  elapsed {_fmt_s(elapsed)}  "
-            f"ETA {_fmt_s(metrics.eta_seconds(i + 1, len(prompts), elapsed))}")
+            f"({first['speedup']:.2f}x){flag}  elapsed {format_duration(elapsed)}  "
+            f"ETA {format_duration(metrics.eta_seconds(i + 1, len(prompts), elapsed))}")
     doc["wall_s"] = time.perf_counter() - start
     doc["loadavg_end"] = _loadavg()
     return doc

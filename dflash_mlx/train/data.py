@@ -17,11 +17,12 @@ where it stopped (prompts already answered are skipped).
 import gzip
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, List, Optional, Sequence
+
+from dflash_mlx.progress import Progress
 
 DATA_DIR = Path(__file__).parent / "data"
 GSM8K_TRAIN = DATA_DIR / "gsm8k_train.jsonl.gz"
@@ -148,41 +149,6 @@ def read_records(path) -> List[dict]:
         except json.JSONDecodeError:
             continue
     return out
-
-
-class Progress:
-    """One-line progress with rate and ETA on stderr."""
-
-    def __init__(self, total: int, label: str, unit: str = "", every: float = 2.0, stream=None):
-        self.total, self.label, self.unit, self.every = total, label, unit, every
-        self.stream = stream or sys.stderr
-        self.start = time.perf_counter()
-        self.last = 0.0
-
-    def update(self, done: int, extra: str = "", force: bool = False):
-        now = time.perf_counter()
-        if not force and now - self.last < self.every:
-            return
-        self.last = now
-        el = now - self.start
-        rate = done / el if el > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else float("inf")
-        self.stream.write(
-            f"\r{self.label} {done}/{self.total} {self.unit} | {rate:.1f}/s | "
-            f"elapsed {fmt_time(el)} | ETA {fmt_time(eta)} {extra}   "
-        )
-        self.stream.flush()
-
-    def close(self):
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-def fmt_time(s: float) -> str:
-    if s != s or s == float("inf"):
-        return "?"
-    s = int(s)
-    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
 def feature_file(feature_dir, record_id: str) -> Path:

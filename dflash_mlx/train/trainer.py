@@ -30,7 +30,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash_mlx.draft import DFlashDraftModel, DraftConfig
-from dflash_mlx.train.data import feature_file, fmt_time
+from dflash_mlx.progress import eta_seconds, format_duration
+from dflash_mlx.train.data import feature_file
 from dflash_mlx.train.forward import training_logits
 from dflash_mlx.train.loss import block_loss, block_metrics, expected_tau
 from dflash_mlx.train.vocab import index_map
@@ -390,13 +391,12 @@ class Trainer:
                 }
                 window = []
                 self.history.append(rec)
-                rate = (self.step - start_step) / max(time.perf_counter() - t0, 1e-9)
-                eta = (end - self.step) / rate if rate > 0 else float("inf")
+                eta = eta_seconds(self.step - start_step, end - start_step, time.perf_counter() - t0)
                 self.log(
                     f"step {self.step}/{cfg.steps} [{'#' * int(20 * self.step / cfg.steps):<20}] "
                     f"loss {rec['loss']:.3f} acc {rec['acc']:.3f} tau^ {rec['tau_hat']:.2f} "
                     f"lr {rec['lr']:.2e} | {self.tokens / max(self.elapsed, 1e-9):.0f} tok/s | "
-                    f"elapsed {fmt_time(self.elapsed)} ETA {fmt_time(eta)}"
+                    f"elapsed {format_duration(self.elapsed)} ETA {format_duration(eta)}"
                 )
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 ev = self.evaluate()
