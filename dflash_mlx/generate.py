@@ -223,7 +223,6 @@ def stream_generate(
         max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
 
     layer_ids = list(draft.config.target_layer_ids) if use_draft else []
-    cache = state.target_cache
     detok = tokenizer.detokenizer
     detok.reset()
 

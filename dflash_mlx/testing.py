@@ -83,16 +83,9 @@ def tiny_target(arch: str, seed: int = 0, **overrides):
 
 
 def _scale_embeddings(params):
-    def walk(p, path=""):
-        if isinstance(p, dict):
-            return {k: walk(v, f"{path}.{k}") for k, v in p.items()}
-        if isinstance(p, list):
-            return [walk(v, f"{path}.{i}") for i, v in enumerate(p)]
-        if path.endswith("embed_tokens.weight"):
-            return p * 4.0
-        return p
+    from mlx.utils import tree_map_with_path
 
-    return walk(params)
+    return tree_map_with_path(lambda path, p: p * 4.0 if path.endswith("embed_tokens.weight") else p, params)
 
 
 def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=()) -> List[int]:
