@@ -17,6 +17,10 @@ Ops
   qmm_small_m   affine-quantized matmul for verify widths M <= 16
   gdn_tape      Gated DeltaNet recurrence over a verify block, recording a tape
   gdn_replay    rebuild the Gated DeltaNet state after an accepted prefix
+
+Engine entry points: `draft_inject` (draft), `quantized_linear` / `qmm_small_m`
+(Target.forward and Target.head), `gdn_verify` / `gdn_rewind` (Target's taped
+Gated DeltaNet and its rollback).
 """
 
 import math
@@ -52,9 +56,13 @@ def mode() -> str:
     return m if m in ("auto", "reference", "metal") else "auto"
 
 
+def on_metal() -> bool:
+    return mx.metal.is_available()
+
+
 def use_metal(name: str) -> bool:
     m = mode()
-    if m == "reference" or not mx.metal.is_available():
+    if m == "reference" or not on_metal():
         return False
     return m == "metal" or name in VERIFIED_ON_APPLE
 
@@ -337,6 +345,17 @@ def _decay(g_t):
     return g_t[..., None, None] if g_t.ndim == 2 else g_t[..., None, :]
 
 
+@mx.compile
+def _gdn_tape_step(q_t, k_t, v_t, g_t, beta_t, state):
+    """One step of mlx-lm's ops recurrence; also returns the delta (the tape entry)."""
+    state = state * _decay(g_t)
+    kv_mem = (state * k_t[..., None, :]).sum(axis=-1)
+    delta = (v_t - kv_mem) * beta_t[..., None]
+    state = state + k_t[..., None, :] * delta[..., None]
+    y = (state * q_t[..., None, :]).sum(axis=-1)
+    return y.astype(q_t.dtype), state, delta.astype(mx.float32)
+
+
 def gdn_tape_reference(q, k, v, g, beta, state):
     """The mlx-lm ops recurrence (gated_delta_ops) that also returns the tape.
 
@@ -348,12 +367,9 @@ def gdn_tape_reference(q, k, v, g, beta, state):
     q, k = _repeat_heads(q, Hv), _repeat_heads(k, Hv)
     ys, tape = [], []
     for t in range(k.shape[1]):
-        state = state * _decay(g[:, t])
-        kv_mem = (state * k[:, t, :, None, :]).sum(axis=-1)
-        delta = (v[:, t] - kv_mem) * beta[:, t, :, None]
-        state = state + k[:, t, :, None, :] * delta[..., None]
-        ys.append((state * q[:, t, :, None, :]).sum(axis=-1).astype(q.dtype))
-        tape.append(delta.astype(mx.float32))
+        y, state, delta = _gdn_tape_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        ys.append(y)
+        tape.append(delta)
     return mx.stack(ys, axis=1), state, mx.stack(tape, axis=1)
 
 
@@ -408,35 +424,6 @@ def gdn_replay_metal(state, k, g, tape, steps, factory=None):
     )[0]
 
 
-def gated_delta_update_taped(q, k, v, a, b, A_log, dt_bias, state=None, mask=None, *,
-                             tape_out: list, use_kernel: bool = True, lower_bound=None,
-                             allow_neg_eigval: bool = False):
-    """Drop-in for mlx_lm's `gated_delta_update` during verify that records a tape.
-
-    Appends (state_in, k, g, tape) to `tape_out` for `gdn_replay`. Bind
-    `tape_out` with functools.partial and install it only for the verify
-    forward (scoped hook). Padding masks are not supported (verify has none).
-    """
-    from mlx_lm.models.gated_delta import compute_g, compute_lower_bound_g
-
-    if mask is not None:
-        raise ValueError("gated_delta_update_taped: padding masks are not supported")
-    beta = mx.sigmoid(b)
-    if allow_neg_eigval:
-        beta = beta * 2.0
-    if lower_bound is None:
-        g = compute_g(A_log, a, dt_bias)
-    else:
-        g = compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
-    if state is None:
-        B, _, _, Dk = q.shape
-        Hv, Dv = v.shape[-2:]
-        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
-    y, new_state, tape = gdn_tape(q, k, v, g, beta, state)
-    tape_out.append((state, k, g, tape))
-    return y, new_state
-
-
 def gdn_tape(q, k, v, g, beta, state):
     """Verify-time recurrence: (y, state_out, tape). Same contract as gated_delta_ops."""
     if use_metal("gdn_tape"):
@@ -449,3 +436,33 @@ def gdn_replay(state, k, g, tape, steps):
     if use_metal("gdn_replay"):
         return gdn_replay_metal(state, k, g, tape, steps)
     return gdn_replay_reference(state, k, g, tape, steps)
+
+
+def gdn_verify(q, k, v, g, beta, state):
+    """The recurrence of a verify forward: (y, state_out, deltas or None).
+
+    With the gdn_tape kernel on, or on the CPU (where the twin costs what
+    mlx-lm's own ops loop costs), the deltas come for free and a rollback is an
+    elementwise replay. On an Apple GPU whose gdn_tape kernel is not verified,
+    mlx-lm's fused kernel beats the twin's per-step loop, so it runs instead and
+    the rollback re-runs the recurrence (not the layer) over the kept steps.
+    """
+    Dk = k.shape[-1]
+    mlx_lm_kernel = on_metal() and mx.default_device() == mx.gpu and Dk >= 32 and Dk % 32 == 0
+    if use_metal("gdn_tape") or not mlx_lm_kernel:
+        return tuple(gdn_tape(q, k, v, g, beta, state))
+    from mlx_lm.models.gated_delta import gated_delta_kernel
+
+    y, state_out = gated_delta_kernel(q, k, v, g, beta, state)
+    return y, state_out, None
+
+
+def gdn_rewind(state, q, k, v, g, beta, deltas, steps: int):
+    """The pre-verify `state` advanced by the first `steps` verify steps (inputs from gdn_verify)."""
+    if deltas is not None:
+        return gdn_replay(state, k, g, deltas, steps)
+    if steps == 0:
+        return state
+    from mlx_lm.models.gated_delta import gated_delta_kernel
+
+    return gated_delta_kernel(q[:, :steps], k[:, :steps], v[:, :steps], g[:, :steps], beta[:, :steps], state)[1]

@@ -12,8 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.base import create_ssm_mask
+import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
+from dflash_mlx import kernels
 
 SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text")
 
@@ -25,13 +29,11 @@ class UnsupportedTargetError(ValueError):
 class _LayerTap:
     """Stands in for one decoder layer during a forward; attribute reads pass through."""
 
-    def __init__(self, layer, before, after):
+    def __init__(self, layer, after):
         self._layer = layer
-        self._before = before
         self._after = after
 
     def __call__(self, *args, **kwargs):
-        self._before(args, kwargs)
         out = self._layer(*args, **kwargs)
         self._after(out)
         return out
@@ -41,13 +43,105 @@ class _LayerTap:
 
 
 @dataclass
-class VerifyRecord:
-    """What a forward needs kept so a recurrent layer can be rewound.
+class GDNTape:
+    """What one Gated DeltaNet layer keeps from a verify forward so that a partial
+    accept rebuilds its cache from the accepted steps alone (no second forward)."""
 
-    gdn[i] = (layer, layer input x [B, S, H], (conv_state, recurrent_state) before the forward)
+    conv_input: mx.array  # [B, K-1+S, C]: the conv state before verify, then the S new conv inputs
+    state: mx.array  # [B, Hv, Dv, Dk] recurrent state before verify
+    q: mx.array  # [B, S, Hk, Dk] the recurrence's inputs: normalized queries and keys,
+    k: mx.array
+    v: mx.array  # [B, S, Hv, Dv] values,
+    g: mx.array  # [B, S, Hv] (or [B, S, Hv, Dk]) per-step decay,
+    beta: mx.array  # [B, S, Hv] write strength
+    deltas: Optional[mx.array]  # [B, S, Hv, Dv] float32 per-step updates (v_t - S k_t) * beta_t, if computed
+
+
+@dataclass
+class VerifyRecord:
+    """What a verify forward keeps so recurrent layers can be rewound: gdn[layer index] = GDNTape."""
+
+    gdn: Dict[int, GDNTape] = field(default_factory=dict)
+
+
+class _TapedGatedDeltaNet:
+    """Stands in for a Qwen3.5 `GatedDeltaNet` token mixer during verify.
+
+    The same computation as mlx-lm's module for an unpadded batch, except that
+    the recurrence is `kernels.gdn_verify` (which also returns the per-step
+    deltas where that is free), and the tape is handed to `sink`.
     """
 
-    gdn: Dict[int, Tuple[Any, mx.array, List[Optional[mx.array]]]] = field(default_factory=dict)
+    def __init__(self, mixer, sink):
+        self._mixer = mixer
+        self._sink = sink
+
+    def __getattr__(self, name):
+        return getattr(self._mixer, name)
+
+    def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
+        m = self._mixer
+        if mask is not None or cache is None or getattr(cache, "lengths", None) is not None:
+            raise UnsupportedTargetError("verify with a taped Gated DeltaNet needs an unpadded batch and a cache")
+        B, S, _ = inputs.shape
+        qkv = m.in_proj_qkv(inputs)
+        z = m.in_proj_z(inputs).reshape(B, S, m.num_v_heads, m.head_v_dim)
+        beta = mx.sigmoid(m.in_proj_b(inputs))
+        g = compute_g(m.A_log, m.in_proj_a(inputs), m.dt_bias)
+        conv_state = cache[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=inputs.dtype)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        cache[0] = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1):, :])
+        conv_out = nn.silu(m.conv1d(conv_input))
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
+                [m.num_k_heads, m.num_k_heads, m.num_v_heads],
+                [m.head_k_dim, m.head_k_dim, m.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+        state = cache[1]
+        if state is None:
+            state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
+        out, cache[1], deltas = kernels.gdn_verify(q, k, v, g, beta, state)
+        cache.advance(S)
+        self._sink(GDNTape(conv_input, state, q, k, v, g, beta, deltas))
+        out = m.norm(out, z)
+        return m.out_proj(out.reshape(B, S, -1))
+
+
+def _quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
+    """(parent, key, layer) for every affine QuantizedLinear under `module` (parent: Module or list)."""
+    found = []
+
+    def walk(parent, items):
+        for key, child in items:
+            if isinstance(child, nn.QuantizedLinear):
+                if getattr(child, "mode", "affine") == "affine":
+                    found.append((parent, key, child))
+            elif isinstance(child, nn.Module):
+                walk(child, child.items())
+            elif isinstance(child, list):
+                walk(child, enumerate(child))
+
+    walk(module, module.items())
+    return found
+
+
+class _SmallMQuantizedLinear:
+    """Stands in for one QuantizedLinear during a verify forward: `kernels.quantized_linear`."""
+
+    def __init__(self, layer):
+        self._layer = layer
+
+    def __call__(self, x):
+        return kernels.quantized_linear(self._layer, x)
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
 
 
 def _find_text_model(model):
@@ -99,6 +193,15 @@ class Target:
         self._gdn_layers = [
             i for i, layer in enumerate(self.text_model.layers) if getattr(layer, "is_linear", False)
         ]
+        for i in self._gdn_layers:
+            mixer = self.text_model.layers[i].get("linear_attn")
+            if not isinstance(mixer, GatedDeltaNet):
+                # _TapedGatedDeltaNet is a port of exactly this module; another mixer needs its own.
+                raise UnsupportedTargetError(
+                    f"layer {i}: linear mixer {type(mixer).__name__} is not Qwen3.5's GatedDeltaNet"
+                )
+        # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
+        self._quantized = [x for layer in self.text_model.layers for x in _quantized_linears(layer)]
 
     # -- embedding and head -------------------------------------------------
 
@@ -112,20 +215,29 @@ class Target:
         return h
 
     def head(self, h: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:
-        """Raw LM head (no soft-capping) over the whole vocabulary or over `vocab_ids`."""
-        if vocab_ids is None:
-            if self._lm_head is not None:
-                return self._lm_head(h)
-            return self.text_model.embed_tokens.as_linear(h)
+        """Raw LM head (no soft-capping) over the whole vocabulary or over `vocab_ids`.
+
+        An affine-quantized head goes through `kernels.qmm_small_m`, whose
+        reference path is exactly the layer's own `mx.quantized_matmul`.
+        """
         layer = self._lm_head if self._lm_head is not None else self.text_model.embed_tokens
         if "scales" in layer:  # quantized: take the rows, keep the packing
-            w = layer.weight[vocab_ids]
-            scales, biases = layer.scales[vocab_ids], layer.get("biases")
-            biases = biases[vocab_ids] if biases is not None else None
-            return mx.quantized_matmul(
-                h, w, scales, biases, transpose=True, group_size=layer.group_size, bits=layer.bits
-            )
-        return h @ layer.weight[vocab_ids].T
+            w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
+            if vocab_ids is not None:
+                w, scales = w[vocab_ids], scales[vocab_ids]
+                biases = biases[vocab_ids] if biases is not None else None
+            if getattr(layer, "mode", "affine") == "affine":
+                out = kernels.qmm_small_m(h, w, scales, biases, layer.group_size, layer.bits)
+            else:
+                out = mx.quantized_matmul(h, w, scales, biases, transpose=True, group_size=layer.group_size,
+                                          bits=layer.bits, mode=layer.mode)
+        elif vocab_ids is None:
+            return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
+        else:
+            out = h @ layer["weight"][vocab_ids].T
+        if "bias" in layer:
+            out = out + (layer["bias"] if vocab_ids is None else layer["bias"][vocab_ids])
+        return out
 
     def logits(self, h: mx.array) -> mx.array:
         """Exactly the logits mlx-lm's `Model.__call__` produces from final hidden states."""
@@ -146,34 +258,44 @@ class Target:
     # -- forward with taps ------------------------------------------------------
 
     @contextmanager
-    def _taps(self, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], cache):
+    def _taps(self, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool):
         layers = self.text_model.layers
         slot: Dict[int, List[int]] = {}
         for i, lid in enumerate(layer_ids):  # an id may repeat (small targets)
             slot.setdefault(lid, []).append(i)
-        recorded = set(self._gdn_layers) if record is not None else set()
 
         def make_tap(idx, layer):
-            def before(args, kwargs):
-                if idx in recorded:
-                    x = args[0] if args else kwargs["x"]
-                    record.gdn[idx] = (layer, x, list(cache[idx].cache))
-
             def after(out):
                 for i in slot.get(idx, ()):
                     features[i] = out[0] if isinstance(out, tuple) else out
 
-            return _LayerTap(layer, before, after)
+            return _LayerTap(layer, after)
 
-        originals = {}
+        def make_sink(idx):
+            def sink(tape):
+                record.gdn[idx] = tape
+
+            return sink
+
+        # (container, key, original) for everything swapped; restored in reverse.
+        swapped = []
         try:
-            for idx in set(slot) | recorded:
-                originals[idx] = layers[idx]
-                layers[idx] = make_tap(idx, originals[idx])
+            if record is not None:
+                for idx in self._gdn_layers:
+                    layer = layers[idx]
+                    swapped.append((layer, "linear_attn", layer["linear_attn"]))
+                    layer["linear_attn"] = _TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
+            if small_m:
+                for parent, key, q in self._quantized:
+                    swapped.append((parent, key, q))
+                    parent[key] = _SmallMQuantizedLinear(q)
+            for idx in slot:
+                swapped.append((layers, idx, layers[idx]))
+                layers[idx] = make_tap(idx, layers[idx])
             yield
         finally:
-            for idx, layer in originals.items():
-                layers[idx] = layer
+            for container, key, original in reversed(swapped):
+                container[key] = original
 
     def forward(
         self,
@@ -182,10 +304,18 @@ class Target:
         layer_ids: Sequence[int] = (),
         record: bool = False,
     ) -> Tuple[mx.array, Optional[mx.array], Optional[VerifyRecord]]:
-        """tokens: [B, S] -> final hidden [B, S, H], features [B, S, n*H] (None if no taps), record."""
+        """tokens: [B, S] -> final hidden [B, S, H], features [B, S, n*H] (None if no taps), record.
+
+        `record=True` marks a verify forward: Gated DeltaNet layers run taped
+        (the VerifyRecord `rollback` replays). A quantized target's projections
+        go through the small-M kernel when it is on and B*S fits its widths.
+        """
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
-        with self._taps(layer_ids, features, rec, cache):
+        width = tokens.shape[0] * tokens.shape[1]
+        small_m = (bool(self._quantized) and kernels.QMM_MIN_M <= width <= kernels.QMM_MAX_M
+                   and kernels.use_metal("qmm_small_m"))
+        with self._taps(layer_ids, features, rec, small_m):
             h = self.text_model(tokens, cache=cache)
         feats = mx.concatenate(features, axis=-1) if layer_ids else None
         return h, feats, rec
@@ -198,7 +328,7 @@ class Target:
         One path per cache kind: KVCache trims; RotatingKVCache (filled by a
         multi-token update, so its buffer is in temporal order) drops its tail,
         which stays correct after the window wraps; Gated DeltaNet state is
-        re-run from the pre-forward state over the accepted inputs only.
+        replayed from the pre-verify state over the accepted steps of the tape.
         """
         if num_rejected <= 0:
             return
@@ -207,8 +337,7 @@ class Target:
             if isinstance(c, RotatingKVCache):
                 rollback_rotating(c, num_rejected)
             elif isinstance(c, ArraysCache):
-                layer, x, state = record.gdn[idx]
-                rerun_gdn(layer, x[:, :keep], c, state)
+                replay_gdn(c, record.gdn[idx], keep)
             elif isinstance(c, KVCache) or (hasattr(c, "trim") and c.is_trimmable()):
                 c.trim(num_rejected)
             else:
@@ -227,15 +356,12 @@ def rollback_rotating(c: RotatingKVCache, n: int):
     c._idx -= n
 
 
-def rerun_gdn(layer, x_keep: mx.array, c: ArraysCache, state_before: List[Optional[mx.array]]):
-    """Restore the conv + recurrent state, then advance it over the accepted inputs only.
+def replay_gdn(c: ArraysCache, tape: GDNTape, keep: int):
+    """Set a Gated DeltaNet cache to what feeding only the first `keep` verify tokens gives.
 
-    `x_keep` is the layer input for the accepted positions; the layer's token
-    mixer is re-applied to them (outputs discarded) from the pre-verify state,
-    which is exactly the state feeding only the accepted tokens would give.
+    Conv state: the last K-1 conv inputs up to the kept ones. Recurrent state:
+    the pre-verify state advanced by the first `keep` taped steps (no layer runs).
     """
-    c.cache = list(state_before)
-    if x_keep.shape[1] == 0:
-        return
-    h = layer.input_layernorm(x_keep)
-    layer.linear_attn(h, create_ssm_mask(h, c), c)
+    n_conv = tape.conv_input.shape[1] - tape.k.shape[1]  # K - 1
+    c[0] = mx.contiguous(tape.conv_input[:, keep : keep + n_conv])
+    c[1] = kernels.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)

@@ -338,29 +338,3 @@ def test_quantized_linear_hook_matches_layer(monkeypatch):
     monkeypatch.setattr(kernels, "use_metal", lambda name: True)
     monkeypatch.setattr(kernels, "qmm_small_m_metal", partial(kernels.qmm_small_m_metal, factory=compat))
     close(kernels.quantized_linear(qlin, x), want, atol=5e-3, rtol=1e-4)
-
-
-def test_gated_delta_update_taped_then_replay(monkeypatch):
-    # The verify hook returns what mlx-lm's gated_delta_update returns, and the
-    # recorded tape rebuilds the state of any accepted prefix.
-    from mlx_lm.models.gated_delta import gated_delta_update
-
-    mx.random.seed(6)
-    B, T, Hk, Hv, Dk, Dv = 1, 5, 1, 2, 32, 8
-    q, k = mx.random.normal((B, T, Hk, Dk)) / 6, mx.random.normal((B, T, Hk, Dk)) / 6
-    v = mx.random.normal((B, T, Hv, Dv))
-    a, b = mx.random.normal((B, T, Hv)), mx.random.normal((B, T, Hv))
-    A_log, dt_bias = mx.random.normal((Hv,)) * 0.1, mx.random.normal((Hv,)) * 0.1
-    state = mx.random.normal((B, Hv, Dv, Dk)) * 0.3
-    want_y, want_s = gated_delta_update(q, k, v, a, b, A_log, dt_bias, state, use_kernel=False)
-    monkeypatch.setattr(kernels, "use_metal", lambda name: True)
-    monkeypatch.setattr(kernels, "gdn_tape_metal", partial(kernels.gdn_tape_metal, factory=compat))
-    monkeypatch.setattr(kernels, "gdn_replay_metal", partial(kernels.gdn_replay_metal, factory=compat))
-    rec = []
-    y, s = kernels.gated_delta_update_taped(q, k, v, a, b, A_log, dt_bias, state, tape_out=rec)
-    close(y, want_y, atol=1e-5, rtol=1e-5)
-    close(s, want_s, atol=1e-5, rtol=1e-5)
-    (s0, k_rec, g_rec, tape), = rec
-    _, want3 = gated_delta_update(q[:, :3], k[:, :3], v[:, :3], a[:, :3], b[:, :3], A_log, dt_bias,
-                                  state, use_kernel=False)
-    close(kernels.gdn_replay(s0, k_rec, g_rec, tape, mx.array(3)), want3, atol=1e-5, rtol=1e-5)

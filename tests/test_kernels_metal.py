@@ -110,3 +110,24 @@ def test_gdn_tape_and_replay_metal(B, T, Hk, Hv, Dk, Dv, vec, dtype):
             q[:, :steps], k[:, :steps], v[:, :steps], g[:, :steps], beta[:, :steps], state)[1]
         close(kernels.gdn_replay_metal(state, k, g, tape, steps), want, atol=1e-4, rtol=1e-4)
         close(kernels.gdn_replay_metal(state, k, g, tape, mx.array(steps)), want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,quantize", [("qwen3_5", False), ("llama", True), ("qwen3", False)])
+def test_engine_lossless_with_metal_kernels(monkeypatch, arch, quantize):
+    """Every kernel on (DFLASH_MLX_KERNELS=metal), float32 on the GPU: greedy DFlash output is still
+    plain mlx-lm greedy decoding, with a random draft (KV injection) and partial accepts."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.draft import random_draft
+    from dflash_mlx.testing import greedy_reference, tiny_target
+
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "metal")
+    model, tok = tiny_target(arch, seed=1)
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4)
+    prompt = list(range(40, 75))
+    ref = greedy_reference(model, prompt, 40)
+    draft = random_draft(model, num_layers=2, block_size=8, seed=2)
+    out = []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=40, block_size=8, stop_token_ids=[]):
+        out += r.tokens
+    assert out == ref
