@@ -329,6 +329,11 @@ class DFlashDraftModel(nn.Module):
         object.__setattr__(self, "vocab_ids", token_ids)
 
     def make_cache(self) -> List[ContextCache]:
+        from dflash_mlx import kernels
+
+        if kernels.use_metal("kv_inject"):
+            # Preallocated K/V of all layers: the kernel's output lands with one write per tensor.
+            return kernels.make_stacked_cache(self)
         return [ContextCache(layer.self_attn.window) for layer in self.layers]
 
     def fuse(self, features: mx.array) -> mx.array:

@@ -196,3 +196,34 @@ def test_unverified_apple_gpu_keeps_mlx_lm_recurrence(monkeypatch):
     assert out == ref and len(set(accepts)) > 2
     widths = set(fused)
     assert 8 in widths and widths & set(range(1, 7))  # verify blocks, then kept-prefix re-runs
+
+
+# ----------------------------------------------------------- KV injection
+
+
+@needs_gxx
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3_text"])
+def test_lossless_with_kv_inject_kernel_in_the_draft(monkeypatch, arch):
+    """The draft's caches become one preallocated stack filled by the kernel; output stays exact
+    and the draft proposes what it proposes on the reference path."""
+    from dflash_mlx.draft import random_draft
+    from dflash_mlx.kernels import _StackedView
+
+    model, tok = tiny_target(arch, seed=1)
+    prompt, ref = clean_case(model, 40, 24, seed=3)
+    draft = random_draft(model, num_layers=2, block_size=8, seed=4)
+
+    def decode():
+        out, proposals = [], []
+        for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[]):
+            out += r.tokens
+            proposals.append(r.accept_length)
+        return out, proposals
+
+    out_ref, accepts_ref = decode()
+    calls = emulate(monkeypatch, {"kv_inject"})
+    assert all(isinstance(c, _StackedView) for c in draft.make_cache())
+    out, accepts = decode()
+    assert out == out_ref == ref
+    assert accepts == accepts_ref
+    assert calls["kv_inject"] >= len([a for a in accepts if a is not None])
