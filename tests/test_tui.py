@@ -19,7 +19,7 @@ from dflash_mlx.target import Target
 from dflash_mlx.tui.app import ChatApp, main, parse_args
 from dflash_mlx.tui.segments import CycleText
 from dflash_mlx.tui.session import ChatSession, Settings
-from dflash_mlx.tui.stats import histogram, sparkline
+from dflash_mlx.tui.stats import TurnStats, histogram, panel_lines, sparkline
 from dflash_mlx.tui.template import render_prompt, role_template
 from dflash_mlx.tui.widgets import MessageView, SettingsScreen, StatsPanel
 
@@ -113,8 +113,25 @@ def test_cli_args_and_bad_settings(capsys):
     a = parse_args(["--model", "m", "--block-size", "3", "--temperature", "0.5", "--max-tokens", "9", "--system", "S"])
     assert (a.model, a.draft, a.block_size, a.temperature, a.max_tokens, a.system) == ("m", None, 3, 0.5, 9, "S")
     assert parse_args([]).model == "smollm2-135m"
+    assert parse_args([]).block_size == "auto"  # adaptive verify width, as in the one-shot CLI
+    assert parse_args(["--block-size", "auto"]).block_size == "auto"
     assert main(["--max-tokens", "0"]) == 2  # refused before any model loads
     assert "max tokens" in capsys.readouterr().err
+    assert main(["--block-size", "0"]) == 2
+    assert "block size must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--block-size", "x"])
+    assert e.value.code == 2 and "expected a whole number or 'auto', got 'x'" in capsys.readouterr().err
+
+
+def test_block_size_setting_values():
+    assert Settings().block_size == "auto"
+    for ok in ("auto", None, 1, 16):
+        assert Settings(block_size=ok).check().block_size == ok
+    for bad, msg in ((0, "at least 1"), (-3, "at least 1"), ("x", "'auto'"), (2.5, "whole number"),
+                     (True, "whole number")):
+        with pytest.raises(ValueError, match=msg):
+            Settings(block_size=bad).check()
 
 
 # -- the app ----------------------------------------------------------------------
@@ -255,7 +272,8 @@ def test_settings_change_takes_effect(tiny):
         calls.append(kwargs)
         return stream_generate(*args, **kwargs)
 
-    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX), stream_fn=recording)
+    # a fixed width, the draft's: "auto" would vary it and the accept lengths with it
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX, block_size=4), stream_fn=recording)
 
     async def script(pilot):
         before = await ask(pilot, "hello")
@@ -295,7 +313,7 @@ def test_bad_setting_is_refused_with_a_notification(tiny):
 
     still_open, notes = run(app, script)
     assert still_open
-    assert any("whole numbers" in m and sev == "error" for m, sev in notes)
+    assert any("whole number" in m and sev == "error" for m, sev in notes)
     assert app.session.settings.max_tokens == MAX
 
 
@@ -330,7 +348,8 @@ def test_engine_error_shows_a_notification_and_the_app_goes_on(tiny):
 def test_colour_by_cycle_marks_drafted_and_bonus_tokens(tiny):
     model, tok, _ = tiny
     draft = oracle_draft(model, tok, "hello", MAX, block_size=4, accept=2)
-    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+    # fixed width 4, so every cycle can hold its 2 drafted tokens + 1 bonus
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX, block_size=4))
 
     async def script(pilot):
         turn = await ask(pilot, "hello")
@@ -480,3 +499,105 @@ def test_sampling_options_reach_the_engine():
     session.turn("hi", lambda turn, new: None, lambda: False)
     assert {k: calls[-1][k] for k in ("temperature", "top_p", "top_k", "min_p", "seed")} == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3}
+
+
+# -- block size "auto" (the default) ----------------------------------------------
+
+
+class Recorder:
+    """Wraps the engine: keeps what each call was given and every response."""
+
+    def __init__(self):
+        self.calls, self.responses = [], []
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append(kwargs)
+        for r in stream_generate(*args, **kwargs):
+            self.responses.append(r)
+            yield r
+
+
+def test_default_block_size_is_auto_and_reaches_the_engine(tiny):
+    model, tok, _ = tiny
+    n = 20
+    draft = oracle_draft(model, tok, "hello", n)  # block 4, always right: every width is tried
+    engine = Recorder()
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=n), stream_fn=engine)
+
+    async def script(pilot):
+        return await ask(pilot, "hello"), app.query_one(StatsPanel).plain
+
+    turn, panel = run(app, script)
+    assert engine.calls[-1]["block_size"] == "auto"
+    widths = [r.verify_width for r in engine.responses[1:]]  # the first response is the prefill's
+    assert len(set(widths)) > 1 and max(widths) <= draft.block_size and min(widths) >= 1
+    # each cycle keeps every drafted token: accept length = its verify width - 1
+    assert turn.stats.accept_lengths == [w - 1 for w in widths]
+    ids = prompt_ids(tok, [{"role": "user", "content": "hello"}])
+    assert turn.tokens == testing.greedy_reference(model, ids, n)  # the width never changes the output
+    assert turn.stats.verify_width == widths[-1]
+    assert f"block auto ({widths[-1]})  temp 0  max {n}" in panel
+
+
+def test_draft_block_size_setting_keeps_the_width_fixed(tiny):
+    model, tok, _ = tiny
+    draft = oracle_draft(model, tok, "hello", MAX)
+    engine = Recorder()
+    session = ChatSession(model, tok, draft, Settings(max_tokens=MAX, block_size=None), stream_fn=engine)
+    session.turn("hello", lambda turn, new: None, lambda: False)
+    assert engine.calls[-1]["block_size"] is None  # the engine resolves it to the draft's
+    widths = [r.verify_width for r in engine.responses[1:]]
+    assert widths[:-1] == [4] * (len(widths) - 1)  # the last cycle is cut by max tokens
+    assert (session.block_size, session.max_block_size) == (4, 4)
+    session.settings = Settings(block_size="auto")
+    assert (session.block_size, session.max_block_size) == ("auto", 4)  # auto scales to the draft's
+
+
+def test_settings_dialog_takes_auto_a_number_or_nothing(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        await pilot.press("f2")
+        field = app.screen.query_one("#block_size")
+        shown = (field.value, str(field.placeholder))
+        parsed = {}
+        for text in ("auto", " Auto ", "8", ""):
+            field.value = text
+            parsed[text] = app.screen.read().block_size
+        refused = {}
+        field.focus()
+        for text in ("0", "x", "2.5"):
+            field.value = text
+            seen = len(notifications(app))
+            await pilot.press("enter")  # Enter in a field saves (a click could land on the last toast)
+            await pilot.pause(0.05)
+            refused[text] = (isinstance(app.screen, SettingsScreen), notifications(app)[seen:])
+        field.value = "8"
+        await pilot.press("enter")
+        await pilot.pause(0.05)
+        return shown, parsed, refused, app.query_one(StatsPanel).plain
+
+    shown, parsed, refused, panel = run(app, script)
+    assert shown == ("auto", "auto, a number, or empty: draft's 4")
+    assert parsed == {"auto": "auto", " Auto ": "auto", "8": 8, "": None}
+    for text, (still_open, notes) in refused.items():
+        assert still_open, text
+        assert len(notes) == 1 and notes[0][1] == "error" and "block size" in notes[0][0], (text, notes)
+    assert "at least 1" in refused["0"][1][0][0] and "'x'" in refused["x"][1][0][0]
+    assert app.session.settings.block_size == 8 and "block 8  temp 0" in panel
+
+
+def test_stats_panel_under_auto():
+    before = panel_lines(None, "m", "d", "auto", 0.0, 32, False, "ready", max_block=4)
+    assert "block auto  temp 0  max 32" in before  # no cycle yet: no width to show
+    stats = TurnStats(accept_lengths=[3, 1, 0, 3], verify_width=2)
+    lines = panel_lines(stats, "m", "d", "auto", 0.0, 32, False, "ready", max_block=8)
+    assert "block auto (2)  temp 0  max 32" in lines
+    # the draft's block size bounds the scales: top bar at 7 accepted, bins up to the longest seen
+    assert sparkline([3, 1, 0, 3], top=7) in lines
+    assert lines[-4:] == histogram([3, 1, 0, 3], 4)
+    # without a bound it still renders, scaled to what was seen
+    unbounded = panel_lines(stats, "m", "d", "auto", 0.0, 32, False, "ready")
+    assert "block auto (2)  temp 0  max 32" in unbounded and sparkline([3, 1, 0, 3], top=3) in unbounded
+    assert "block 4  temp 0  max 32" in panel_lines(stats, "m", "d", 4, 0.0, 32, False, "ready")

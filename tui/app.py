@@ -20,6 +20,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
+from dflash_mlx.run import _block_size  # "auto" or an int, as in the one-shot CLI
 from dflash_mlx.tui.session import ChatSession, Settings, Turn
 from dflash_mlx.tui.stats import panel_lines
 from dflash_mlx.tui.template import Template
@@ -218,11 +219,14 @@ class ChatApp(App):
 
     def _refresh_panel(self) -> None:
         s = self.session.settings if self.session else self.settings
-        block = self.session.block_size if self.session else (s.block_size or 0)
+        if self.session:
+            block, max_block = self.session.block_size, self.session.max_block_size
+        else:  # not loaded yet: no draft to resolve None against
+            block, max_block = (s.block_size if s.block_size is not None else "draft's"), None
         stats = self._last_turn.stats if self._last_turn is not None else None
         self.query_one(StatsPanel).show(panel_lines(
             stats, self.model_name or "?", self.draft_name or "?", block, s.temperature,
-            s.max_tokens, self.colour_cycles, self.status,
+            s.max_tokens, self.colour_cycles, self.status, max_block,
         ))
 
     # -- user actions -----------------------------------------------------------------
@@ -281,7 +285,7 @@ class ChatApp(App):
 
     def action_settings(self) -> None:
         current = self.session.settings if self.session else self.settings
-        draft_block = getattr(self.session.draft, "block_size", 1) if self.session and self.session.draft else 1
+        draft_block = self.session.draft_block_size if self.session else 1
 
         def apply(new: Optional[Settings]) -> None:
             if new is None:
@@ -324,13 +328,23 @@ class ChatApp(App):
         self._jobs.put(None)
 
 
+def block_size_arg(text: str):
+    """--block-size: "auto" or a number, as the one-shot CLI takes it, with a readable error."""
+    try:
+        return _block_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
+
+
 def parse_args(argv):
     from dflash_mlx.packaged import DEFAULT_MODEL
 
     p = argparse.ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
-    p.add_argument("--block-size", type=int, default=None, help="tokens per cycle (default: the draft's)")
+    p.add_argument("--block-size", type=block_size_arg, default="auto",
+                   help="tokens verified per cycle, or 'auto' (default): pick each cycle's verify "
+                   "width from measured acceptance and cost, up to the draft's block size")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")

@@ -5,7 +5,7 @@ call them directly. Every MLX call of a session must happen on one thread.
 """
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 from dflash_mlx.generate import encode_prompt, make_prompt_cache, stream_generate
 
@@ -14,9 +14,27 @@ from dflash_mlx.tui.stats import TurnStats
 from dflash_mlx.tui.template import Template, render_prompt
 
 
+BLOCK_SIZE_HELP = "a whole number >= 1, 'auto', or empty for the draft's own"
+
+
+def parse_block_size(text: str) -> Union[int, str, None]:
+    """The block-size field as typed: "" -> None (the draft's), "auto", or a number."""
+    text = text.strip()
+    if not text:
+        return None
+    if text.lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"block size takes {BLOCK_SIZE_HELP} (got {text!r})") from None
+
+
 @dataclass
 class Settings:
-    block_size: Optional[int] = None  # None: the draft's own block size
+    # "auto": each cycle's verify width is picked from measured acceptance and cost,
+    # up to the draft's block size; None: always the draft's own block size
+    block_size: Union[int, str, None] = "auto"
     temperature: float = 0.0
     max_tokens: int = 512
     system: str = ""
@@ -27,8 +45,13 @@ class Settings:
     seed: Optional[int] = None
 
     def check(self) -> "Settings":
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"block size must be at least 1 (got {self.block_size})")
+        b = self.block_size
+        if b is not None and b != "auto":
+            # bool is an int subclass, but True is no block size
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise ValueError(f"block size takes {BLOCK_SIZE_HELP} (got {b!r})")
+            if b < 1:
+                raise ValueError(f"block size must be at least 1, or 'auto' (got {b})")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
         if self.max_tokens < 1:
@@ -65,10 +88,22 @@ class ChatSession:
         self.last: Optional[Turn] = None
 
     @property
-    def block_size(self) -> int:
+    def draft_block_size(self) -> int:
+        return getattr(self.draft, "block_size", 1) if self.draft is not None else 1
+
+    @property
+    def block_size(self) -> Union[int, str]:
+        """The setting as shown: a number or "auto" (None resolved to the draft's)."""
         if self.settings.block_size is not None:
             return self.settings.block_size
-        return getattr(self.draft, "block_size", 1) if self.draft is not None else 1
+        return self.draft_block_size
+
+    @property
+    def max_block_size(self) -> int:
+        """The widest verify a cycle can have: the top of the accept-length scales."""
+        b = self.block_size
+        # "auto" never verifies more than the draft's block size
+        return self.draft_block_size if b == "auto" else b
 
     def new_chat(self) -> None:
         """Forget the conversation and the cache (it is rebuilt on the next turn)."""

@@ -1,7 +1,7 @@
 """Per-answer statistics and their text rendering (sparkline, histogram)."""
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 from dflash_mlx.generate import tau
 
@@ -42,6 +42,7 @@ class TurnStats:
     tps: float = 0.0
     peak_memory: float = 0.0
     accept_lengths: List[int] = field(default_factory=list)
+    verify_width: Optional[int] = None  # of the last cycle (under "auto" it changes)
     finish: Optional[str] = None  # "stop" | "length" | "stopped" | None while running
     baseline_tps: Optional[float] = None
     baseline_same: Optional[bool] = None
@@ -63,6 +64,8 @@ class TurnStats:
         self.tps = r.generation_tps
         self.peak_memory = r.peak_memory
         self.accept_lengths = list(r.accept_lengths)
+        if r.verify_width is not None:  # None on the prefill response: keep the last cycle's
+            self.verify_width = r.verify_width
         if r.finish_reason is not None:
             self.finish = r.finish_reason
 
@@ -71,16 +74,32 @@ def memory(gb: float) -> str:
     return f"{gb:8.2f} GB" if gb >= 1 else f"{gb * 1000:8.0f} MB"
 
 
+def block_label(block_size: Union[int, str], stats: Optional[TurnStats]) -> str:
+    """The block setting as shown: "4", or "auto (6)" with the width the last cycle verified."""
+    if block_size == "auto" and stats is not None and stats.verify_width is not None:
+        return f"auto ({stats.verify_width})"
+    return str(block_size)
+
+
 def panel_lines(stats: Optional[TurnStats], model_name: str, draft_name: str,
-                block_size: int, temperature: float, max_tokens: int,
-                colour_cycles: bool, status: str) -> List[str]:
-    """The live panel as plain lines (the widget styles them; tests read them)."""
+                block_size: Union[int, str], temperature: float, max_tokens: int,
+                colour_cycles: bool, status: str, max_block: Optional[int] = None) -> List[str]:
+    """The live panel as plain lines (the widget styles them; tests read them).
+
+    `block_size` is the setting (a number or "auto"); `max_block` is the widest
+    verify possible (the draft's block size under "auto"), which scales the
+    sparkline and bounds the histogram. It defaults to a numeric `block_size`.
+    """
+    if max_block is None:
+        # "auto" without a bound: scale to what was seen
+        max_block = block_size if isinstance(block_size, int) else 1 + max(
+            stats.accept_lengths if stats is not None else [], default=0)
     lines = [
         f"model  {model_name}",
         f"draft  {draft_name}",
         f"status {status}",
         "",
-        f"block {block_size}  temp {temperature:g}  max {max_tokens}",
+        f"block {block_label(block_size, stats)}  temp {temperature:g}  max {max_tokens}",
         f"colour by cycle: {'on' if colour_cycles else 'off'}",
         "",
     ]
@@ -103,10 +122,10 @@ def panel_lines(stats: Optional[TurnStats], model_name: str, draft_name: str,
         f"finish    {s.finish or '...':>8}",
         "",
         "accept length per cycle",
-        sparkline(s.accept_lengths, top=max(block_size - 1, 1)) or "-",
+        sparkline(s.accept_lengths, top=max(max_block - 1, 1)) or "-",
         "",
         "accept length histogram",
         # bins up to the longest accept seen, so short answers keep the panel short
-        *histogram(s.accept_lengths, min(max(s.accept_lengths, default=0) + 1, max(block_size, 1))),
+        *histogram(s.accept_lengths, min(max(s.accept_lengths, default=0) + 1, max(max_block, 1))),
     ]
     return lines

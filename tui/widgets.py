@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Markdown, Static
 
 from dflash_mlx.tui.segments import Segment
-from dflash_mlx.tui.session import Settings
+from dflash_mlx.tui.session import Settings, parse_block_size
 
 DRAFT_STYLE = "bold green"  # tokens the draft proposed and the target accepted
 BONUS_STYLE = "bold magenta"  # the target's own token that closes each cycle
@@ -126,8 +126,8 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
     DEFAULT_CSS = """
     SettingsScreen { align: center middle; }
     SettingsScreen > Grid {
-        grid-size: 2; grid-columns: 16 40; grid-rows: auto; grid-gutter: 1;
-        width: 62; height: auto; padding: 1 2; border: thick $primary; background: $surface;
+        grid-size: 2; grid-columns: 16 44; grid-rows: auto; grid-gutter: 1;
+        width: 66; height: auto; padding: 1 2; border: thick $primary; background: $surface;
     }
     SettingsScreen Label { padding: 1 0 0 0; }
     """
@@ -143,7 +143,8 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         with Grid():
             yield Label("block size")
             yield Input("" if s.block_size is None else str(s.block_size),
-                        placeholder=f"draft default ({self.draft_block_size})", id="block_size")
+                        placeholder=f"auto, a number, or empty: draft's {self.draft_block_size}",
+                        id="block_size")
             yield Label("temperature")
             yield Input(f"{s.temperature:g}", id="temperature")
             yield Label("max tokens")
@@ -158,12 +159,12 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         def field(name):
             return self.query_one(f"#{name}", Input).value.strip()
 
+        block = parse_block_size(field("block_size"))  # its own message: it also takes "auto"
         try:
-            block = int(field("block_size")) if field("block_size") else None
             temperature = float(field("temperature") or 0)
             max_tokens = int(field("max_tokens"))
         except ValueError:
-            raise ValueError("block size and max tokens take whole numbers, temperature a number") from None
+            raise ValueError("max tokens takes a whole number, temperature a number") from None
         # sampling filters set on the command line (top-p/k, min-p, seed) carry over
         return dataclasses.replace(
             self.settings, block_size=block, temperature=temperature, max_tokens=max_tokens,
