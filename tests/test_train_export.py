@@ -111,3 +111,17 @@ def test_train_cli_export_only_measures_tau_into_the_card(tmp_path, monkeypatch)
     state = json.loads((tmp_path / "draft.run" / "checkpoint" / "state.json").read_text())
     assert state["step"] == 2  # export-only trained nothing more
     assert not (out / DRAFT_VOCAB_FILE).exists()  # full vocabulary: no extra file
+
+
+def test_model_card_thins_long_held_out_curves():
+    from dflash_mlx.train.export import thin
+
+    evals = [{"step": 50 * i, "tokens": 1000 * i, "val_loss": 6.0 - i / 100, "val_acc": i / 100,
+              "val_tau_hat": 1 + i / 100} for i in range(1, 85)]
+    kept = thin(evals, 30)
+    assert len(kept) == 30 and kept[0] is evals[0] and kept[-1] is evals[-1]
+    assert [e["step"] for e in kept] == sorted({e["step"] for e in kept})
+    card = model_card({"target": "t", "state": {"evals": evals, "draft_config": {}}})
+    rows = [line for line in card.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert len(rows) == 30 and rows[-1].startswith("| 4200 |")
+    assert thin(evals[:5], 30) == evals[:5]

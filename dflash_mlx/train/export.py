@@ -33,6 +33,14 @@ def export_draft(draft: DFlashDraftModel, out_dir, dtype=mx.float16, card: Optio
     return out_dir
 
 
+def thin(rows: list, n: int) -> list:
+    """At most n rows, evenly spaced, always with the first and the last (long runs stay readable)."""
+    if len(rows) <= n:
+        return list(rows)
+    idx = sorted({round(i * (len(rows) - 1) / (n - 1)) for i in range(n)})
+    return [rows[i] for i in idx]
+
+
 def model_card(info: dict) -> str:
     """README.md for an exported draft.
 
@@ -69,7 +77,7 @@ def model_card(info: dict) -> str:
         f"loss weights exp(-(k-1)/{cfg.get('gamma')}), seed {cfg.get('seed')}",
         f"- compute: {info.get('compute') or ''} {info.get('train_seconds', 0) / 60:.0f} min of training",
     ]
-    evals = st.get("evals") or []
+    evals = thin(st.get("evals") or [], 30)
     if evals:
         lines += ["", "## Held-out curve (estimate from the training forward)", "",
                   "| step | supervised tokens | loss | top-1 acc | tau estimate |", "|---|---|---|---|---|"]
