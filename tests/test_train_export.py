@@ -125,3 +125,18 @@ def test_model_card_thins_long_held_out_curves():
     rows = [line for line in card.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(rows) == 30 and rows[-1].startswith("| 4200 |")
     assert thin(evals[:5], 30) == evals[:5]
+
+
+def test_tau_trend_recovers_a_log_linear_curve(tmp_path):
+    from dflash_mlx.train.evaluate import tau_trend, tokens_for_tau
+    from dflash_mlx.train.trainer import plot_curves
+
+    pts = [{"tokens": 2**k, "tau": 0.2 + 0.05 * k} for k in range(15, 22)] + [{"tokens": 1000, "tau": 3.0}]
+    trend = tau_trend(pts, min_tokens=2**15)
+    assert trend["n"] == 7
+    assert abs(trend["per_doubling"] - 0.05) < 1e-9 and abs(trend["intercept"] - 0.2) < 1e-9
+    assert abs(tokens_for_tau(trend, 1.5) - 2**26) / 2**26 < 1e-6
+    assert tau_trend(pts[:2]) is None
+    assert tokens_for_tau({"per_doubling": -0.01, "intercept": 1.0}, 2.0) == float("inf")
+    plot_curves({"history": [], "evals": []}, tmp_path / "curve.png", pts)
+    assert (tmp_path / "curve.png").stat().st_size > 10_000

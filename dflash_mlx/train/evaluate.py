@@ -49,3 +49,29 @@ def load_snapshot(draft, path) -> int:
     draft.load_weights(list(weights.items()))
     mx.eval(draft.parameters())
     return int(meta.get("tokens", 0))
+
+
+def tau_trend(points: Sequence[Dict], min_tokens: int = 0) -> Optional[Dict[str, float]]:
+    """Least-squares fit tau = a + b * log2(supervised tokens) over the learning-curve points.
+
+    Returns {"per_doubling": b, "intercept": a, "n": points used} (None with fewer
+    than 3 points). `tokens_for(tau)` follows from it: 2 ** ((tau - a) / b).
+    Early points (before `min_tokens`) can be left out: the first few hundred
+    steps are warm-up, not the trend.
+    """
+    import numpy as np
+
+    pts = [p for p in points if p["tokens"] >= max(min_tokens, 1) and p["tau"] == p["tau"]]
+    if len(pts) < 3:
+        return None
+    x = np.log2([p["tokens"] for p in pts])
+    y = np.array([p["tau"] for p in pts])
+    b, a = np.polyfit(x, y, 1)
+    return {"per_doubling": float(b), "intercept": float(a), "n": len(pts)}
+
+
+def tokens_for_tau(trend: Dict[str, float], tau: float) -> float:
+    """Supervised tokens the log-linear trend needs to reach `tau` (inf if it is not rising)."""
+    if trend["per_doubling"] <= 0:
+        return float("inf")
+    return float(2.0 ** ((tau - trend["intercept"]) / trend["per_doubling"]))

@@ -423,8 +423,11 @@ def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from dflash_mlx.train.evaluate import tau_trend
+
     hist, evals = state.get("history", []), state.get("evals", [])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    trend = tau_trend(tau_points or [], min_tokens=200_000)
+    fig, axes = plt.subplots(1, 4 if trend else 3, figsize=(20 if trend else 15, 4))
     if hist:
         t = [h["tokens"] for h in hist]
         axes[0].plot(t, [h["loss"] for h in hist], label="train", alpha=0.6)
@@ -438,11 +441,24 @@ def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
     if tau_points:
         axes[2].plot([p["tokens"] for p in tau_points], [p["tau"] for p in tau_points], "s-",
                      label="engine tau (greedy, B=16)")
-    for ax, title in zip(axes, ["weighted CE loss", "top-1 accuracy (mask positions)", "tau"]):
+    if trend:
+        import numpy as np
+
+        ax = axes[3]
+        pts = [p for p in tau_points if p["tokens"] > 0]
+        ax.semilogx([p["tokens"] for p in pts], [p["tau"] for p in pts], "s", base=2, label="engine tau")
+        x = np.logspace(np.log2(pts[0]["tokens"]), np.log2(pts[-1]["tokens"]) + 7, 50, base=2)
+        ax.plot(x, trend["intercept"] + trend["per_doubling"] * np.log2(x), "--",
+                label=f"fit: {trend['per_doubling']:+.3f} tau per doubling")
+        ax.axvline(pts[-1]["tokens"], color="grey", alpha=0.4)
+    titles = ["weighted CE loss", "top-1 accuracy (mask positions)", "tau",
+              "engine tau, log-linear trend (extrapolated 128x)"]
+    for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("supervised tokens")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
