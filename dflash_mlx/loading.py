@@ -6,8 +6,10 @@ are cast, to
   bf16 and quantized matmuls run 2-10x slower on CPU (DESIGN.md §4);
 * bfloat16 on a GPU (Metal/CUDA): half the memory traffic of f32, and bf16's
   range avoids the fp16 overflows Gemma activations are known for.
-Override with `load(..., dtype=...)` or `DFLASH_MLX_DTYPE=float32|float16|bfloat16`;
-`DFLASH_MLX_DTYPE=keep` keeps an mlx-lm folder's stored dtype (quantized stays quantized).
+Only floating-point parameters are cast: a quantized mlx-lm folder stays
+quantized (its scales and biases take the dtype). Override with
+`load(..., dtype=...)` or `DFLASH_MLX_DTYPE=float32|float16|bfloat16`;
+`DFLASH_MLX_DTYPE=keep` keeps an mlx-lm folder's stored dtypes as they are.
 """
 
 import os
