@@ -14,8 +14,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
-from mlx_lm.models.gated_delta import compute_g, normalize_qk
-from mlx_lm.models.qwen3_5 import GatedDeltaNet
 
 from dflash_mlx import kernels
 
@@ -80,6 +78,8 @@ class _TapedGatedDeltaNet:
         return getattr(self._mixer, name)
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
+        from mlx_lm.models.gated_delta import compute_g, normalize_qk  # only hybrid targets need it
+
         m = self._mixer
         if mask is not None or cache is None or getattr(cache, "lengths", None) is not None:
             raise UnsupportedTargetError("verify with a taped Gated DeltaNet needs an unpadded batch and a cache")
@@ -193,6 +193,8 @@ class Target:
         self._gdn_layers = [
             i for i, layer in enumerate(self.text_model.layers) if getattr(layer, "is_linear", False)
         ]
+        if self._gdn_layers:
+            from mlx_lm.models.qwen3_5 import GatedDeltaNet
         for i in self._gdn_layers:
             mixer = self.text_model.layers[i].get("linear_attn")
             if not isinstance(mixer, GatedDeltaNet):
