@@ -195,13 +195,14 @@ class Target:
         ]
         if self._gdn_layers:
             from mlx_lm.models.qwen3_5 import GatedDeltaNet
-        for i in self._gdn_layers:
-            mixer = self.text_model.layers[i].get("linear_attn")
-            if not isinstance(mixer, GatedDeltaNet):
-                # _TapedGatedDeltaNet is a port of exactly this module; another mixer needs its own.
-                raise UnsupportedTargetError(
-                    f"layer {i}: linear mixer {type(mixer).__name__} is not Qwen3.5's GatedDeltaNet"
-                )
+
+            for i in self._gdn_layers:
+                mixer = self.text_model.layers[i].get("linear_attn")
+                if not isinstance(mixer, GatedDeltaNet):
+                    # _TapedGatedDeltaNet is a port of exactly this module; another mixer needs its own.
+                    raise UnsupportedTargetError(
+                        f"layer {i}: linear mixer {type(mixer).__name__} is not Qwen3.5's GatedDeltaNet"
+                    )
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
         self._quantized = [x for layer in self.text_model.layers for x in _quantized_linears(layer)]
 

@@ -2,7 +2,7 @@
 tokenizer, and scripted drafts, for tests and examples that must run in seconds."""
 
 import importlib
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -99,6 +99,20 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids
         if tok in stop_ids:
             break
     return out
+
+
+def clean_case(model, length: int, max_tokens: int, seed: int):
+    """(prompt, greedy reference) for a random byte prompt whose greedy continuation has no
+    EOS (the engine stops on EOS, as mlx-lm does), so every case runs to its full length."""
+    import random
+
+    for s in range(seed, seed + 50):
+        rng = random.Random(s)
+        prompt = [rng.randrange(0, 256) for _ in range(length)]
+        ref = greedy_reference(model, prompt, max_tokens)
+        if EOS_ID not in ref:
+            return prompt, ref
+    raise AssertionError("no EOS-free case found")
 
 
 class ScriptedDraft:

@@ -7,7 +7,7 @@ import pytest
 from dflash_mlx import stream_generate
 from dflash_mlx.draft import random_draft
 from dflash_mlx.target import Target
-from dflash_mlx.testing import EOS_ID, ScriptedDraft, greedy_reference, tiny_target
+from dflash_mlx.testing import ScriptedDraft, clean_case, greedy_reference, tiny_target
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text"]
 _MODELS = {}
@@ -20,27 +20,11 @@ def model_for(arch):
 
 
 def run(model, draft, tok, prompt, **kw):
-    tokens, accepts, responses = [], [], []
+    tokens, responses = [], []
     for r in stream_generate(model, draft, tok, prompt, **kw):
         tokens += r.tokens
         responses.append(r)
     return tokens, responses
-
-
-def prompt_of(length, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(0, 256) for _ in range(length)]
-
-
-def clean_case(model, length, max_tokens, seed):
-    """A prompt whose greedy continuation has no EOS (the engine stops on EOS, as mlx-lm does),
-    so every case runs to its full length."""
-    for s in range(seed, seed + 50):
-        prompt = prompt_of(length, s)
-        ref = greedy_reference(model, prompt, max_tokens)
-        if EOS_ID not in ref:
-            return prompt, ref
-    raise AssertionError("no EOS-free case found")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -10,18 +10,16 @@ every rollback path run. The same tests on the reference path pin the twins.
 import importlib.util
 import random
 import shutil
-from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ArraysCache
 
 from dflash_mlx import kernels, stream_generate
 from dflash_mlx.target import GDNTape, Target
-from dflash_mlx.testing import EOS_ID, ScriptedDraft, greedy_reference, tiny_target
+from dflash_mlx.testing import ScriptedDraft, clean_case, tiny_target
 
 _spec = importlib.util.spec_from_file_location(
     "dflash_metal_compat_driver_verify", Path(__file__).parent / "metal_compat" / "driver.py"
@@ -46,16 +44,6 @@ def emulate(monkeypatch, names):
 
         monkeypatch.setattr(kernels, fn_name, counted)
     return calls
-
-
-def clean_case(model, length, max_tokens, seed):
-    for s in range(seed, seed + 50):
-        rng = random.Random(s)
-        prompt = [rng.randrange(0, 256) for _ in range(length)]
-        ref = greedy_reference(model, prompt, max_tokens)
-        if EOS_ID not in ref:
-            return prompt, ref
-    raise AssertionError("no EOS-free case found")
 
 
 def decode_with_partial_accepts(model, tok, prompt, ref, block_size, seed):
