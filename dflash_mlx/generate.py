@@ -13,6 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.accept import make_acceptor
 from dflash_mlx.adaptive import BlockSizer
+from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
 from dflash_mlx.target import Target
 
 
@@ -53,34 +54,6 @@ class DFlashResponse:
         return tau(self.accept_lengths)
 
 
-@dataclass
-class PromptCache:
-    """Target and draft caches kept between calls (multi-turn chat).
-
-    `tokens` are the tokens whose K/V (or recurrent state) the target cache
-    holds; `pending` are target features of the last committed positions that
-    the draft has not absorbed yet.
-    """
-
-    model: Any
-    target_cache: List[Any]
-    draft: Any = None
-    draft_cache: Optional[List[Any]] = None
-    tokens: List[int] = field(default_factory=list)
-    pending: Optional[mx.array] = None
-    valid: bool = True
-
-
-def make_prompt_cache(model, draft=None) -> PromptCache:
-    target = _target_for(model, draft)
-    return PromptCache(
-        model=model,
-        target_cache=target.make_cache(),
-        draft=draft,
-        draft_cache=draft.make_cache() if draft is not None else None,
-    )
-
-
 def _target_for(model, draft) -> Target:
     target = getattr(draft, "target", None)
     if target is not None and target.model is model:
@@ -107,49 +80,6 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> Lis
         add_special = bos is None or not prompt.startswith(bos)
         return list(tokenizer.encode(prompt, add_special_tokens=add_special))
     return [int(t) for t in prompt]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _trimmable(cache) -> bool:
-    return all(hasattr(c, "trim") and c.is_trimmable() for c in cache)
-
-
-def _reuse(state: PromptCache, prompt_ids: List[int], target: Target, draft) -> List[int]:
-    """Keep the cached prefix shared with `prompt_ids`; return the tokens left to prefill."""
-    keep = _common_prefix(state.tokens, prompt_ids) if state.valid else 0
-    keep = min(keep, len(prompt_ids) - 1)  # the last prompt token must run to give logits
-    drop = len(state.tokens) - keep
-    if drop > 0 or not state.valid:
-        pending = 0 if state.pending is None else state.pending.shape[1]
-        draft_len = len(state.tokens) - pending
-        draft_ok = draft is None or keep >= draft_len or all(
-            getattr(c, "window", None) is None for c in state.draft_cache
-        )
-        if state.valid and keep > 0 and _trimmable(state.target_cache) and draft_ok:
-            for c in state.target_cache:
-                c.trim(drop)
-            if draft is not None:
-                if keep >= draft_len:
-                    state.pending = state.pending[:, : keep - draft_len] if pending else None
-                else:
-                    for c in state.draft_cache:
-                        c.trim(draft_len - keep)
-                    state.pending = None
-        else:
-            keep = 0
-            state.target_cache = target.make_cache()
-            state.draft_cache = draft.make_cache() if draft is not None else None
-            state.pending = None
-        state.tokens = state.tokens[:keep]
-    return prompt_ids[keep:]
 
 
 def _eval_caches(target_cache, draft_cache, *arrays):
@@ -228,7 +158,7 @@ def stream_generate(
 
     # -- prefill ----------------------------------------------------------------
     tic = time.perf_counter()
-    new_ids = _reuse(state, prompt_ids, target, draft if use_draft else None)
+    new_ids = state.reuse(prompt_ids, target, draft if use_draft else None)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
     if use_draft and state.pending is not None:

@@ -1,0 +1,166 @@
+"""Target and draft caches kept between calls, and what of them a new prompt can reuse.
+
+Attention caches are trimmed back to the prefix a new prompt shares with them.
+Recurrent caches (Gated DeltaNet state, conv state) cannot be trimmed, so a
+`PromptCache` can also keep a few snapshots taken at request boundaries
+(`snapshot()`), keyed by the tokens they hold; `reuse` restores the one that
+saves the most prefill.
+"""
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+
+@dataclass
+class Snapshot:
+    """A frozen copy of a `PromptCache`'s caches after `tokens`."""
+
+    tokens: List[int]
+    target_cache: List[Any]
+    draft_cache: Optional[List[Any]]
+    pending: Optional[mx.array]
+
+
+@dataclass
+class PromptCache:
+    """Target and draft caches kept between calls (multi-turn chat, a server).
+
+    `tokens` are the tokens whose K/V (or recurrent state) the target cache
+    holds; `pending` are target features of the last committed positions that
+    the draft has not absorbed yet. `max_snapshots` > 0 keeps that many
+    snapshots (least recently used dropped first).
+    """
+
+    model: Any
+    target_cache: List[Any]
+    draft: Any = None
+    draft_cache: Optional[List[Any]] = None
+    tokens: List[int] = field(default_factory=list)
+    pending: Optional[mx.array] = None
+    valid: bool = True
+    max_snapshots: int = 0
+    snapshots: "OrderedDict[tuple, Snapshot]" = field(default_factory=OrderedDict)
+
+    def snapshot(self) -> bool:
+        """Keep a copy of the caches as they are now; say whether one was taken."""
+        if self.max_snapshots < 1 or not self.valid or not self.tokens:
+            return False
+        self._keep(
+            Snapshot(
+                list(self.tokens),
+                copy.deepcopy(self.target_cache),
+                copy.deepcopy(self.draft_cache),
+                self.pending,
+            )
+        )
+        return True
+
+    def reuse(self, prompt_ids: Sequence[int], target, draft) -> List[int]:
+        """Leave the caches holding the longest reusable prefix of `prompt_ids`; return the rest.
+
+        The last prompt token is always left to run: the engine needs its logits.
+        """
+        prompt_ids = list(prompt_ids)
+        limit = len(prompt_ids) - 1
+        live = Snapshot(self.tokens, self.target_cache, self.draft_cache, self.pending)
+        live_keep = self._usable(live, prompt_ids, limit, draft) if self.valid else 0
+        best, best_keep = None, 0
+        for snap in self.snapshots.values():
+            keep = self._usable(snap, prompt_ids, limit, draft)
+            if keep > best_keep:
+                best, best_keep = snap, keep
+
+        if best is not None and best_keep > live_keep:
+            self.snapshots.move_to_end(tuple(best.tokens))
+            chosen = copy.deepcopy(best)  # the snapshot stays for later prompts
+            if self.valid and self.tokens:
+                self._keep(live)  # the live caches are not used again: keep them as they are
+            self._restore(chosen, best_keep, draft)
+        elif live_keep > 0:
+            if live_keep < len(self.tokens) and self.max_snapshots > 0:
+                self.snapshot()  # trimming loses the tail another conversation may come back to
+            self._restore(live, live_keep, draft)
+        else:
+            if self.valid and self.tokens and self.max_snapshots > 0:
+                self._keep(live)
+            self.target_cache = target.make_cache()
+            self.draft_cache = draft.make_cache() if draft is not None else None
+            self.pending = None
+            self.tokens = []
+        return prompt_ids[len(self.tokens) :]
+
+    # -- internals --------------------------------------------------------------
+
+    def _keep(self, snap: Snapshot):
+        key = tuple(snap.tokens)
+        self.snapshots.pop(key, None)
+        self.snapshots[key] = snap
+        while len(self.snapshots) > self.max_snapshots:
+            self.snapshots.popitem(last=False)
+
+    @staticmethod
+    def _usable(snap: Snapshot, prompt_ids: List[int], limit: int, draft) -> int:
+        """Tokens of `snap` a prompt can keep: the shared prefix if the caches trim to it, else all or none."""
+        n = len(snap.tokens)
+        shared = min(common_prefix(snap.tokens, prompt_ids), limit)
+        if shared == n:
+            return n
+        if shared == 0 or not can_trim_prompt_cache(snap.target_cache):
+            return 0
+        if draft is not None and snap.draft_cache is not None:
+            draft_len = n - _pending_len(snap)
+            if shared < draft_len and any(
+                getattr(c, "window", None) is not None for c in snap.draft_cache
+            ):
+                return 0  # a sliding-window draft cache cannot be trimmed
+        return shared
+
+    def _restore(self, snap: Snapshot, keep: int, draft):
+        """Make `snap` (owned by this call) the live caches, trimmed to `keep` tokens."""
+        drop = len(snap.tokens) - keep
+        if drop > 0:
+            trim_prompt_cache(snap.target_cache, drop)
+            if draft is not None and snap.draft_cache is not None:
+                pending = _pending_len(snap)
+                draft_len = len(snap.tokens) - pending
+                if keep >= draft_len:
+                    snap.pending = snap.pending[:, : keep - draft_len] if keep > draft_len else None
+                else:
+                    for c in snap.draft_cache:
+                        c.trim(draft_len - keep)
+                    snap.pending = None
+        self.target_cache = snap.target_cache
+        self.draft_cache = snap.draft_cache
+        self.pending = snap.pending
+        self.tokens = list(snap.tokens[:keep])
+
+
+def _pending_len(snap: Snapshot) -> int:
+    return 0 if snap.pending is None else snap.pending.shape[1]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def make_prompt_cache(model, draft=None, max_snapshots: int = 0) -> PromptCache:
+    from dflash_mlx.generate import _target_for  # generate imports this module
+
+    target = _target_for(model, draft)
+    return PromptCache(
+        model=model,
+        target_cache=target.make_cache(),
+        draft=draft,
+        draft_cache=draft.make_cache() if draft is not None else None,
+        max_snapshots=max_snapshots,
+    )
