@@ -1,33 +1,115 @@
-"""Acceptance: how many drafted tokens the target keeps, and the token it adds.
+"""Acceptance: which drafted tokens the target keeps, and the token it adds.
+
+Two acceptors with one interface (`propose`, `first_token`, `accept`):
+
+  GreedyAcceptor    temperature 0: the longest prefix equal to the target's argmax.
+  SamplingAcceptor  temperature > 0, exact speculative sampling: the committed
+                    tokens follow the target's own sampling distribution
+                    whatever the draft proposes. Draft token d is accepted with
+                    probability min(1, p(d)/q(d)); at the first rejection the
+                    token comes from normalize(max(p - q, 0)); when the whole
+                    block is accepted the bonus comes from the last target row.
+                    p and q are the *sampling* distributions (temperature,
+                    top-p, top-k, min-p), both from `sampling_logprobs`.
+
+Proposals are deterministic (q one-hot on the proposed token) unless sampled:
+  "argmax"  the draft's argmax, or the draft's own `select_tokens(draft_logits)`
+            when it has one (DFlash 2's candidate selector). A deterministic
+            proposal is accepted with probability p(d); the residual is p without d.
+  "sample"  each position drawn from q (drafts without a selector only); q
+            travels with the proposal for the acceptance test.
 
 Everything stays in the MLX graph; the engine syncs once per cycle to read the
-accept length. Greedy here; speculative sampling plugs in as another `Acceptor`.
+accept length. Randomness comes from `mx.random`'s global state, so
+`mx.random.seed` makes a run reproducible.
 """
 
 from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+DRAFT_SAMPLING_MODES = ("argmax", "sample")
 
 
 @dataclass
 class Proposal:
-    """The draft's block: token ids [B, n] (target vocabulary) and, when sampling,
-    the draft distribution q over the draft vocabulary [B, n, V_draft]."""
+    """The draft's block in target ids [B, n]. A sampled proposal also keeps
+    log q (filtered, tempered, over the draft vocabulary) [B, n, V_draft] and
+    the sampled ids in the draft vocabulary [B, n]; a deterministic one keeps neither."""
 
     tokens: mx.array
-    draft_logits: Optional[mx.array] = None
+    logq: Optional[mx.array] = None
+    draft_ids: Optional[mx.array] = None
+
+
+def deterministic_proposal(draft, draft_logits: mx.array) -> Proposal:
+    """The draft's own choice: `select_tokens` where the draft defines it, else argmax.
+    Both return ids in the draft vocabulary (the last axis of `draft_logits`)."""
+    select = getattr(draft, "select_tokens", None)
+    ids = select(draft_logits) if select is not None else mx.argmax(draft_logits, axis=-1)
+    return Proposal(draft.to_target_ids(ids).astype(mx.int32))
+
+
+def sampling_logprobs(
+    logits: mx.array,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+) -> mx.array:
+    """Log-probabilities of the distribution a token is sampled from ([..., V] -> [..., V]).
+
+    mlx-lm's order (`make_sampler`): the filters act on the untempered
+    log-probabilities, then the temperature scales what is left. Removed tokens
+    get -inf. This is the one function that makes both p (target) and q (draft).
+    """
+    logprobs = logits.astype(mx.float32)
+    logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
+    if 0 < top_p < 1.0:
+        logprobs = apply_top_p(logprobs, top_p)
+    if min_p > 0.0:
+        logprobs = apply_min_p(logprobs, min_p)
+    # A top-k at or above the vocabulary (a reduced draft vocabulary can be
+    # small) keeps everything; mlx-lm would reject it.
+    if 0 < top_k < logprobs.shape[-1]:
+        logprobs = apply_top_k(logprobs, top_k)
+    scaled = logprobs * (1.0 / temperature)
+    return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+
+
+def accept_draws(u: mx.array, p_drafted: mx.array, q_drafted: mx.array) -> mx.array:
+    """Accept with probability min(1, p/q): u < p/q, written u*q < p so that
+    q = 0 (a token the draft could not have sampled) accepts iff p > 0 and
+    p = 0 never accepts."""
+    return u * q_drafted < p_drafted
+
+
+def residual_probs(p_row: mx.array, q_row: mx.array) -> mx.array:
+    """normalize(max(p - q, 0)) up to the normalization (categorical needs none).
+
+    The residual is empty only when p <= q everywhere, i.e. p == q, where a
+    rejection cannot happen; rounding can still get there, so fall back to p."""
+    r = mx.maximum(p_row - q_row, 0.0)
+    empty = r.sum(axis=-1, keepdims=True) <= 0
+    return mx.where(empty, p_row, r)
+
+
+def sample_from_probs(probs: mx.array) -> mx.array:
+    """One draw per row from unnormalized probabilities [..., V]."""
+    return mx.random.categorical(mx.log(probs))
 
 
 class GreedyAcceptor:
     """temperature 0: accept the longest prefix where the draft equals the target's argmax."""
 
     def propose(self, draft, draft_logits: mx.array) -> Proposal:
-        return Proposal(draft.to_target_ids(mx.argmax(draft_logits, axis=-1)))
+        return deterministic_proposal(draft, draft_logits)
 
     def first_token(self, logits: mx.array) -> mx.array:
         """logits [B, V] -> [B]"""
-        return mx.argmax(logits, axis=-1)
+        return mx.argmax(logits, axis=-1).astype(mx.int32)
 
     def accept(self, proposal: Optional[Proposal], logits: mx.array, draft=None):
         """logits: target logits [B, n+1, V] for [last, d1..dn].
@@ -35,22 +117,116 @@ class GreedyAcceptor:
         Returns (accept_length [B], committed [B, n+1]): committed[:, :a] are the
         accepted drafts, committed[:, a] is the target's own token (the bonus).
         """
-        choice = mx.argmax(logits, axis=-1)
+        choice = mx.argmax(logits, axis=-1).astype(mx.int32)
         if proposal is None or proposal.tokens.shape[1] == 0:
             return mx.zeros((logits.shape[0],), dtype=mx.int32), choice
-        drafted = proposal.tokens
-        matches = (drafted == choice[:, :-1]).astype(mx.int32)
+        matches = (proposal.tokens == choice[:, :-1]).astype(mx.int32)
         accept_length = mx.cumprod(matches, axis=1).sum(axis=1)
         # Past the first mismatch the target's choices are conditioned on wrong
         # tokens; position a of `choice` is the bonus, positions < a equal drafts.
         return accept_length, choice
 
 
+class SamplingAcceptor:
+    """Exact speculative sampling at temperature > 0."""
+
+    def __init__(
+        self,
+        temperature: float,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
+        draft_sampling: str = "argmax",
+    ):
+        if not temperature > 0:
+            raise ValueError(f"SamplingAcceptor needs temperature > 0, got {temperature}")
+        if not 0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
+        if not 0 <= min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if draft_sampling not in DRAFT_SAMPLING_MODES:
+            raise ValueError(
+                f"draft_sampling must be one of {DRAFT_SAMPLING_MODES}, got {draft_sampling!r}"
+            )
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.top_k = int(top_k)
+        self.min_p = float(min_p)
+        self.draft_sampling = draft_sampling
+
+    def logprobs(self, logits: mx.array) -> mx.array:
+        return sampling_logprobs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
+
+    def propose(self, draft, draft_logits: mx.array) -> Proposal:
+        """draft_logits [B, n, V_draft] -> proposal in target ids."""
+        # A draft with its own selector proposes along its selected path: sampling
+        # positions independently from its logits would bypass the selector.
+        if self.draft_sampling == "argmax" or hasattr(draft, "select_tokens"):
+            return deterministic_proposal(draft, draft_logits)
+        logq = self.logprobs(draft_logits)
+        ids = mx.random.categorical(logq)
+        return Proposal(draft.to_target_ids(ids).astype(mx.int32), logq, ids)
+
+    def first_token(self, logits: mx.array) -> mx.array:
+        """logits [B, V] -> [B]"""
+        return mx.random.categorical(self.logprobs(logits)).astype(mx.int32)
+
+    def accept(self, proposal: Optional[Proposal], logits: mx.array, draft=None):
+        """logits: target logits [B, n+1, V] for [last, d1..dn].
+
+        Returns (accept_length [B], committed [B, n+1]): committed[:, :a] are the
+        accepted drafts, committed[:, a] the token drawn from the residual at the
+        first rejection (or from row n when all n drafts are accepted).
+        """
+        logp = self.logprobs(logits)
+        B, rows, V = logp.shape
+        n = rows - 1
+        if proposal is None or proposal.tokens.shape[1] == 0:
+            tokens = mx.random.categorical(logp).astype(mx.int32)
+            return mx.zeros((B,), dtype=mx.int32), tokens
+        drafted = proposal.tokens.astype(mx.int32)
+        p = mx.exp(logp)
+        p_drafted = mx.take_along_axis(p[:, :n], drafted[..., None], axis=-1)[..., 0]
+        one_hot = proposal.logq is None
+        if one_hot:
+            q_drafted = mx.ones_like(p_drafted)
+        else:
+            q = mx.exp(proposal.logq.astype(mx.float32))  # [B, n, V_draft]
+            draft_ids = proposal.draft_ids.astype(mx.int32)
+            q_drafted = mx.take_along_axis(q, draft_ids[..., None], axis=-1)[..., 0]
+
+        u = mx.random.uniform(shape=(B, n))
+        accepted = accept_draws(u, p_drafted, q_drafted).astype(mx.int32)
+        accept_length = mx.cumprod(accepted, axis=1).sum(axis=1)
+
+        # Only row a needs a draw: the residual at the first rejection, or the
+        # last target row when everything was accepted (q is 0 there, so the
+        # residual formula gives p itself).
+        idx = accept_length[:, None]
+        p_row = mx.take_along_axis(p, idx[..., None], axis=1)[:, 0]  # [B, V]
+        if one_hot:
+            pad = mx.full((B, 1), -1, dtype=mx.int32)  # matches no token
+            tok = mx.take_along_axis(mx.concatenate([drafted, pad], axis=1), idx, axis=1)
+            q_row = (mx.arange(V)[None] == tok).astype(p.dtype)
+        else:
+            q_pad = mx.concatenate([q, mx.zeros_like(q[:, :1])], axis=1)
+            q_row = mx.take_along_axis(q_pad, idx[..., None], axis=1)[:, 0]  # [B, V_draft]
+            vocab_ids = getattr(draft, "vocab_ids", None)
+            if vocab_ids is not None:
+                # Tokens outside the draft vocabulary have q = 0.
+                cols = mx.broadcast_to(vocab_ids.astype(mx.int32)[None], q_row.shape)
+                q_row = mx.put_along_axis(mx.zeros((B, V), dtype=q_row.dtype), cols, q_row, axis=-1)
+        bonus = sample_from_probs(residual_probs(p_row, q_row)).astype(mx.int32)
+
+        committed = mx.concatenate([drafted, bonus[:, None]], axis=1)
+        committed = mx.where(mx.arange(n + 1)[None] == idx, bonus[:, None], committed)
+        return accept_length, committed
+
+
 def make_acceptor(temperature: float = 0.0, **sampling):
+    """GreedyAcceptor at temperature 0 (or top_k 1, which is greedy), else SamplingAcceptor."""
     if temperature <= 0 or sampling.get("top_k") == 1:
         return GreedyAcceptor()
-    try:
-        from dflash_mlx.sampling import SamplingAcceptor
-    except ImportError:
-        raise NotImplementedError("sampling at temperature > 0 is not available yet") from None
     return SamplingAcceptor(temperature=temperature, **sampling)

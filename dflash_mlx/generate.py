@@ -47,7 +47,6 @@ class DFlashResponse:
     accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
     verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
-    logprobs: Optional[mx.array] = None
 
     @property
     def tau(self) -> float:

@@ -7,7 +7,8 @@ import pytest
 from dflash_mlx import stream_generate
 from dflash_mlx.draft import random_draft
 from dflash_mlx.target import Target
-from dflash_mlx.testing import ScriptedDraft, clean_case, greedy_reference, tiny_target
+import mlx.core as mx
+from dflash_mlx.testing import VOCAB, ScriptedDraft, clean_case, greedy_reference, tiny_target
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text"]
 _MODELS = {}
@@ -108,6 +109,32 @@ def test_max_tokens_inside_a_block(arch, max_tokens):
     assert out == ref and len(out) == max_tokens
     assert responses[-1].finish_reason == "length"
     assert responses[-1].generation_tokens == max_tokens
+
+
+class SelectingDraft(ScriptedDraft):
+    """A scripted draft with a candidate selector (DFlash 2's `select_tokens` hook)
+    that proposes the token after its argmax: the selector, not the logits, decides."""
+
+    def select_tokens(self, draft_logits):
+        return (mx.argmax(draft_logits, axis=-1).astype(mx.int32) - self.shift + VOCAB) % VOCAB
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_draft_selector_proposes_and_greedy_stays_lossless(arch):
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 12, 1 + 3 * 8, seed=10)
+    # logits always wrong (argmax = reference + 1), selector undoes it: every block accepted
+    right = SelectingDraft(Target(model), prompt + ref, lambda c: 0, block_size=8)
+    right.shift = 1
+    out, responses = run(model, right, tok, prompt, max_tokens=len(ref), stop_token_ids=[])
+    assert out == ref
+    assert responses[-1].accept_lengths == [7, 7, 7]
+    # logits always right, selector spoils them: nothing accepted, output unchanged
+    wrong = SelectingDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=8)
+    wrong.shift = -1
+    out, responses = run(model, wrong, tok, prompt, max_tokens=len(ref), stop_token_ids=[])
+    assert out == ref
+    assert set(responses[-1].accept_lengths) == {0}
 
 
 def test_baseline_mode_matches_greedy():

@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 
 import importlib
-from dflash_mlx import sampling, stream_generate
-from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
+from dflash_mlx import accept, stream_generate
+from dflash_mlx.accept import GreedyAcceptor, Proposal, SamplingAcceptor, make_acceptor, sampling_logprobs
 from dflash_mlx.draft import random_draft
-from dflash_mlx.sampling import SampledProposal, SamplingAcceptor, sampling_logprobs
 from dflash_mlx.testing import greedy_reference, tiny_target
 
-# -- reference distribution (independent of dflash_mlx.sampling) -----------------
+# -- reference distribution (independent of dflash_mlx.accept) -----------------
 
 
 def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0):
@@ -104,11 +103,11 @@ class StubDraft:
         return ids if self.vocab_ids is None else self.vocab_ids[ids]
 
 
-def markov_generate(acceptor, n_rows, reduced=False, k=K, w=W, q=Q):
+def markov_generate(acceptor, n_rows, reduced=False, k=K, w=W, q=Q, draft=None):
     """The engine's cycle on the Markov target, for `n_rows` independent rows.
 
     Returns the first k tokens of every row [n_rows, k] and all accept lengths."""
-    draft = StubDraft(REDUCED if reduced else None)
+    draft = draft or StubDraft(REDUCED if reduced else None)
     Wm = mx.array(w)
     Qm = mx.array(q[:, :, REDUCED] if reduced else q)
     last = acceptor.first_token(Wm[mx.full((n_rows,), START, dtype=mx.int32)])
@@ -176,6 +175,32 @@ def test_first_tokens_follow_target_distribution(mode, filters, reduced):
     assert pval > 1e-3, (stat, pval)
 
 
+class SelectorDraft(StubDraft):
+    """A draft with its own candidate selector (DFlash 2's hook): it proposes its
+    second choice at every position, never the argmax of its logits."""
+
+    def select_tokens(self, draft_logits):
+        return mx.argsort(draft_logits, axis=-1)[..., -2].astype(mx.int32)
+
+
+@pytest.mark.parametrize("mode", ["argmax", "sample"])
+def test_selector_proposals_stay_exact(mode):
+    """Proposals come from `select_tokens` (not argmax, not sampled) and are treated
+    as deterministic (q one-hot): the joint still matches the exact one."""
+    draft = SelectorDraft()
+    acc = SamplingAcceptor(draft_sampling=mode, **FILTERS["plain"])
+    logits = mx.array(Q[np.arange(V) % V])
+    proposal = acc.propose(draft, logits)
+    assert proposal.logq is None
+    assert (np.array(proposal.tokens) == np.argsort(Q, axis=-1)[..., -2]).all()
+    assert (np.array(proposal.tokens) != Q.argmax(-1)).any()
+    mx.random.seed(11)
+    out, accepts = markov_generate(acc, N_ROWS, draft=draft)
+    assert set(np.unique(accepts)) == set(range(N_DRAFT + 1)), np.bincount(accepts)
+    stat, pval = chi_square(encode(out, V), exact_joint(**FILTERS["plain"]))
+    assert pval > 1e-3, (stat, pval)
+
+
 def _always_accept(u, p, q):
     return u >= 0
 
@@ -200,7 +225,7 @@ def _ignore_q(u, p, q):
 )
 def test_broken_acceptance_rules_fail_the_same_test(monkeypatch, mode, broken, name):
     for attr, fn in broken.items():
-        monkeypatch.setattr(sampling, attr, fn)
+        monkeypatch.setattr(accept, attr, fn)
     stat, pval, _ = check(mode, "plain")
     assert pval < 1e-12, f"{name}: the statistical test did not catch it ({stat}, {pval})"
 
@@ -245,7 +270,7 @@ def test_p_zero_on_proposed_token_never_accepts():
     mx.random.seed(2)
     for proposal, expected in (
         (Proposal(drafted), p),  # argmax mode: q one-hot on d
-        (SampledProposal(drafted, mx.log(mx.array(np.tile(q, (n_rows, 1, 1)).astype(np.float32))), drafted),
+        (Proposal(drafted, mx.log(mx.array(np.tile(q, (n_rows, 1, 1)).astype(np.float32))), drafted),
          np.maximum(p - q, 0) / np.maximum(p - q, 0).sum()),
     ):
         a, committed = SamplingAcceptor(1.0, top_k=3).accept(proposal, logits, StubDraft())
@@ -263,10 +288,10 @@ def test_q_zero_on_proposed_token():
     logq = mx.log(mx.array(np.tile(np.array([0.5, 0.5, 0.0, 0.0, 0.0], np.float32), (n_rows, 2, 1))))
     drafted = mx.array(np.tile(np.array([[2, 3]], np.int32), (n_rows, 1)))
     acc = SamplingAcceptor(1.0)
-    a, _ = acc.accept(SampledProposal(drafted, logq, drafted), logits, StubDraft())
+    a, _ = acc.accept(Proposal(drafted, logq, drafted), logits, StubDraft())
     assert (np.array(a) == 2).all()
     # Both zero (top-k removes token 3 from p): rejected at the second position.
-    a, committed = SamplingAcceptor(1.0, top_k=3).accept(SampledProposal(drafted, logq, drafted), logits, StubDraft())
+    a, committed = SamplingAcceptor(1.0, top_k=3).accept(Proposal(drafted, logq, drafted), logits, StubDraft())
     assert (np.array(a) == 1).all()
     assert (np.array(committed[:, 0]) == 2).all()
     assert (np.array(committed[:, 1]) != 3).all()
@@ -412,7 +437,7 @@ def test_stream_generate_first_tokens_follow_target(mode):
 
 def test_stream_generate_always_accept_fails(monkeypatch):
     """The engine-level check is not vacuous: always accepting fails it."""
-    monkeypatch.setattr(sampling, "accept_draws", _always_accept)
+    monkeypatch.setattr(accept, "accept_draws", _always_accept)
     out, exact, _, _ = engine_first_tokens("argmax")
     _, pval = chi_square(encode(out, 4), exact)
     assert pval < 1e-6

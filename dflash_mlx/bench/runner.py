@@ -41,7 +41,7 @@ class BenchConfig:
     # None: the draft's own; "auto": the engine's adaptive verify width
     block_sizes: List[Union[int, str, None]] = field(default_factory=lambda: [None])
     temperature: float = 0.0
-    draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.sampling)
+    draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.accept)
     seed: int = 0
     warmup: bool = True
     profile: bool = True  # run the extra profiled pass for the time split
