@@ -175,17 +175,50 @@ def _openblas_candidates():
     return out
 
 
-def _load_cblas(path):
+# OpenBLAS cores whose kernels use AVX-512: a build for one of them alone (no
+# DYNAMIC_ARCH; cmeel-openblas is a SKYLAKEX build) dies with SIGILL on the first
+# matmul on a CPU without AVX-512 (measured: AMD EPYC with AVX2 only).
+_AVX512_CORES = ("SKYLAKEX", "COOPERLAKE", "SAPPHIRERAPIDS")
+
+
+def _cpu_flags():
     try:
-        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def _unsupported_core(config):
+    """Why this CPU cannot run a library with `openblas_get_config()` == config, or None."""
+    if not config or "DYNAMIC_ARCH" in config:
+        return None
+    core = next((c for c in _AVX512_CORES if c in config.split()), None)
+    flags = _cpu_flags()
+    if core and flags is not None and "avx512f" not in flags:
+        return f"built for {core} (AVX-512), which this CPU lacks"
+    return None
+
+
+def _load_cblas(path):
+    # Loaded locally first: a library rejected here must not have put its
+    # symbols in the global namespace, where mlx.core would bind to them.
+    try:
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     except OSError as e:
         if "libgfortran" not in str(e):
             raise
         _provide_gfortran()
-        lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
     if not hasattr(lib, "cblas_sgemm"):
         raise OSError("does not export cblas_sgemm")
-    return lib
+    why = _unsupported_core(_openblas_config(lib))
+    if why:
+        raise OSError(why)
+    return ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)  # promotes the loaded library
 
 
 def _provide_gfortran():

@@ -71,7 +71,11 @@ def test_reference_opt_out_keeps_numerics():
 
 @pytest.mark.skipif(not _has_cmeel_openblas(), reason="cmeel-openblas not installed")
 def test_openblas_active_same_numerics_and_faster():
-    fast, _ = probe()
+    fast, err = probe()
+    if "AVX-512" in fast["detail"]:  # an AVX-512-only build on a CPU without it: refused, not run
+        assert fast["name"] == "reference" and "avx512f" not in blas._cpu_flags()
+        assert "which this CPU lacks" in err
+        pytest.skip("this OpenBLAS build needs AVX-512, which this CPU lacks: reference BLAS in use")
     assert fast["name"] == "openblas", fast
     assert "OpenBLAS" in fast["detail"]
     assert fast["err"] < 1e-5
@@ -123,3 +127,12 @@ def test_patched_copy_falls_back_to_temp_when_cache_unwritable(tmp_path, monkeyp
     dst = blas._patched_copy(str(src), "libgfortran.so.5")
     assert dst.is_relative_to(tmp_path / "tmp")
     assert blas.read_soname(dst.read_bytes()) == "libgfortran.so.5"
+
+
+def test_avx512_only_build_refused_without_avx512(monkeypatch):
+    monkeypatch.setattr(blas, "_cpu_flags", lambda: {"avx", "avx2"})
+    assert "AVX-512" in blas._unsupported_core("OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4")
+    assert blas._unsupported_core("OpenBLAS 0.3.31 DYNAMIC_ARCH NO_AFFINITY Haswell") is None
+    assert blas._unsupported_core("OpenBLAS 0.3.31 NO_AFFINITY HASWELL") is None
+    monkeypatch.setattr(blas, "_cpu_flags", lambda: {"avx2", "avx512f"})
+    assert blas._unsupported_core("OpenBLAS 0.3.31 NO_AFFINITY SKYLAKEX MAX_THREADS=4") is None
