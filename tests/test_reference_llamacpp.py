@@ -33,7 +33,8 @@ from gguf_helpers import load_packaged, write_tiny_gguf
 
 # find_spec, not import: llama.cpp's libraries stay out of the pytest process.
 if importlib.util.find_spec("llama_cpp") is None:
-    pytest.skip("llama-cpp-python not installed", allow_module_level=True)
+    pytest.skip("llama-cpp-python not installed (pip install -e '.[reference]'; it compiles "
+                "llama.cpp)", allow_module_level=True)
 
 _LLAMACPP = textwrap.dedent(
     """
