@@ -5,7 +5,9 @@ unchanged. The draft owns no embedding and no LM head: it borrows the target's.
 Target features (outputs of `target_layer_ids`) are fused by `fc` + `hidden_norm`
 and injected into every layer's KV cache through that layer's own k/v projections.
 The cache holds context K/V only; block K/V are recomputed each step and never
-stored, so the draft never needs a rollback.
+stored, so the draft never needs a rollback. DFlash 2 drafts (same injection, a
+grouped dynamic conv around each sublayer and a candidate selector) live in
+`dflash_mlx.draft2`; loading and saving pick the class from the config.
 """
 
 import json
@@ -16,11 +18,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 # Optional extra stored next to a checkpoint: the reduced draft vocabulary.
 # A plain z-lab loader ignores it; we use it to score only these token ids.
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+
+DFLASH2_ARCH = "DFlash2DraftModel"
 
 
 class DraftMismatchError(ValueError):
@@ -50,6 +55,12 @@ class DraftConfig:
     final_logit_softcapping: Optional[float] = None
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
+    # DFlash 2 only (architectures ["DFlash2DraftModel"]); 0 for DFlash 1 drafts.
+    version: int = 1
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -66,6 +77,27 @@ class DraftConfig:
         if "sliding_attention" in self.layer_types and not self.sliding_window:
             raise DraftMismatchError(
                 "draft config: sliding_attention layers need a sliding_window"
+            )
+        if self.version == 2:
+            self._check_dflash2()
+
+    def _check_dflash2(self):
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, key)
+            if not (isinstance(value, int) and value > 0):
+                raise DraftMismatchError(
+                    f"DFlash 2 draft config: dflash_config.{key} must be a positive integer, got "
+                    f"{value!r}; the checkpoint's config.json is incomplete"
+                )
+        if self.hidden_size % self.conv_group_size:
+            raise DraftMismatchError(
+                f"DFlash 2 draft config: dflash_config.conv_group_size {self.conv_group_size} does not "
+                f"divide hidden_size {self.hidden_size}; the checkpoint's config.json is broken"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise DraftMismatchError(
+                f"DFlash 2 draft config: dflash_config.selector_top_k {self.selector_top_k} exceeds "
+                f"vocab_size {self.vocab_size}"
             )
 
     @classmethod
@@ -84,6 +116,11 @@ class DraftConfig:
                 raise KeyError("dflash_config.mask_token_id")
             num_layers = cfg["num_hidden_layers"]
             heads = cfg["num_attention_heads"]
+            version = 2 if DFLASH2_ARCH in (cfg.get("architectures") or []) else 1
+            v2 = {
+                key: _int_or_raw(dflash.get(key, 0))
+                for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+            } if version == 2 else {}
             return cls(
                 hidden_size=cfg["hidden_size"],
                 num_hidden_layers=num_layers,
@@ -108,6 +145,8 @@ class DraftConfig:
                 ),
                 input_embedding_scale=float(dflash.get("input_embedding_scale", 1.0)),
                 output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+                version=version,
+                **v2,
                 extra={k: v for k, v in cfg.items() if k.startswith("dflash_mlx")},
             )
         except KeyError as e:
@@ -116,7 +155,7 @@ class DraftConfig:
     def to_dict(self) -> Dict[str, Any]:
         """z-lab's config layout."""
         cfg = {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [DFLASH2_ARCH if self.version == 2 else "DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
@@ -148,8 +187,18 @@ class DraftConfig:
             cfg["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
         if self.output_multiplier != 1.0:
             cfg["dflash_config"]["output_multiplier"] = self.output_multiplier
+        if self.version == 2:
+            for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                cfg["dflash_config"][key] = getattr(self, key)
         cfg.update(self.extra)
         return cfg
+
+
+def _int_or_raw(value):
+    """Integers stay integers (JSON may say 4.0); anything else is kept for the config check to name."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
@@ -269,22 +318,11 @@ class DraftAttention(nn.Module):
         return ctx_ok | blk_ok
 
 
-class DraftMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def __call__(self, x):
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DraftLayer(nn.Module):
     def __init__(self, config: DraftConfig, layer_idx: int):
         super().__init__()
         self.self_attn = DraftAttention(config, layer_idx)
-        self.mlp = DraftMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)  # mlx-lm's SwiGLU, z-lab's names
         self.input_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -296,13 +334,15 @@ class DraftLayer(nn.Module):
 class DFlashDraftModel(nn.Module):
     """Block-diffusion drafter. Bind it to a target (`bind`) before use."""
 
+    layer_class = DraftLayer
+
     def __init__(self, config: DraftConfig):
         super().__init__()
         self.config = config
         n_feat = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(n_feat, config.hidden_size, bias=False)
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.layers = [DraftLayer(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [self.layer_class(config, i) for i in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # Plain attributes (not module children): the target's weights are borrowed,
         # never saved with the draft nor trained.
@@ -373,8 +413,18 @@ class DFlashDraftModel(nn.Module):
             out = mx.tanh(out / cap) * cap
         return out
 
+    def propose_hidden(
+        self, last_token: mx.array, features: Optional[mx.array], cache: List[ContextCache], block_size: int
+    ) -> mx.array:
+        """Inject `features`, denoise `[last, MASK x (block_size-1)]`: hidden [B, block_size-1, H] of the mask positions."""
+        self.inject(features, cache)
+        B = last_token.shape[0]
+        mask_ids = mx.full((B, block_size - 1), self.config.mask_token_id, dtype=last_token.dtype)
+        block = mx.concatenate([last_token[:, None], mask_ids], axis=1)
+        return self.hidden(block, cache)[:, 1:]
+
     def propose_logits(
-        self, last_token: mx.array, features: mx.array, cache: List[ContextCache], block_size: int
+        self, last_token: mx.array, features: Optional[mx.array], cache: List[ContextCache], block_size: int
     ) -> mx.array:
         """One denoising step.
 
@@ -382,11 +432,7 @@ class DFlashDraftModel(nn.Module):
         tokens committed since the previous call (injected into the cache).
         Returns logits [B, block_size-1, V_draft] for the mask positions.
         """
-        self.inject(features, cache)
-        B = last_token.shape[0]
-        mask_ids = mx.full((B, block_size - 1), self.config.mask_token_id, dtype=last_token.dtype)
-        block = mx.concatenate([last_token[:, None], mask_ids], axis=1)
-        return self.logits(self.hidden(block, cache)[:, 1:])
+        return self.logits(self.propose_hidden(last_token, features, cache, block_size))
 
     def to_target_ids(self, draft_ids: mx.array) -> mx.array:
         return draft_ids if self.vocab_ids is None else self.vocab_ids[draft_ids]
@@ -419,7 +465,20 @@ def expected_shapes(config: DraftConfig) -> Dict[str, tuple]:
             p + "mlp.up_proj.weight": (I, H),
             p + "mlp.down_proj.weight": (H, I),
         })
+    if config.version == 2:
+        from dflash_mlx.draft2 import dflash2_shapes
+
+        shapes.update(dflash2_shapes(config))
     return shapes
+
+
+def draft_class(config: DraftConfig):
+    """The model class a config describes (DFlash or DFlash 2)."""
+    if config.version == 2:
+        from dflash_mlx.draft2 import DFlash2DraftModel
+
+        return DFlash2DraftModel
+    return DFlashDraftModel
 
 
 def _read_safetensors(path: Path) -> Dict[str, mx.array]:
@@ -441,12 +500,6 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise DraftMismatchError(f"draft config {cfg_file} is not valid JSON: {e}") from None
-    archs = cfg.get("architectures") or []
-    if "DFlash2DraftModel" in archs:
-        raise DraftMismatchError(
-            f"{path} is a DFlash 2 draft (grouped conv + candidate selector); "
-            "dflash-mlx supports DFlash (v1) drafts only"
-        )
     config = DraftConfig.from_dict(cfg)
     files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
     if not files:
@@ -455,7 +508,7 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDra
     for f in files:
         weights.update(_read_safetensors(f))
     check_weights(weights, config)
-    model = DFlashDraftModel(config)
+    model = draft_class(config)(config)
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     model.load_weights(list(weights.items()))
@@ -472,13 +525,21 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDra
 
 def check_weights(weights: Dict[str, mx.array], config: DraftConfig):
     expected = expected_shapes(config)
+    hints = {}
+    if config.version == 2:
+        from dflash_mlx.draft2 import dflash2_hints
+
+        hints = dflash2_hints(config)
     for name, shape in expected.items():
         if name not in weights:
-            raise DraftMismatchError(f"draft weights are missing the tensor '{name}' (expected shape {shape})")
+            raise DraftMismatchError(
+                f"draft weights are missing the tensor '{name}' (expected shape {shape})"
+                + (f"; {hints[name]}" if name in hints else "")
+            )
         if tuple(weights[name].shape) != shape:
             raise DraftMismatchError(
                 f"draft tensor '{name}' has shape {tuple(weights[name].shape)}, "
-                f"expected {shape} from config.json"
+                f"expected {shape} from config.json" + (f" ({hints[name]})" if name in hints else "")
             )
     extra = sorted(set(weights) - set(expected))
     if extra:
@@ -575,14 +636,28 @@ def random_draft_config(
     )
 
 
-def random_draft(target, seed: int = 0, dtype=mx.float32, **config_overrides) -> DFlashDraftModel:
-    """An untrained draft shaped for `target` (tests, and the fallback before a trained one ships)."""
+def random_draft(target, seed: int = 0, dtype=mx.float32, version: int = 1, **config_overrides) -> DFlashDraftModel:
+    """An untrained draft shaped for `target` (tests, and the fallback before a trained one ships).
+
+    `version=2` makes a DFlash 2 draft (small defaults for the conv and the
+    selector, overridable like any config field) with random conv taps and
+    codebooks, so that every part of it affects the proposals.
+    """
     from dflash_mlx.target import Target
 
     if not isinstance(target, Target):
         target = Target(target)
+    if version == 2:
+        from dflash_mlx.draft2 import dflash2_defaults
+
+        config_overrides = {**dflash2_defaults(target.hidden_size), **config_overrides}
     mx.random.seed(seed)
-    model = DFlashDraftModel(random_draft_config(target, **config_overrides))
+    config = random_draft_config(target, version=version, **config_overrides)
+    model = draft_class(config)(config)
+    if version == 2:
+        from dflash_mlx.draft2 import randomize_dflash2
+
+        randomize_dflash2(model)
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     model.eval()
