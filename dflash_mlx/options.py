@@ -1,0 +1,140 @@
+"""Generation options, once for every front end.
+
+The one-shot CLI, the chat app (flags and its settings dialog), the benchmarks
+and the server all read block size and sampling settings through this module:
+`parse_block_size` takes the same spellings everywhere, `GenerationOptions.check`
+rejects bad values with one message each before any model is loaded, and
+`add_generation_args` declares the flags once. `stream_generate` keeps its own
+argument guards for library callers.
+"""
+
+import argparse
+from dataclasses import asdict, dataclass, fields
+from typing import Optional, Union
+
+BLOCK_SIZE_SPELLINGS = "'auto', a whole number >= 1, or empty for the draft's own"
+DRAFT_SAMPLING_MODES = ("argmax", "sample")
+
+BlockSize = Union[int, str, None]
+
+
+def parse_block_size(text) -> BlockSize:
+    """`"auto"`, a whole number >= 1, or None (the draft's own block size).
+
+    Takes the text as typed (a flag, a dialog field, a JSON value): empty or
+    None means the draft's own, "auto" in any case the adaptive width.
+    """
+    if text is None:
+        return None
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        s = str(text).strip() if isinstance(text, str) else None
+        if s == "":
+            return None
+        if s is not None and s.lower() == "auto":
+            return "auto"
+        try:
+            value = int(s)
+        except (TypeError, ValueError):
+            value = None
+    if value is None or value < 1:
+        raise ValueError(f"block size takes {BLOCK_SIZE_SPELLINGS}, got {text!r}")
+    return value
+
+
+@dataclass
+class GenerationOptions:
+    """What one answer is generated with (`stream_generate`'s keyword arguments)."""
+
+    max_tokens: int = 256
+    # "auto": each cycle's verify width is picked from measured acceptance and
+    # cost, up to the draft's block size; None: always the draft's own
+    block_size: BlockSize = "auto"
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    draft_sampling: str = "argmax"  # proposals at temperature > 0: draft argmax or sampled
+
+    def check(self) -> "GenerationOptions":
+        """`self` when every value is usable; else ValueError naming the first bad one."""
+        self.block_size = parse_block_size(self.block_size)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max tokens must be a whole number >= 1, got {self.max_tokens!r}")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1] (1: off), got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top-k must be a whole number >= 0 (0: off), got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min-p must be in [0, 1] (0: off), got {self.min_p!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be a whole number, got {self.seed!r}")
+        if self.draft_sampling not in DRAFT_SAMPLING_MODES:
+            raise ValueError(
+                f"draft sampling must be one of {', '.join(DRAFT_SAMPLING_MODES)}, "
+                f"got {self.draft_sampling!r}"
+            )
+        return self
+
+    def generate_kwargs(self) -> dict:
+        """Keyword arguments for `stream_generate`."""
+        return asdict(self)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "GenerationOptions":
+        """The options `add_generation_args` declared, from parsed flags."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN is no value
+
+
+def _block_size_arg(text: str) -> BlockSize:
+    try:
+        return parse_block_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[GenerationOptions] = None,
+                        skip=()) -> argparse.ArgumentParser:
+    """Declare the generation flags (--max-tokens, --block-size, sampling) on `parser`.
+
+    `defaults` sets a front end's own defaults (the chat app answers longer);
+    names in `skip` are left out (the benchmarks sweep block sizes their own way).
+    Values are checked by `GenerationOptions.check`, not here, so every front
+    end reports a bad one the same way.
+    """
+    d = defaults or GenerationOptions()
+    block_default = "the draft's own" if d.block_size is None else d.block_size
+    flags = {
+        "max_tokens": dict(type=int, help=f"most tokens to generate (default: {d.max_tokens})"),
+        "block_size": dict(
+            type=_block_size_arg,
+            help="tokens verified per cycle: a whole number, or 'auto' to pick each cycle's "
+            "verify width from measured acceptance and cost, up to the draft's block size "
+            f"(default: {block_default})",
+        ),
+        "temperature": dict(type=float, help=f"0 = greedy (default: {d.temperature})"),
+        "top_p": dict(type=float, help="nucleus sampling, in (0, 1] (default: 1, off)"),
+        "top_k": dict(type=int, help="keep the k likeliest tokens (default: 0, off)"),
+        "min_p": dict(type=float, help="drop tokens below min-p x the top probability (default: 0, off)"),
+        "seed": dict(type=int, help="sampling seed (default: none)"),
+        "draft_sampling": dict(
+            choices=DRAFT_SAMPLING_MODES,
+            help="draft proposals at temperature > 0: the draft's argmax (default) or sampled from it",
+        ),
+    }
+    for name, kwargs in flags.items():
+        if name not in skip:
+            parser.add_argument("--" + name.replace("_", "-"), default=getattr(d, name), **kwargs)
+    return parser

@@ -1,0 +1,71 @@
+"""dflash_mlx.options: one block-size parser, one options check, one set of flags."""
+
+import argparse
+
+import pytest
+
+from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
+
+
+@pytest.mark.parametrize("text, want", [
+    ("auto", "auto"), ("AUTO", "auto"), (" auto ", "auto"), ("16", 16), (" 4 ", 4), ("1", 1),
+    (8, 8), ("", None), ("  ", None), (None, None),
+])
+def test_block_size_spellings(text, want):
+    assert parse_block_size(text) == want
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "1.5", "sixteen", "16x", 0, True, 2.0, [4]])
+def test_bad_block_size_one_message(text):
+    with pytest.raises(ValueError) as e:
+        parse_block_size(text)
+    assert str(e.value) == f"block size takes 'auto', a whole number >= 1, or empty for the draft's own, got {text!r}"
+
+
+def test_defaults_pass_and_block_size_is_normalised():
+    o = GenerationOptions(block_size=" Auto ").check()
+    assert o.block_size == "auto"
+    assert GenerationOptions(block_size="12").check().block_size == 12
+    assert GenerationOptions(block_size="").check().block_size is None
+
+
+@pytest.mark.parametrize("field, value, words", [
+    ("max_tokens", 0, "max tokens must be"), ("max_tokens", 2.5, "max tokens must be"),
+    ("temperature", -0.1, "temperature must be >= 0"), ("temperature", float("nan"), "temperature"),
+    ("top_p", 0.0, "top-p must be in (0, 1]"), ("top_p", 1.5, "top-p must be in (0, 1]"),
+    ("top_k", -1, "top-k must be"), ("min_p", 1.1, "min-p must be in [0, 1]"),
+    ("seed", "x", "seed must be"), ("draft_sampling", "beam", "draft sampling must be one of argmax, sample"),
+    ("block_size", "0", "block size takes"),
+])
+def test_check_names_the_bad_value(field, value, words):
+    with pytest.raises(ValueError) as e:
+        GenerationOptions(**{field: value}).check()
+    assert words in str(e.value) and repr(value) in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_flags_round_trip_into_options():
+    p = add_generation_args(argparse.ArgumentParser())
+    args = p.parse_args(["--max-tokens", "7", "--block-size", "auto", "--temperature", "0.5",
+                         "--top-p", "0.9", "--top-k", "3", "--min-p", "0.1", "--seed", "4",
+                         "--draft-sampling", "sample"])
+    o = GenerationOptions.from_args(args).check()
+    assert o == GenerationOptions(7, "auto", 0.5, 0.9, 3, 0.1, 4, "sample")
+    assert o.generate_kwargs() == dict(max_tokens=7, block_size="auto", temperature=0.5, top_p=0.9,
+                                       top_k=3, min_p=0.1, seed=4, draft_sampling="sample")
+
+
+def test_front_end_defaults_and_skipped_flags():
+    p = add_generation_args(argparse.ArgumentParser(), GenerationOptions(max_tokens=512),
+                            skip=("block_size",))
+    args = p.parse_args([])
+    assert args.max_tokens == 512 and not hasattr(args, "block_size")
+    assert GenerationOptions.from_args(args).block_size == "auto"  # the dataclass default
+
+
+def test_bad_block_size_flag_is_a_usage_error(capsys):
+    p = add_generation_args(argparse.ArgumentParser(prog="x"))
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--block-size", "0"])
+    assert e.value.code == 2
+    assert "block size takes 'auto'" in capsys.readouterr().err
