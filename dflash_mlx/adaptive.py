@@ -16,6 +16,19 @@ every width is exact, only the speed changes.
 from typing import Dict, List
 
 
+class FixedWidth:
+    """The same verify width every cycle (fewer when fewer tokens remain)."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def choose(self, remaining: int) -> int:
+        return min(self.width, remaining)
+
+    def update(self, width: int, accept_length: int, seconds: float):
+        pass
+
+
 class BlockSizer:
     def __init__(self, max_block: int, probe_every: int = 16, decay: float = 0.98):
         self.max_block = max_block

@@ -1,18 +1,20 @@
 """The DFlash engine: prefill, then draft -> verify -> accept -> rollback cycles.
 
-`stream_generate` is the one engine; the CLI, the chat app and the benchmarks
-are clients of it. Each cycle syncs with the host once, to read the accept length.
+Two layers, as in mlx-lm: `prefill` and `cycles` work on tokens and caches;
+`stream_generate` (the one engine the CLI, the chat app, the server and the
+benchmarks use) checks arguments and turns steps into text and statistics.
+Plain decoding is the same loop with the null drafter (`PlainDecoding`) at width 1.
 """
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_mlx.accept import make_acceptor
-from dflash_mlx.adaptive import BlockSizer
+from dflash_mlx.accept import Proposal, make_acceptor
+from dflash_mlx.adaptive import BlockSizer, FixedWidth
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
 from dflash_mlx.target import Target
 
@@ -81,10 +83,184 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> Lis
     return [int(t) for t in prompt]
 
 
-def _eval_caches(target_cache, draft_cache, *arrays):
-    mx.eval([c.state for c in target_cache], *arrays)
-    if draft_cache:
-        mx.eval([kv for c in draft_cache for kv in c.fetch() if kv is not None])
+# -- drafters: what a cycle asks of the draft ------------------------------------
+
+
+class PlainDecoding:
+    """The null drafter: no draft, so every cycle is a one-token target step."""
+
+    draft = None
+    layer_ids: List[int] = []
+    max_width = 1
+
+    def absorb(self, features):
+        pass
+
+    def keep(self, features):
+        pass
+
+
+class DraftContext:
+    """A draft and its context cache (held by the prompt cache) as the cycles use them.
+
+    Features of committed positions wait in `state.pending` until the next draft
+    forward absorbs them, so a width-1 cycle runs no draft computation at all.
+    """
+
+    # Past this many waiting positions they are absorbed anyway, which bounds the
+    # lazy graph a long stretch of width-1 cycles would otherwise build up.
+    MAX_PENDING = 64
+
+    def __init__(self, draft, state: PromptCache):
+        self.draft = draft
+        self.state = state
+        self.layer_ids = list(draft.config.target_layer_ids)
+        self.max_width = draft.block_size
+
+    def absorb(self, features: Optional[mx.array]):
+        """Inject features now (prefill), after whatever was waiting."""
+        pending, self.state.pending = self.state.pending, None
+        if pending is not None:
+            self.draft.inject(pending, self.state.draft_cache)
+        self.draft.inject(features, self.state.draft_cache)
+
+    def keep(self, features: mx.array):
+        pending = self.state.pending
+        self.state.pending = features if pending is None else mx.concatenate([pending, features], axis=1)
+        if self.state.pending.shape[1] > self.MAX_PENDING:
+            self.absorb(None)
+
+    def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
+        pending, self.state.pending = self.state.pending, None
+        logits = self.draft.propose_logits(last, pending, self.state.draft_cache, width)
+        return acceptor.propose(self.draft, logits)
+
+
+# -- profiling -------------------------------------------------------------------
+
+
+class PhaseTimer:
+    """Wall time per cycle phase. It evaluates at each phase boundary, which costs
+    host syncs the engine otherwise avoids: for benchmarks only."""
+
+    def start(self):
+        self.t0 = self.t = time.perf_counter()
+        self.times: Dict[str, float] = {}
+
+    def mark(self, phase: str, arrays=None):
+        """`arrays`: what the phase produced (or a function returning it) to wait for."""
+        if arrays is not None:
+            mx.eval(arrays() if callable(arrays) else arrays)
+        now = time.perf_counter()
+        self.times[phase] = now - self.t
+        self.t = now
+
+    def result(self) -> Dict[str, float]:
+        self.times["other"] = max(0.0, time.perf_counter() - self.t0 - sum(self.times.values()))
+        return dict(self.times)
+
+
+class NoTimer:
+    """Profiling off: no syncs, no times."""
+
+    def start(self):
+        pass
+
+    def mark(self, phase, arrays=None):
+        pass
+
+    def result(self):
+        return None
+
+
+# -- the token-level engine ----------------------------------------------------------
+
+
+@dataclass
+class Step:
+    """What one cycle committed, before text and statistics."""
+
+    tokens: List[int]
+    from_draft: List[bool]
+    finish: Optional[str]  # "stop" (the last token is a stop id) | "length" | None
+    accept_length: int
+    width: int
+    times: Optional[Dict[str, float]] = None
+
+
+def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
+            step_size: int) -> Tuple[mx.array, int]:
+    """Run the prompt tokens the cache does not hold; return (first token [1], tokens run)."""
+    new_ids = state.reuse(prompt_ids, target, drafter.draft)
+    state.valid = False  # until the caches and `tokens` agree again
+    cache = state.target_cache
+    drafter.absorb(None)
+    for start in range(0, len(new_ids), step_size):
+        chunk = mx.array(new_ids[start : start + step_size])[None]
+        h, feats, _ = target.forward(chunk, cache, drafter.layer_ids)
+        drafter.absorb(feats)
+        mx.eval([c.state for c in cache], h)
+        if state.draft_cache:
+            mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
+    first = acceptor.first_token(target.logits(h[:, -1, :]))
+    mx.eval(first)
+    state.tokens.extend(new_ids)
+    state.valid = True
+    return first, len(new_ids)
+
+
+def _committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optional[str]]:
+    """How many of a cycle's tokens are committed, and whether generation ends there."""
+    for i, tok in enumerate(tokens):
+        if tok in stops:
+            return i + 1, "stop"
+        if i + 1 >= budget:
+            return i + 1, "length"
+    return len(tokens), None
+
+
+def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
+           budget: int, stops, timer) -> Iterator[Step]:
+    """Draft -> verify -> accept -> rollback until a stop id or `budget` more tokens.
+
+    `last` [1]: the last committed token. Each cycle syncs with the host once,
+    to read the accept length; `widths` picks each cycle's verify width.
+    """
+    cache = state.target_cache
+    while budget > 0:
+        width = widths.choose(budget)
+        timer.start()
+        t0 = time.perf_counter()
+        state.valid = False
+        if width > 1:
+            proposal = drafter.propose(last, width, acceptor)
+            verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+        else:
+            proposal, verify_in = None, last[:, None]
+        timer.mark("draft", verify_in)
+        h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
+        accept_len, committed = acceptor.accept(proposal, target.logits(h), drafter.draft)
+        mx.eval(accept_len, committed, verify_in)  # the cycle's one host sync
+        a = accept_len.item()
+        widths.update(width, a, time.perf_counter() - t0)
+        timer.mark("verify")
+
+        tokens = committed[0, : a + 1].tolist()
+        kept, finish = _committed_span(tokens, stops, budget)  # fed tokens whose cache entries stay
+        target.rollback(cache, width, width - kept, record)
+        if feats is not None:
+            drafter.keep(feats[:, :kept])
+        timer.mark("rollback", lambda: [c.state for c in cache])
+        state.tokens.extend(verify_in[0, :kept].tolist())
+        state.valid = True
+        budget -= kept
+        last = committed[:, a]
+        yield Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result())
+        if finish is not None:
+            return
+
+
+# -- the response layer: arguments, text, statistics -------------------------------
 
 
 def stream_generate(
@@ -119,14 +295,17 @@ def stream_generate(
         raise ValueError("the prompt is empty: give at least one token of input")
     use_draft = draft is not None and not baseline
     target = _target_for(model, draft)
-    sizer = None
     if block_size == "auto":
-        block = draft.block_size if use_draft else 1
-        sizer = BlockSizer(block) if use_draft else None
+        widths = BlockSizer(draft.block_size) if use_draft else FixedWidth(1)
     else:
-        block = (draft.block_size if block_size is None else int(block_size)) if use_draft else 1
-    if block < 1:
-        raise ValueError(f"block_size must be >= 1 or 'auto', got {block_size}")
+        block = draft.block_size if (use_draft and block_size is None) else block_size
+        try:
+            block = int(block) if use_draft else 1
+        except (TypeError, ValueError):
+            block = 0
+        if block < 1:
+            raise ValueError(f"block_size must be an integer >= 1 or 'auto', got {block_size!r}")
+        widths = FixedWidth(block)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     stops = set(tokenizer.eos_token_ids or ()) | set(stop_token_ids or ())
@@ -150,133 +329,57 @@ def stream_generate(
         )
     if target.max_context:
         max_tokens = min(max_tokens, target.max_context - len(prompt_ids))
+    drafter = DraftContext(draft, state) if use_draft else PlainDecoding()
+    timer = PhaseTimer() if profile else NoTimer()
 
-    layer_ids = list(draft.config.target_layer_ids) if use_draft else []
     detok = tokenizer.detokenizer
     detok.reset()
-
-    # -- prefill ----------------------------------------------------------------
     tic = time.perf_counter()
-    new_ids = state.reuse(prompt_ids, target, draft if use_draft else None)
-    state.valid = False  # until the caches and `tokens` agree again
-    cache = state.target_cache
-    if use_draft and state.pending is not None:
-        draft.inject(state.pending, state.draft_cache)
-        state.pending = None
-    for start in range(0, len(new_ids), prefill_step_size):
-        chunk = mx.array(new_ids[start : start + prefill_step_size])[None]
-        h, feats, _ = target.forward(chunk, cache, layer_ids)
-        if use_draft:
-            draft.inject(feats, state.draft_cache)
-        _eval_caches(cache, state.draft_cache if use_draft else None, h)
-    last = acceptor.first_token(target.logits(h[:, -1, :]))
-    mx.eval(last)
-    state.tokens.extend(new_ids)
-    state.valid = True
-    first = last.item()
+    last, prefilled = prefill(target, drafter, acceptor, state, prompt_ids, prefill_step_size)
     prompt_time = time.perf_counter() - tic
-    prompt_tps = len(new_ids) / max(prompt_time, 1e-9)
+    prompt_tps = prefilled / max(prompt_time, 1e-9)
 
     n_generated = 0
     accept_lengths: List[int] = []
     gen_tic = time.perf_counter()
 
-    def response(tokens, flags, finish, accept_length=None, cycle_times=None, verify_width=None):
-        if finish is not None:
+    def response(step: Step, first: bool = False) -> DFlashResponse:
+        nonlocal n_generated
+        n_generated += len(step.tokens)
+        text_tokens = step.tokens[:-1] if step.finish == "stop" else step.tokens
+        for tok in text_tokens:
+            detok.add_token(tok)
+        if step.finish is not None:
             detok.finalize()
+        if not first:
+            accept_lengths.append(step.accept_length)
         elapsed = time.perf_counter() - gen_tic
         return DFlashResponse(
             text=detok.last_segment,
-            token=tokens[-1],
-            tokens=list(tokens),
-            from_draft=list(flags),
+            token=step.tokens[-1],
+            tokens=list(step.tokens),
+            from_draft=list(step.from_draft),
             prompt_tokens=len(prompt_ids),
             prompt_tps=prompt_tps,
             prompt_time=prompt_time,
-            prefill_tokens=len(new_ids),
+            prefill_tokens=prefilled,
             generation_tokens=n_generated,
             generation_tps=n_generated / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
-            finish_reason=finish,
-            accept_length=accept_length,
+            finish_reason=step.finish,
+            accept_length=None if first else step.accept_length,
             accept_lengths=list(accept_lengths),
-            cycle_times=cycle_times,
-            verify_width=verify_width,
+            cycle_times=step.times,
+            verify_width=None if first else step.width,
         )
 
-    def commit(token) -> Optional[str]:
-        """Count one committed token; say whether generation ends on it."""
-        nonlocal n_generated
-        n_generated += 1
-        if token in stops:
-            return "stop"
-        detok.add_token(token)
-        return "length" if n_generated >= max_tokens else None
-
-    finish = commit(first)
-    yield response([first], [False], finish)
+    first_token = last.item()
+    _, finish = _committed_span([first_token], stops, max_tokens)
+    yield response(Step([first_token], [False], finish, 0, 1), first=True)
     if finish is not None:
         return
-
-    # -- cycles -----------------------------------------------------------------
-    last = last.astype(mx.int32)
-    pending = None
-    while True:
-        remaining = max_tokens - n_generated
-        if sizer is not None:
-            bs = sizer.choose(remaining)
-        else:
-            bs = min(block, remaining) if use_draft else 1
-        times = {} if profile else None
-        t0 = time.perf_counter()
-        state.valid = False
-        proposal = None
-        if bs > 1:
-            draft_logits = draft.propose_logits(last, pending, state.draft_cache, bs)
-            proposal = acceptor.propose(draft, draft_logits)
-            verify_in = mx.concatenate([last[:, None], proposal.tokens.astype(mx.int32)], axis=1)
-        else:
-            if use_draft and pending is not None:
-                draft.inject(pending, state.draft_cache)
-            verify_in = last[:, None]
-        if profile:
-            mx.eval(verify_in)
-            times["draft"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-        h, feats, record = target.forward(verify_in, cache, layer_ids, record=bs > 1)
-        accept_len, committed = acceptor.accept(proposal, target.logits(h), draft)
-        mx.eval(accept_len, committed, verify_in)  # the cycle's one host sync
-        a = accept_len.item()
-        if sizer is not None:
-            sizer.update(bs, a, time.perf_counter() - t0)
-        if profile:
-            times["verify"] = time.perf_counter() - t1
-        new_tokens = committed[0, : a + 1].tolist()
-        fed = verify_in[0].tolist()
-
-        flags, finish = [], None
-        for i, tok in enumerate(new_tokens):
-            flags.append(i < a)
-            finish = commit(tok)
-            if finish is not None:
-                break
-        kept = len(flags)  # fed tokens whose cache entries stay: last + drafts before the final token
-        t2 = time.perf_counter()
-        target.rollback(cache, bs, bs - kept, record)
-        if use_draft:
-            pending = feats[:, :kept]
-        if profile:
-            mx.eval([c.state for c in cache])
-            times["rollback"] = time.perf_counter() - t2
-            times["other"] = max(0.0, time.perf_counter() - t0 - sum(times.values()))
-        state.tokens.extend(fed[:kept])
-        state.pending = pending
-        state.valid = True
-        accept_lengths.append(min(kept, a))
-        last = committed[:, a] if finish is None else last
-        yield response(new_tokens[:kept], flags, finish, accept_lengths[-1], times, bs)
-        if finish is not None:
-            return
+    for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer):
+        yield response(step)
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

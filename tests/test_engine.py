@@ -90,3 +90,30 @@ def test_interrupted_generation_leaves_cache_usable():
     prompt = list(range(60, 90)) + [7, 8]
     out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=6, prompt_cache=cache) for t in r.tokens]
     assert out == greedy_reference(model, prompt, 6, stop_ids=[EOS_ID])
+
+
+def test_profile_times_every_cycle_and_leaves_tokens_alone():
+    model, tok = tiny_target("qwen3_5", seed=7)
+    draft = random_draft(model, block_size=4, seed=1)
+    prompt = list(range(30, 50))
+    plain = list(stream_generate(model, draft, tok, prompt, max_tokens=9, stop_token_ids=[]))
+    profiled = list(stream_generate(model, draft, tok, prompt, max_tokens=9, stop_token_ids=[], profile=True))
+    assert [r.tokens for r in profiled] == [r.tokens for r in plain]
+    assert all(r.cycle_times is None for r in plain)
+    assert profiled[0].cycle_times is None  # the prefill token
+    for r in profiled[1:]:
+        assert set(r.cycle_times) == {"draft", "verify", "rollback", "other"}
+        assert all(t >= 0 for t in r.cycle_times.values()) and r.cycle_times["verify"] > 0
+
+
+def test_plain_decoding_runs_no_draft():
+    """baseline=True and draft=None decode with the target alone, one token per cycle."""
+    model, tok = tiny_target("llama", seed=2)
+    prompt = list(range(10, 25))
+    ref = greedy_reference(model, prompt, 8)
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9)
+    for d, baseline in ((draft, True), (None, False)):
+        rs = list(stream_generate(model, d, tok, prompt, max_tokens=8, baseline=baseline, stop_token_ids=[]))
+        assert [t for r in rs for t in r.tokens] == ref
+        assert [r.verify_width for r in rs[1:]] == [1] * 7 and rs[-1].accept_lengths == [0] * 7
+    assert draft.cycle == 0
