@@ -73,6 +73,11 @@ def _wrap_tokenizer(tokenizer):
     return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
 
 
+def stop_ids(tokenizer, extra: Sequence[int] = ()) -> set:
+    """The token ids that end an answer: the tokenizer's EOS ids plus `extra`."""
+    return set(_wrap_tokenizer(tokenizer).eos_token_ids or ()) | set(extra or ())
+
+
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
     if isinstance(prompt, mx.array):
         return prompt.reshape(-1).tolist()
@@ -308,7 +313,7 @@ def stream_generate(
         widths = FixedWidth(block)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    stops = set(tokenizer.eos_token_ids or ()) | set(stop_token_ids or ())
+    stops = stop_ids(tokenizer, stop_token_ids)
     acceptor = make_acceptor(
         temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling
     )
