@@ -2,10 +2,18 @@
 
 Each subcommand lives in its own module and is imported only when used, so
 `dflash-mlx "prompt"` does not pay for Textual, plotting or training code.
+
+Errors are handled here, once for every subcommand: a bad model, draft, file or
+option prints one line to stderr and exits non-zero (2: bad input, 1: it could
+not be done), Ctrl-C exits 130, and a traceback appears only with `--debug`.
 """
 
+import argparse
 import importlib
+import os
 import sys
+
+EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
 SUBCOMMANDS = {
     "chat": ("dflash_mlx.tui.app", "Textual chat app"),
@@ -13,18 +21,86 @@ SUBCOMMANDS = {
     "train": ("dflash_mlx.train.cli", "train a DFlash draft for an mlx-lm target"),
     "doctor": ("dflash_mlx.doctor", "report MLX backend, BLAS, packaged models"),
     "export": ("dflash_mlx.export", "write a loaded model as a standard mlx-lm folder"),
-    "serve": ("dflash_mlx.server", "OpenAI-compatible HTTP server"),
 }
 
 
-def main(argv=None):
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in SUBCOMMANDS:
-        module = importlib.import_module(SUBCOMMANDS[argv[0]][0])
-        return module.main(argv[1:])
-    from dflash_mlx import run
+class CLIError(Exception):
+    """A one-line error for the user; `code` is the exit status."""
 
-    return run.main(argv)
+    def __init__(self, message, code=EXIT_FAIL):
+        super().__init__(message)
+        self.code = code
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line (`CLIError`) instead of usage + message."""
+
+    def error(self, message):
+        raise CLIError(f"{message} (see {self.prog} --help)", EXIT_USAGE)
+
+
+def usage_error(e: Exception) -> CLIError:
+    """A bad option value (e.g. from `GenerationOptions.check`) as a usage error."""
+    return CLIError(str(e), EXIT_USAGE)
+
+
+def check_sources(model: str, draft=None) -> None:
+    """Fail on a model or draft name that cannot be anything, before loading either."""
+    from dflash_mlx.loading import ModelLoadError, resolve_source
+
+    try:
+        resolve_source(model)
+        if draft is not None:
+            resolve_source(draft, "draft")
+    except ModelLoadError as e:
+        raise CLIError(str(e)) from None
+
+
+def _one_line(e: BaseException) -> str:
+    from dflash_mlx.draft import DraftMismatchError
+    from dflash_mlx.loading import ModelLoadError
+
+    text = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, (ModelLoadError, DraftMismatchError, FileNotFoundError, ValueError)):
+        return text
+    return f"{type(e).__name__}: {text} (run with --debug for the traceback)"
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    if argv and argv[0] in SUBCOMMANDS:
+        prog = f"dflash-mlx {argv[0]}"
+        module_name, args = SUBCOMMANDS[argv[0]][0], argv[1:]
+    else:
+        prog, module_name, args = "dflash-mlx", "dflash_mlx.run", argv
+    try:
+        return importlib.import_module(module_name).main(args)
+    except CLIError as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return e.code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        sys.stdout.flush()
+        print(f"\n{prog}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # the reader went away (`dflash-mlx ... | head`): stop quietly, and keep
+        # Python from complaining again when it flushes stdout at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except MemoryError:
+        print(f"{prog}: error: out of memory", file=sys.stderr)
+        return EXIT_FAIL
+    except Exception as e:
+        if debug:
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_FAIL
 
 
 if __name__ == "__main__":

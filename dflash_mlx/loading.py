@@ -85,7 +85,7 @@ def resolve_source(name: str, what: str = "model") -> Tuple[str, Optional[Path]]
     if path.exists():
         return "path", path
     if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
-        raise ModelLoadError(f"no such file or folder: {path}")
+        raise ModelLoadError(f"no such file or folder for the {what}: {path}")
     if name.count("/") != 1 or " " in name:
         raise ModelLoadError(f"unknown {what} {name!r}; {_known_sources()}")
     return "hub", None

@@ -9,7 +9,7 @@ argument guards for library callers.
 """
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 BLOCK_SIZE_SPELLINGS = "'auto', a whole number >= 1, or empty for the draft's own"
@@ -81,8 +81,9 @@ class GenerationOptions:
         return self
 
     def generate_kwargs(self) -> dict:
-        """Keyword arguments for `stream_generate`."""
-        return asdict(self)
+        """Keyword arguments for `stream_generate` (only the generation options,
+        also on a subclass that carries more settings)."""
+        return {f.name: getattr(self, f.name) for f in fields(GenerationOptions)}
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "GenerationOptions":

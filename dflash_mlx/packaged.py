@@ -138,3 +138,11 @@ def packaged_draft_dir(name: str) -> Optional[Path]:
     """`dflash_mlx/drafts/<name>/` when a trained draft ships for `name`."""
     d = Path(__file__).parent / "drafts" / name
     return d if (d / "config.json").is_file() else None
+
+
+def draft_label(name: str) -> str:
+    """How to show draft `name`: a packaged name without a shipped draft gets an
+    untrained one from `load_draft` (exact output, low acceptance), and says so."""
+    if is_packaged(name) and packaged_draft_dir(name) is None:
+        return f"{name} (untrained)"
+    return name

@@ -1,47 +1,25 @@
 """`dflash-mlx "prompt"`: one prompt, streamed answer, one stats line.
 
-Errors print one line to stderr and exit non-zero (2: bad input, 1: the model
-or draft could not be used, 130: interrupted); no tracebacks.
+Errors raise `CLIError` (or the loaders' own errors); `dflash_mlx.cli.main`
+turns them into one line and an exit status.
 """
 
-import argparse
 import json
 import sys
 
-EXIT_USAGE, EXIT_FAIL, EXIT_INTERRUPTED = 2, 1, 130
-
-
-class CLIError(Exception):
-    def __init__(self, message, code=EXIT_FAIL):
-        super().__init__(message)
-        self.code = code
-
-
-def _block_size(text: str):
-    return "auto" if text == "auto" else int(text)
-
-
-def _draft_note():
-    from dflash_mlx.packaged import DEFAULT_MODEL, packaged_draft_dir
-
-    if packaged_draft_dir(DEFAULT_MODEL) is not None:
-        return f"The default draft for {DEFAULT_MODEL} is a trained DFlash draft shipped with the package."
-    return (
-        f"Note: no trained draft ships for {DEFAULT_MODEL} yet, so the default draft is "
-        "untrained: output is still exactly the target's own (DFlash is lossless), only "
-        "slower than plain decoding until the trained draft ships."
-    )
+from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, check_sources, usage_error
+from dflash_mlx.options import GenerationOptions, add_generation_args
 
 
 def build_parser():
     from dflash_mlx.packaged import DEFAULT_MODEL, packaged_names
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dflash-mlx",
         description=(
             "Answer one prompt with DFlash speculative decoding and print tokens/s and tau "
             "(mean tokens committed per target forward). Subcommands: chat, bench, train, "
-            "doctor, export (dflash-mlx SUBCOMMAND --help). " + _draft_note()
+            "doctor, export (dflash-mlx SUBCOMMAND --help)."
         ),
     )
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
@@ -55,35 +33,15 @@ def build_parser():
         help="DFlash draft: packaged name, folder or hub id (default: the packaged draft of a "
         "packaged --model)",
     )
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=_block_size, default="auto",
-                   help="draft block size, or 'auto' (default): pick each cycle's verify width "
-                   "from measured acceptance and cost, up to the draft's block size")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
     p.add_argument("--baseline", action="store_true", help="decode with the target alone (for comparison)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--debug", action="store_true", help="show a traceback on errors (any subcommand)")
     return p
-
-
-def _check_args(args):
-    if args.max_tokens < 1:
-        raise CLIError(f"--max-tokens must be at least 1, got {args.max_tokens}", EXIT_USAGE)
-    if isinstance(args.block_size, int) and args.block_size < 1:
-        raise CLIError(f"--block-size must be at least 1, got {args.block_size}", EXIT_USAGE)
-    if args.temperature < 0:
-        raise CLIError(f"--temperature must be >= 0, got {args.temperature}", EXIT_USAGE)
-    if not 0 < args.top_p <= 1:
-        raise CLIError(f"--top-p must be in (0, 1], got {args.top_p}", EXIT_USAGE)
-    if args.top_k < 0 or not 0 <= args.min_p <= 1:
-        raise CLIError("--top-k must be >= 0 and --min-p in [0, 1]", EXIT_USAGE)
 
 
 def _read_prompt(args) -> str:
@@ -106,99 +64,91 @@ def _read_prompt(args) -> str:
     return prompt
 
 
-def _context_window(model):
-    args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None)
+def _draft_name(args):
+    """The draft to load, or None for --baseline."""
+    from dflash_mlx.packaged import is_packaged
 
-
-def _load(args):
-    from dflash_mlx.loading import ModelLoadError, load
-    from dflash_mlx.packaged import is_packaged, packaged_draft_dir
-
-    try:
-        model, tokenizer = load(args.model, dtype=args.dtype, quiet=args.json)
-    except ModelLoadError as e:
-        raise CLIError(str(e)) from None
     if args.baseline:
-        return model, tokenizer, None, None
-    draft_name = args.draft
-    if draft_name is None:
-        if not is_packaged(args.model):
-            raise CLIError(
-                f"no DFlash draft for {args.model!r}: pass --draft (folder or hub id), "
-                "or --baseline to decode with the target alone"
-            )
-        draft_name = args.model
-    from dflash_mlx import load_draft
+        return None
+    if args.draft is not None:
+        return args.draft
+    if not is_packaged(args.model):
+        raise CLIError(
+            f"no DFlash draft for {args.model!r}: pass --draft (folder or hub id), "
+            "or --baseline to decode with the target alone"
+        )
+    return args.model
+
+
+def _load(args, draft_name):
+    from dflash_mlx import load, load_draft
     from dflash_mlx.draft import DraftMismatchError
 
+    model, tokenizer = load(args.model, dtype=args.dtype, quiet=args.json)
+    if draft_name is None:
+        return model, tokenizer, None
     try:
         draft = load_draft(draft_name, model, quiet=args.json)
     except DraftMismatchError as e:
         raise CLIError(f"draft {draft_name!r} does not fit model {args.model!r}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
-    label = draft_name
-    if is_packaged(draft_name) and packaged_draft_dir(draft_name) is None:
-        label = f"{draft_name} (untrained)"
-    return model, tokenizer, draft, label
+    return model, tokenizer, draft
 
 
 def run(args) -> int:
-    _check_args(args)
+    try:
+        options = GenerationOptions.from_args(args).check()
+    except ValueError as e:
+        raise usage_error(e) from None
     prompt = _read_prompt(args)
-    model, tokenizer, draft, draft_label = _load(args)
+    check_sources(args.model)
+    draft_name = _draft_name(args)
+    if draft_name is not None:
+        check_sources(args.model, draft_name)
+    model, tokenizer, draft = _load(args, draft_name)
 
     from dflash_mlx import stream_generate
-    from dflash_mlx.generate import encode_prompt
     from dflash_mlx.loading import apply_chat_template
 
     if args.no_chat_template:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
     else:
         text = apply_chat_template(tokenizer, prompt, system=args.system)
-    prompt_ids = encode_prompt(tokenizer, text)
-    window = _context_window(model)
-    max_tokens = args.max_tokens
-    if window:
-        if len(prompt_ids) >= window:
-            raise CLIError(
-                f"the prompt is {len(prompt_ids)} tokens, past the model's context window of "
-                f"{window} tokens", EXIT_USAGE,
-            )
-        if len(prompt_ids) + max_tokens > window:
-            max_tokens = window - len(prompt_ids)
-            print(f"dflash-mlx: --max-tokens lowered to {max_tokens} to fit the context window", file=sys.stderr)
 
     pieces, tokens, last = [], [], None
     try:
-        for r in stream_generate(
-            model, draft, tokenizer, prompt_ids, max_tokens=max_tokens,
-            block_size=args.block_size, temperature=args.temperature, top_p=args.top_p,
-            top_k=args.top_k, min_p=args.min_p, seed=args.seed, baseline=draft is None,
-        ):
+        for r in stream_generate(model, draft, tokenizer, text, baseline=draft is None,
+                                 **options.generate_kwargs()):
             pieces.append(r.text)
             tokens.extend(r.tokens)
             last = r
             if not args.json:
                 sys.stdout.write(r.text)
                 sys.stdout.flush()
-    except ValueError as e:
-        raise CLIError(str(e)) from None
+    except ValueError as e:  # the engine's checks: prompt past the context window, ...
+        raise CLIError(str(e), EXIT_USAGE) from None
 
-    accept = list(last.accept_lengths) if last is not None else []
-    tau = sum(a + 1 for a in accept) / len(accept) if accept else None
+    if last is None:
+        raise CLIError("the engine produced no output")
+    if last.finish_reason == "length" and last.generation_tokens < options.max_tokens:
+        print(f"dflash-mlx: stopped after {last.generation_tokens} tokens: the context window is full",
+              file=sys.stderr)
     stats = {
-        "prompt_tokens": len(prompt_ids),
+        "prompt_tokens": last.prompt_tokens,
         "generation_tokens": len(tokens),
-        "generation_tps": last.generation_tps if last else 0.0,
-        "prompt_tps": last.prompt_tps if last else 0.0,
-        "peak_memory_gb": last.peak_memory if last else 0.0,
-        "finish_reason": last.finish_reason if last else None,
+        "generation_tps": last.generation_tps,
+        "prompt_tps": last.prompt_tps,
+        "peak_memory_gb": last.peak_memory,
+        "finish_reason": last.finish_reason,
     }
+    tau = last.tau if last.accept_lengths else None
     if args.json:
+        from dflash_mlx.packaged import draft_label
+
         out = {"text": "".join(pieces), "tokens": tokens, **stats,
-               "accept_lengths": accept, "tau": tau, "model": args.model, "draft": draft_label}
+               "accept_lengths": list(last.accept_lengths), "tau": tau, "model": args.model,
+               "draft": draft_label(draft_name) if draft_name else None}
         print(json.dumps(out, ensure_ascii=False))
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
@@ -213,24 +163,4 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except CLIError as e:
-        print(f"dflash-mlx: error: {e}", file=sys.stderr)
-        return e.code
-    except KeyboardInterrupt:
-        sys.stdout.flush()
-        print("\ndflash-mlx: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except BrokenPipeError:
-        # the reader went away (`dflash-mlx ... | head`): stop quietly, and keep
-        # Python from complaining again when it flushes stdout at exit
-        import os
-
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except MemoryError:
-        print("dflash-mlx: error: out of memory", file=sys.stderr)
-        return EXIT_FAIL
+    return run(build_parser().parse_args(argv))

@@ -16,7 +16,8 @@ from dflash_mlx import testing
 from dflash_mlx.draft import random_draft
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.target import Target
-from dflash_mlx.tui.app import ChatApp, main, parse_args
+from dflash_mlx.cli import main as cli_main
+from dflash_mlx.tui.app import ChatApp, build_parser, settings_from_args
 from dflash_mlx.tui.segments import CycleText
 from dflash_mlx.tui.session import ChatSession, Settings
 from dflash_mlx.tui.stats import TurnStats, histogram, panel_lines, sparkline
@@ -109,28 +110,34 @@ def test_cycle_text_holds_back_split_characters(tiny):
     assert (ct.drafted, ct.bonus) == (1, 2) and ct.text == "é!"
 
 
+def parse_args(argv):
+    return build_parser().parse_args(argv)
+
+
 def test_cli_args_and_bad_settings(capsys):
     a = parse_args(["--model", "m", "--block-size", "3", "--temperature", "0.5", "--max-tokens", "9", "--system", "S"])
     assert (a.model, a.draft, a.block_size, a.temperature, a.max_tokens, a.system) == ("m", None, 3, 0.5, 9, "S")
     assert parse_args([]).model == "smollm2-135m"
     assert parse_args([]).block_size == "auto"  # adaptive verify width, as in the one-shot CLI
-    assert parse_args(["--block-size", "auto"]).block_size == "auto"
-    assert main(["--max-tokens", "0"]) == 2  # refused before any model loads
-    assert "max tokens" in capsys.readouterr().err
-    assert main(["--block-size", "0"]) == 2
-    assert "block size must be at least 1" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        parse_args(["--block-size", "x"])
-    assert e.value.code == 2 and "expected a whole number or 'auto', got 'x'" in capsys.readouterr().err
+    assert parse_args([]).max_tokens == 512  # the chat's own default
+    assert parse_args(["--block-size", "AUTO"]).block_size == "auto"
+    # refused before any model loads or the app starts, one line each
+    for argv, words in ((["--max-tokens", "0"], "max tokens must be"),
+                        (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+                        (["--block-size", "0"], "block size takes 'auto', a whole number >= 1"),
+                        (["--block-size", "x"], "got 'x'"),
+                        (["--model", "no-such-model"], "unknown model 'no-such-model'")):
+        assert cli_main(["chat", *argv]) != 0, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("dflash-mlx chat: error: ") and words in err, err
 
 
 def test_block_size_setting_values():
     assert Settings().block_size == "auto"
     for ok in ("auto", None, 1, 16):
         assert Settings(block_size=ok).check().block_size == ok
-    for bad, msg in ((0, "at least 1"), (-3, "at least 1"), ("x", "'auto'"), (2.5, "whole number"),
-                     (True, "whole number")):
-        with pytest.raises(ValueError, match=msg):
+    for bad in (0, -3, "x", 2.5, True):
+        with pytest.raises(ValueError, match="block size takes 'auto', a whole number >= 1"):
             Settings(block_size=bad).check()
 
 
@@ -317,6 +324,40 @@ def test_bad_setting_is_refused_with_a_notification(tiny):
     assert app.session.settings.max_tokens == MAX
 
 
+def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
+    model, tok, draft = tiny
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
+
+    async def script(pilot):
+        await pilot.press("f2")
+        field = app.screen.query_one("#top_p")
+        shown = field.value
+        field.focus()
+        refused = {}
+        for text in ("1.5", "0", "most"):
+            field.value = text
+            seen = len(notifications(app))
+            await pilot.press("enter")
+            await pilot.pause(0.05)
+            refused[text] = (isinstance(app.screen, SettingsScreen), notifications(app)[seen:])
+        field.value = "0.9"
+        app.screen.query_one("#temperature").value = "0.7"
+        app.screen.query_one("#seed").value = "5"
+        await pilot.press("enter")
+        await pilot.pause(0.05)
+        return shown, refused, isinstance(app.screen, SettingsScreen)
+
+    shown, refused, still_open = run(app, script)
+    assert shown == "1"
+    for text, (was_open, notes) in refused.items():
+        assert was_open, text
+        assert len(notes) == 1 and notes[0][1] == "error" and "top-p" in notes[0][0], (text, notes)
+    assert "(0, 1]" in refused["1.5"][1][0][0] and "takes a number, got 'most'" in refused["most"][1][0][0]
+    assert not still_open
+    s = app.session.settings
+    assert (s.top_p, s.temperature, s.seed, s.max_tokens) == (0.9, 0.7, 5, MAX)
+
+
 def test_engine_error_shows_a_notification_and_the_app_goes_on(tiny):
     model, tok, draft = tiny
 
@@ -487,7 +528,7 @@ def test_process_exits_cleanly_after_generating_on_the_engine_thread():
 
 def test_sampling_options_reach_the_engine():
     a = parse_args(["--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--seed", "3"])
-    settings = Settings(a.block_size, a.temperature, a.max_tokens, a.system, a.top_p, a.top_k, a.min_p, a.seed).check()
+    settings = settings_from_args(a)
     model, tok = testing.tiny_target("llama")
     calls = []
 
@@ -584,7 +625,7 @@ def test_settings_dialog_takes_auto_a_number_or_nothing(tiny):
     for text, (still_open, notes) in refused.items():
         assert still_open, text
         assert len(notes) == 1 and notes[0][1] == "error" and "block size" in notes[0][0], (text, notes)
-    assert "at least 1" in refused["0"][1][0][0] and "'x'" in refused["x"][1][0][0]
+    assert "'0'" in refused["0"][1][0][0] and "'x'" in refused["x"][1][0][0]
     assert app.session.settings.block_size == 8 and "block 8  temp 0" in panel
 
 

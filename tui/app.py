@@ -7,7 +7,6 @@ worker reports back with messages; the UI redraws streamed text on a short timer
 so a fast model cannot flood it.
 """
 
-import argparse
 import queue
 import threading
 from typing import Callable, Optional
@@ -20,7 +19,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from dflash_mlx.run import _block_size  # "auto" or an int, as in the one-shot CLI
+from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.tui.session import ChatSession, Settings, Turn
 from dflash_mlx.tui.stats import panel_lines
 from dflash_mlx.tui.template import Template
@@ -152,15 +151,13 @@ class ChatApp(App):
 
     def _load(self) -> None:
         from dflash_mlx import load, load_draft
-        from dflash_mlx import packaged
+        from dflash_mlx.packaged import draft_label
 
         model, tokenizer = load(self.model_name, quiet=True)
         draft_name = self.draft_name or self.model_name
-        note = ""
-        label = draft_name
-        if packaged.is_packaged(draft_name) and packaged.packaged_draft_dir(draft_name) is None:
-            note = "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)"
-            label = f"{draft_name} (untrained)"
+        label = draft_label(draft_name)
+        note = "" if label == draft_name else (
+            "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
         draft = load_draft(draft_name, model, quiet=True)
         self.post_message(Loaded(self._new_session(model, tokenizer, draft), self.model_name, label, note))
 
@@ -328,43 +325,37 @@ class ChatApp(App):
         self._jobs.put(None)
 
 
-def block_size_arg(text: str):
-    """--block-size: "auto" or a number, as the one-shot CLI takes it, with a readable error."""
-    try:
-        return _block_size(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number or 'auto', got {text!r}") from None
-
-
-def parse_args(argv):
+def build_parser():
+    from dflash_mlx.cli import ArgumentParser
     from dflash_mlx.packaged import DEFAULT_MODEL
 
-    p = argparse.ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
+    p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
-    p.add_argument("--block-size", type=block_size_arg, default="auto",
-                   help="tokens verified per cycle, or 'auto' (default): pick each cycle's verify "
-                   "width from measured acceptance and cost, up to the draft's block size")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-tokens", type=int, default=512)
+    add_generation_args(p, Settings())
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    return p.parse_args(argv)
+    return p
+
+
+def settings_from_args(args) -> Settings:
+    """The chat's settings from its flags; CLIError (a usage error) naming a bad one."""
+    from dflash_mlx.cli import usage_error
+
+    try:
+        return Settings(**{**vars(GenerationOptions.from_args(args)), "system": args.system}).check()
+    except ValueError as e:
+        raise usage_error(e) from None
 
 
 def main(argv=None) -> int:
     import sys
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        settings = Settings(args.block_size, args.temperature, args.max_tokens, args.system,
-                            args.top_p, args.top_k, args.min_p, args.seed).check()
-    except ValueError as e:
-        print(f"dflash-mlx chat: {e}", file=sys.stderr)
-        return 2
+    from dflash_mlx.cli import check_sources
+
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    settings = settings_from_args(args)
+    # a name that cannot be a model or draft fails here, not after the app is up
+    check_sources(args.model, args.draft or args.model)
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0

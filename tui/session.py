@@ -7,55 +7,25 @@ call them directly. Every MLX call of a session must happen on one thread.
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
-from dflash_mlx.generate import encode_prompt, make_prompt_cache, stream_generate
+from dflash_mlx.generate import encode_prompt, make_prompt_cache, stop_ids, stream_generate
+from dflash_mlx.options import GenerationOptions
 
 from dflash_mlx.tui.segments import CycleText, Segment
 from dflash_mlx.tui.stats import TurnStats
 from dflash_mlx.tui.template import Template, render_prompt
 
 
-BLOCK_SIZE_HELP = "a whole number >= 1, 'auto', or empty for the draft's own"
-
-
-def parse_block_size(text: str) -> Union[int, str, None]:
-    """The block-size field as typed: "" -> None (the draft's), "auto", or a number."""
-    text = text.strip()
-    if not text:
-        return None
-    if text.lower() == "auto":
-        return "auto"
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"block size takes {BLOCK_SIZE_HELP} (got {text!r})") from None
-
-
 @dataclass
-class Settings:
-    # "auto": each cycle's verify width is picked from measured acceptance and cost,
-    # up to the draft's block size; None: always the draft's own block size
-    block_size: Union[int, str, None] = "auto"
-    temperature: float = 0.0
-    max_tokens: int = 512
+class Settings(GenerationOptions):
+    """What the chat answers with: the generation options plus the system prompt."""
+
+    max_tokens: int = 512  # a chat answer runs longer than the one-shot CLI's default
     system: str = ""
-    # sampling filters (temperature > 0), as in `stream_generate`
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: Optional[int] = None
 
     def check(self) -> "Settings":
-        b = self.block_size
-        if b is not None and b != "auto":
-            # bool is an int subclass, but True is no block size
-            if isinstance(b, bool) or not isinstance(b, int):
-                raise ValueError(f"block size takes {BLOCK_SIZE_HELP} (got {b!r})")
-            if b < 1:
-                raise ValueError(f"block size must be at least 1, or 'auto' (got {b})")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
-        if self.max_tokens < 1:
-            raise ValueError(f"max tokens must be at least 1 (got {self.max_tokens})")
+        super().check()
+        if not isinstance(self.system, str):
+            raise ValueError(f"system prompt must be text, got {self.system!r}")
         return self
 
 
@@ -115,9 +85,6 @@ class ChatSession:
         text = render_prompt(self.tokenizer, messages, self.settings.system or None, self.template)
         return encode_prompt(self.tokenizer, text)
 
-    def stop_ids(self):
-        return set(getattr(self.tokenizer, "eos_token_ids", None) or ())
-
     def turn(self, user: str, on_update: Callable[[Turn, List[Segment]], None],
              should_stop: Callable[[], bool]) -> Turn:
         """Answer `user`, calling `on_update` after every engine cycle.
@@ -128,15 +95,13 @@ class ChatSession:
         s = self.settings
         messages = self.messages + [{"role": "user", "content": user}]
         turn = Turn(user, self.prompt_ids(messages), Settings(**vars(s)))
-        turn.cycles = CycleText(self.tokenizer, self.stop_ids())
+        turn.cycles = CycleText(self.tokenizer, stop_ids(self.tokenizer))
         self.last = turn
         if self.cache is None:
             self.cache = make_prompt_cache(self.model, self.draft)
         stream = self.stream_fn(
-            self.model, self.draft, self.tokenizer, turn.prompt_ids,
-            max_tokens=s.max_tokens, block_size=s.block_size, temperature=s.temperature,
-            top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-            prompt_cache=self.cache,
+            self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
+            **s.generate_kwargs(),
         )
         try:
             for r in stream:

@@ -11,7 +11,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Markdown, Static
 
 from dflash_mlx.tui.segments import Segment
-from dflash_mlx.tui.session import Settings, parse_block_size
+from dflash_mlx.tui.session import Settings
 
 DRAFT_STYLE = "bold green"  # tokens the draft proposed and the target accepted
 BONUS_STYLE = "bold magenta"  # the target's own token that closes each cycle
@@ -121,17 +121,29 @@ class StatsPanel(Static):
 
 
 class SettingsScreen(ModalScreen[Optional[Settings]]):
-    """Block size, temperature, max tokens and the system prompt; dismisses with the new settings."""
+    """The generation options and the system prompt; dismisses with the new settings."""
 
     DEFAULT_CSS = """
     SettingsScreen { align: center middle; }
     SettingsScreen > Grid {
-        grid-size: 2; grid-columns: 16 44; grid-rows: auto; grid-gutter: 1;
-        width: 66; height: auto; padding: 1 2; border: thick $primary; background: $surface;
+        grid-size: 4; grid-columns: 13 18 13 18; grid-rows: auto; grid-gutter: 0 1;
+        width: 72; height: auto; padding: 1 2; border: thick $primary; background: $surface;
     }
     SettingsScreen Label { padding: 1 0 0 0; }
+    SettingsScreen #system { column-span: 3; }
     """
     BINDINGS = [Binding("escape", "cancel", "cancel")]
+
+    # (field, label, how the text becomes a value); the values are checked by Settings.check
+    FIELDS = (
+        ("block_size", "block size", str),
+        ("max_tokens", "max tokens", int),
+        ("temperature", "temperature", float),
+        ("top_p", "top-p", float),
+        ("top_k", "top-k", int),
+        ("min_p", "min-p", float),
+        ("seed", "seed", int),
+    )
 
     def __init__(self, settings: Settings, draft_block_size: int):
         super().__init__()
@@ -140,15 +152,16 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
 
     def compose(self) -> ComposeResult:
         s = self.settings
+        placeholders = {"block_size": f"auto, a number, or empty: draft's {self.draft_block_size}",
+                        "seed": "empty: none"}
         with Grid():
-            yield Label("block size")
-            yield Input("" if s.block_size is None else str(s.block_size),
-                        placeholder=f"auto, a number, or empty: draft's {self.draft_block_size}",
-                        id="block_size")
-            yield Label("temperature")
-            yield Input(f"{s.temperature:g}", id="temperature")
-            yield Label("max tokens")
-            yield Input(str(s.max_tokens), id="max_tokens")
+            for name, label, _ in self.FIELDS:
+                value = getattr(s, name)
+                yield Label(label)
+                yield Input("" if value is None else f"{value:g}" if isinstance(value, float) else str(value),
+                            placeholder=placeholders.get(name, ""), id=name)
+            yield Static()  # the seed row's other half: the system prompt takes a row of its own
+            yield Static()
             yield Label("system prompt")
             yield Input(s.system, placeholder="(the template's default)", id="system")
             yield Button("Save", variant="primary", id="save")
@@ -156,20 +169,20 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
 
     def read(self) -> Settings:
         """Settings from the form; ValueError with a readable message if a field is bad."""
-        def field(name):
-            return self.query_one(f"#{name}", Input).value.strip()
-
-        block = parse_block_size(field("block_size"))  # its own message: it also takes "auto"
-        try:
-            temperature = float(field("temperature") or 0)
-            max_tokens = int(field("max_tokens"))
-        except ValueError:
-            raise ValueError("max tokens takes a whole number, temperature a number") from None
-        # sampling filters set on the command line (top-p/k, min-p, seed) carry over
-        return dataclasses.replace(
-            self.settings, block_size=block, temperature=temperature, max_tokens=max_tokens,
-            system=self.query_one("#system", Input).value,
-        ).check()
+        values = {}
+        for name, label, kind in self.FIELDS:
+            text = self.query_one(f"#{name}", Input).value.strip()
+            if kind is str or (not text and name in ("seed",)):
+                values[name] = text or None
+                continue
+            try:
+                values[name] = kind(text)
+            except ValueError:
+                what = "a whole number" if kind is int else "a number"
+                raise ValueError(f"{label} takes {what}, got {text!r}") from None
+        values["system"] = self.query_one("#system", Input).value
+        # draft sampling, set on the command line, carries over
+        return dataclasses.replace(self.settings, **values).check()
 
     def _save(self) -> None:
         try:
