@@ -222,6 +222,13 @@ class Job:
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
+    cycles: int = 0  # engine responses the worker has taken so far
+    cancel_cycle: Optional[int] = None  # `cycles` when the cancel came
+
+    def cancel(self):
+        if not self.cancelled.is_set():
+            self.cancel_cycle = self.cycles
+            self.cancelled.set()
 
     def emit(self, kind: str, payload: Any = None):
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
@@ -308,7 +315,7 @@ class Worker:
             if job is not None:
                 job.emit("error", RequestError("the server is shutting down", status=503, type="server_error"))
         if self.current is not None:
-            self.current.cancelled.set()
+            self.current.cancel()
         self.jobs.put(None)
         self._thread.join(timeout)
 
@@ -350,8 +357,8 @@ class Worker:
                 seed=req.seed, prompt_cache=self.cache, baseline=self.draft is None,
             )
             first, last, finish, widths = True, None, None, {}
-            cancelled_at = None
             for r in stream:
+                job.cycles += 1
                 if first:
                     first = False
                     if self.recurrent:
@@ -369,15 +376,13 @@ class Worker:
                     finish = r.finish_reason
                     break
                 if job.cancelled.is_set():
-                    if cancelled_at is None:
-                        cancelled_at = len(r.accept_lengths)
                     break
             stream.close()
         except ValueError as e:
             raise RequestError(str(e)) from None
         if finish is None and job.cancelled.is_set():
             self.counts["cancelled"] += 1
-            self.cycles_after_cancel.append(0 if cancelled_at is None else 1)
+            self.cycles_after_cancel.append(job.cycles - job.cancel_cycle)
             job.emit("done", None)
             return
         tail = matcher.flush() if finish != "stop" or not req.stop else ""
@@ -488,7 +493,7 @@ async def _next_event(job: Job, request=None):
             return await asyncio.wait_for(job.events.get(), timeout=0.25)
         except asyncio.TimeoutError:
             if request is not None and await request.is_disconnected():
-                job.cancelled.set()
+                job.cancel()
 
 
 async def _complete(request, job: Job, kind, rid, created, model):
@@ -559,44 +564,36 @@ async def _sse(job: Job, kind, rid, created, model):
         yield "data: [DONE]\n\n"
     finally:
         # Starlette cancels this generator when the client disconnects
-        job.cancelled.set()
+        job.cancel()
 
 
 # -- command line ---------------------------------------------------------------
 
 
 def _block_size(text: str):
+    from dflash_mlx.options import parse_block_size
+
     try:
-        from dflash_mlx.options import parse_block_size
-    except ImportError:
-        parse_block_size = None
-    if parse_block_size is not None:
         return parse_block_size(text)
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"block size must be 'auto' or an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"block size must be 'auto' or an integer >= 1, got {value}")
-    return value
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
     return value
 
 
 def build_parser():
+    from dflash_mlx.cli import ArgumentParser
     from dflash_mlx.packaged import DEFAULT_MODEL
 
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dflash-mlx serve",
         description="OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; "
         "GET /v1/models, /health) on DFlash speculative decoding.",
@@ -622,33 +619,37 @@ def build_parser():
 
 
 def load_worker(args) -> Worker:
-    from dflash_mlx import load_draft
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.cli import CLIError, check_sources
     from dflash_mlx.draft import DraftMismatchError
-    from dflash_mlx.loading import ModelLoadError, load
-    from dflash_mlx.packaged import is_packaged
+    from dflash_mlx.packaged import draft_label, is_packaged
 
-    try:
-        model, tokenizer = load(args.model, dtype=args.dtype)
-    except ModelLoadError as e:
-        raise SystemExit(f"dflash-mlx serve: error: {e}") from None
-    draft, draft_name = None, None
+    check_sources(args.model)
+    draft_name = None
     if not args.baseline:
         draft_name = args.draft or (args.model if is_packaged(args.model) else None)
         if draft_name is None:
-            raise SystemExit(f"dflash-mlx serve: error: no DFlash draft for {args.model!r}: "
-                             "pass --draft, or --baseline to serve the target alone")
+            raise CLIError(f"no DFlash draft for {args.model!r}: pass --draft (folder or hub id), "
+                           "or --baseline to serve the target alone")
+    if draft_name is not None:
+        check_sources(args.model, draft_name)
+    model, tokenizer = load(args.model, dtype=args.dtype)
+    draft = None
+    if draft_name is not None:
         try:
             draft = load_draft(draft_name, model)
         except DraftMismatchError as e:
-            raise SystemExit(f"dflash-mlx serve: error: draft {draft_name!r} does not fit {args.model!r}: {e}") from None
+            raise CLIError(f"draft {draft_name!r} does not fit model {args.model!r}: {e}") from None
         except (FileNotFoundError, ValueError) as e:
-            raise SystemExit(f"dflash-mlx serve: error: could not load draft {draft_name!r}: {e}") from None
-    return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
+            raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
+    return Worker(model, draft, tokenizer, model_name=args.model,
+                  draft_name=draft_label(draft_name) if draft_name else None,
                   block_size=args.block_size, max_tokens=args.max_tokens, queue_size=args.queue_size,
                   max_snapshots=args.snapshots)
 
 
 def main(argv=None) -> int:
+    """Errors are one line, through `dflash_mlx.cli.main`."""
     import uvicorn
 
     args = build_parser().parse_args(argv)
@@ -662,4 +663,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dflash_mlx.cli import main as cli_main
+
+    sys.exit(cli_main(["serve", *sys.argv[1:]]))

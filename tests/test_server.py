@@ -1,0 +1,425 @@
+"""`dflash-mlx serve` over real HTTP: the official openai client, load, cancellation,
+prefix reuse across requests, and bad requests.
+
+Each server runs in a thread on 127.0.0.1 and a free port, on a tiny float32 target
+with a random draft; expected outputs come from the target's own greedy decode.
+"""
+
+import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from dflash_mlx import stream_generate
+from dflash_mlx.cli import CLIError
+from dflash_mlx.draft import random_draft
+from dflash_mlx.loading import apply_chat_template
+from dflash_mlx.prompt_cache import common_prefix
+from dflash_mlx.server import StopMatcher, Worker, build_parser, create_app
+from dflash_mlx.testing import EOS_ID, chain_target, greedy_reference, tiny_target
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+MODEL = "tiny"
+
+
+@contextlib.contextmanager
+def serving(model, draft, tok, **worker_args):
+    tok._tokenizer.chat_template = TEMPLATE
+    worker = Worker(model, draft, tok, model_name=MODEL, draft_name="random", **worker_args)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        yield SimpleNamespace(
+            url=url, worker=worker, model=model, draft=draft, tok=tok,
+            client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
+        )
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "server did not stop"
+        assert not worker._thread.is_alive(), "engine worker did not stop"
+
+
+@pytest.fixture(scope="module")
+def attn():
+    model, tok = tiny_target("llama", seed=0, layer_types=None, sliding_window=None)
+    with serving(model, random_draft(model, block_size=8), tok) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    model, tok = tiny_target("qwen3_5", seed=0)
+    with serving(model, random_draft(model, block_size=8), tok) as s:
+        yield s
+
+
+def chat_ids(s, messages):
+    return s.worker.encode_chat(messages)
+
+
+def expected(s, ids, max_tokens):
+    """(text, token count) of a cold engine run, itself checked against the target's greedy decode."""
+    tokens, text = [], []
+    for r in stream_generate(s.model, s.draft, s.tok, ids, max_tokens=max_tokens):
+        tokens.extend(r.tokens)
+        text.append(r.text)
+    assert tokens == greedy_reference(s.model, ids, max_tokens, stop_ids=[EOS_ID])[: len(tokens)]
+    return "".join(text), len(tokens)
+
+
+def check_usage(usage, ids, n_tokens):
+    assert usage.prompt_tokens == len(ids)
+    assert usage.completion_tokens == n_tokens
+    assert usage.total_tokens == len(ids) + n_tokens
+    d = usage.dflash
+    assert d["cycles"] == sum(d["verify_widths"].values()) <= max(n_tokens - 1, 0)  # the first token comes from prefill
+    assert d["tau"] >= 1.0 and d["mean_accept_length"] == pytest.approx(d["tau"] - 1.0)
+    assert d["prompt_tokens_reused"] + d["prefill_tokens"] == len(ids)
+    assert usage.prompt_tokens_details.cached_tokens == d["prompt_tokens_reused"]
+    assert d["tokens_per_second"] > 0
+
+
+# -- the openai client ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_chat_completion_is_the_targets_greedy_output(attn, stream):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": f"tell me ({stream})"}]
+    ids = chat_ids(attn, messages)
+    text, n = expected(attn, ids, 24)
+    if stream:
+        chunks = list(attn.client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=24, stream=True, stream_options={"include_usage": True}))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert chunks[-1].choices == [] and chunks[-1].object == "chat.completion.chunk"
+        usage = chunks[-1].usage
+    else:
+        r = attn.client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24)
+        assert r.object == "chat.completion" and r.model == MODEL and r.choices[0].message.role == "assistant"
+        got, finish, usage = r.choices[0].message.content, [r.choices[0].finish_reason], r.usage
+    assert got == text
+    assert finish == ["length" if n == 24 else "stop"]
+    check_usage(usage, ids, n)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_completion_is_the_targets_greedy_output(attn, stream):
+    prompt = f"Once upon a time ({stream}),"
+    ids = attn.worker.encode_text(prompt)
+    text, n = expected(attn, ids, 20)
+    if stream:
+        chunks = list(attn.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, stream=True))
+        got = "".join(c.choices[0].text for c in chunks)
+        assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    else:
+        r = attn.client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+        assert r.object == "text_completion"
+        got = r.choices[0].text
+        check_usage(r.usage, ids, n)
+    assert got == text
+
+
+def test_raw_stream_ends_with_done_and_usage_before_it(attn):
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", attn.url + "/v1/completions", json=body, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    usage = json.loads(lines[-2][6:])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
+
+
+def test_sampling_request_reaches_the_engine(attn):
+    # Seeds do not make sampled text repeat under block size "auto": the verify
+    # widths follow measured times, and each width draws a different number of randoms.
+    r = attn.client.completions.create(model=MODEL, prompt="dice", max_tokens=12, temperature=0.9, top_p=0.95, seed=11)
+    assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
+
+
+def test_models_and_health(attn):
+    assert [m.id for m in attn.client.models.list().data] == [MODEL]
+    h = httpx.get(attn.url + "/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL
+    assert h["scheduling"].startswith("one request at a time") and h["queue_size"] == 16
+    assert {"busy", "queued", "served", "cancelled", "rejected"} <= set(h)
+
+
+# -- stop strings -----------------------------------------------------------------
+
+
+def test_stop_matcher_holds_back_a_possible_stop_prefix():
+    m = StopMatcher(["xyz", "END"])
+    assert m.feed("abx") == ("ab", False)  # "x" may start "xyz"
+    assert m.feed("yq") == ("xyq", False)
+    assert m.feed("E") == ("", False)
+    assert m.feed("NDtail") == ("", True)
+    m = StopMatcher(["xyz"])
+    assert m.feed("ax") == ("a", False)
+    assert m.flush() == "x"  # the generation ended: what was held back is text after all
+    assert StopMatcher([]).feed("xyz") == ("xyz", False)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_across_tokens_cuts_exactly(attn, stream):
+    prompt = "stop test"
+    ids = attn.worker.encode_text(prompt)
+    text, _ = expected(attn, ids, 30)
+    ascii_at = next(i for i in range(4, len(text) - 3) if all(" " < c < "~" for c in text[i : i + 3]))
+    stop = text[ascii_at : ascii_at + 3]  # three byte tokens
+    cut = text[: text.find(stop)]
+    if stream:
+        chunks = list(attn.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[stop], stream=True))
+        got = "".join(c.choices[0].text for c in chunks)
+        assert all(stop[0] not in c.choices[0].text[len(cut):] for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        r = attn.client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=stop)
+        got, finish = r.choices[0].text, r.choices[0].finish_reason
+    assert got == cut and finish == "stop"
+
+
+# -- load -----------------------------------------------------------------------
+
+
+def test_eight_concurrent_clients_three_requests_each_exact(attn):
+    jobs = []
+    for c in range(8):
+        for k in range(3):
+            kind = ("chat", "completion")[(c + k) % 2]
+            stream = bool((c * 3 + k) % 3 == 0)
+            text = f"client {c} request {k}"
+            ids = chat_ids(attn, [{"role": "user", "content": text}]) if kind == "chat" else attn.worker.encode_text(text)
+            jobs.append((c, kind, stream, text, expected(attn, ids, 16)[0]))
+
+    def client(c):
+        results = []
+        for _, kind, stream, text, _ in [j for j in jobs if j[0] == c]:
+            if kind == "chat":
+                args = dict(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=16)
+                if stream:
+                    out = "".join(ch.choices[0].delta.content or "" for ch in attn.client.chat.completions.create(stream=True, **args) if ch.choices)
+                else:
+                    out = attn.client.chat.completions.create(**args).choices[0].message.content
+            else:
+                args = dict(model=MODEL, prompt=text, max_tokens=16)
+                if stream:
+                    out = "".join(ch.choices[0].text for ch in attn.client.completions.create(stream=True, **args))
+                else:
+                    out = attn.client.completions.create(**args).choices[0].text
+            results.append(out)
+        return results
+
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(client, range(8)))
+    for c in range(8):
+        assert got[c] == [j[4] for j in jobs if j[0] == c], f"client {c}"
+    assert len({j[4] for j in jobs}) > 12  # the outputs differ, so cross-talk would show
+
+
+@pytest.fixture(scope="module")
+def endless():
+    """A target whose greedy output never ends (no EOS), for cancellation and queueing."""
+    model, tok = chain_target("abcdefghij")
+    with serving(model, random_draft(model, block_size=4), tok, queue_size=1) as s:
+        yield s
+
+
+def wait_idle(s, timeout=5.0):
+    t0 = time.perf_counter()
+    while True:
+        h = httpx.get(s.url + "/health").json()
+        if not h["busy"] and h["queued"] == 0:
+            return time.perf_counter() - t0
+        assert time.perf_counter() - t0 < timeout, h
+        time.sleep(0.005)
+
+
+def test_client_disconnect_mid_stream_frees_the_server_within_one_cycle(endless):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 3000, "stream": True}
+    served = endless.worker.counts["served"]
+    with httpx.stream("POST", endless.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        for _ in range(5):
+            next(lines)
+    # the connection is closed here, far before 3000 tokens
+    freed_in = wait_idle(endless)
+    assert endless.worker.counts["cancelled"] == 1
+    assert endless.worker.cycles_after_cancel == [1] or endless.worker.cycles_after_cancel == [0]
+    assert endless.worker.counts["served"] == served
+    print(f"server idle {freed_in * 1000:.0f} ms after the client went away")
+    r = endless.client.completions.create(model=MODEL, prompt="c", max_tokens=7)
+    assert r.choices[0].text == "defghij"
+
+
+def test_full_queue_answers_429_and_keeps_serving(endless):
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", endless.url + "/v1/completions", json=body, timeout=30) as running:
+        lines = running.iter_lines()  # kept: a dropped iterator closes the response
+        next(lines)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(endless.client.completions.create, model=MODEL, prompt="e", max_tokens=4)
+            deadline = time.time() + 10
+            while httpx.get(endless.url + "/health").json()["queued"] < 1:
+                assert time.time() < deadline, str(httpx.get(endless.url + "/health").json())
+                time.sleep(0.01)
+            with pytest.raises(openai.RateLimitError) as e:
+                endless.client.completions.create(model=MODEL, prompt="b", max_tokens=2)
+            assert e.value.status_code == 429 and e.value.code == "queue_full"
+            running.close()  # the running stream goes away; the waiting request runs
+            assert waiting.result(timeout=30).choices[0].text == "fghi"
+    assert endless.worker.counts["rejected"] == 1
+    assert endless.client.completions.create(model=MODEL, prompt="b", max_tokens=3).choices[0].text == "cde"
+
+
+def _rss_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+
+
+def test_two_hundred_short_requests_keep_memory_flat(attn):
+    http = httpx.Client(base_url=attn.url, timeout=30)
+
+    def one(i):
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": f"short {i % 37}", "max_tokens": 3})
+        assert r.status_code == 200, r.text
+
+    for i in range(20):  # warm-up: allocator pools, caches, snapshots at their bound
+        one(i)
+    before = _rss_mb()
+    for i in range(200):
+        one(i)
+    after = _rss_mb()
+    print(f"RSS before {before:.1f} MB, after 200 requests {after:.1f} MB")
+    assert after - before < 40
+    assert len(attn.worker.cache.snapshots) <= attn.worker.cache.max_snapshots
+
+
+# -- prefix reuse -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["attn", "hybrid"])
+def test_second_chat_turn_prefills_only_the_new_turn(target, request):
+    s = request.getfixturevalue(target)
+    turn1 = [{"role": "user", "content": f"first question ({target})"}]
+    ids1 = chat_ids(s, turn1)
+    r1 = s.client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=12)
+    gen1 = greedy_reference(s.model, ids1, 12, stop_ids=[EOS_ID])
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "and a second one"}]
+    ids2 = chat_ids(s, turn2)
+    text2, n2 = expected(s, ids2, 12)
+    r2 = s.client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=12)
+    assert r2.choices[0].message.content == text2
+    held = ids1 + gen1[:-1]  # what the caches held after turn 1
+    if target == "attn":
+        want = common_prefix(held, ids2)  # KV trimmed back to the shared prefix
+    else:
+        want = len(held) if ids2[: len(held)] == held else len(ids1)  # the snapshot at the end of the prompt
+    assert want >= len(ids1)
+    d = r2.usage.dflash
+    assert d["prompt_tokens_reused"] == want and d["prefill_tokens"] == len(ids2) - want
+    check_usage(r2.usage, ids2, n2)
+
+
+@pytest.mark.parametrize("target", ["attn", "hybrid"])
+def test_interleaved_token_conversations_reuse_everything(target, request):
+    s = request.getfixturevalue(target)
+    a1, b1 = list(range(40, 70)), list(range(140, 170))
+    gen = {}
+    for name, ids in (("a", a1), ("b", b1)):
+        r = s.client.completions.create(model=MODEL, prompt=ids, max_tokens=8)
+        gen[name] = greedy_reference(s.model, ids, 8, stop_ids=[EOS_ID])
+        assert r.choices[0].text == expected(s, ids, 8)[0]
+    for name, ids in (("a", a1), ("b", b1)):
+        ids2 = ids + gen[name] + [10, 11, 12, 13]
+        r = s.client.completions.create(model=MODEL, prompt=ids2, max_tokens=8)
+        text, n = expected(s, ids2, 8)
+        assert r.choices[0].text == text
+        d = r.usage.dflash
+        assert d["prompt_tokens_reused"] == len(ids) + len(gen[name]) - 1, name  # all but the last answer token
+        assert d["prefill_tokens"] == 1 + 4
+        check_usage(r.usage, ids2, n)
+
+
+# -- bad requests -------------------------------------------------------------------
+
+
+BAD = [
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
+    ("/v1/chat/completions", b'\xff\xfe{"messages": []}', 400, None, "not valid UTF-8"),
+    ("/v1/chat/completions", b"[1, 2]", 400, None, "JSON object"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+    ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "required"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "must be"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0]", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "at least 1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, 400, "top_p", "(0, 1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream", "true or false"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop", "string"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "must be 1"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "not served"),
+    ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt", "context window"),
+    ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt", "token ids"),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", BAD)
+def test_bad_request_gets_its_4xx_and_the_next_good_one_succeeds(attn, path, body, status, param, words):
+    http = httpx.Client(base_url=attn.url, timeout=30)
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and words in err["message"], err
+    good = http.post("/v1/completions", json={"model": MODEL, "prompt": "ok", "max_tokens": 2})
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 2
+
+
+def test_openai_client_sees_bad_requests_as_its_own_errors(attn):
+    with pytest.raises(openai.NotFoundError):
+        attn.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError, match="context window"):
+        attn.client.completions.create(model=MODEL, prompt=list(range(250)) * 20)
+    r = httpx.get(attn.url + "/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_serve_options_are_checked():
+    p = build_parser()
+    args = p.parse_args(["--block-size", "auto", "--port", "9000", "--queue-size", "3"])
+    assert (args.block_size, args.port, args.queue_size, args.host) == ("auto", 9000, 3, "127.0.0.1")
+    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--max-tokens", "-1"]):
+        with pytest.raises(CLIError, match=bad[0]):
+            p.parse_args(bad)
