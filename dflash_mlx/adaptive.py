@@ -1,16 +1,21 @@
-"""Adaptive verify width: pick each cycle's block size from what has been measured.
+"""Verify width per cycle: fixed, or chosen from what has been measured (`block_size="auto"`).
 
-A wide verify is only worth its cost if the draft is usually right deep into the
-block. On CPUs (and for quantized/MoE targets on Apple GPUs) a 16-token verify
-costs 1.5-2x a 1-token decode, so a weak draft at full width is slower than
-plain decoding. The objective is tokens committed per second:
+A wide verify only pays if the draft is usually right deep into the block. On
+CPUs (and for quantized or MoE targets on Apple GPUs) a 16-token verify costs
+1.5-2x a one-token decode, so a weak draft at full width is slower than plain
+decoding. `BlockSizer` maximises tokens committed per second:
 
-    E(B) / t(B),   E(B) = 1 + sum_{k<B} prod_{j<=k} alpha_j
+    E(w) / t(w),   E(w) = 1 + sum_{k<w} prod_{j<=k} alpha_j
 
-where alpha_j is the measured probability that draft position j is accepted
-given that positions before it were, and t(B) the measured cycle time at width
-B (linear fit over the widths tried). The output never depends on the width:
-every width is exact, only the speed changes.
+alpha_j: measured probability that draft position j is accepted given that the
+positions before it were. t(w): measured seconds per cycle at width w. Width 1
+is what it is, a plain decode step with no draft forward, timed on its own;
+other widths are timed where they ran and interpolated between measured widths
+elsewhere (never a line through all of them: cost jumps where the hardware
+changes regime). When width 1 wins, a cheap probe (width 2) runs now and then,
+ever more rarely while it finds nothing, so a poor draft costs little and a
+draft that gets better is picked up again. The output never
+depends on the width: every width is exact, only the speed changes.
 """
 
 from typing import Dict, List
@@ -30,24 +35,49 @@ class FixedWidth:
 
 
 class BlockSizer:
-    def __init__(self, max_block: int, probe_every: int = 16, decay: float = 0.98):
-        self.max_block = max_block
-        self.probe_every = probe_every
-        self.decay = decay  # forget old cycles slowly: acceptance drifts with the text
-        n = max(max_block - 1, 0)
-        self.hits: List[float] = [0.0] * n
-        self.trials: List[float] = [0.0] * n
-        self.times: Dict[int, float] = {}  # width -> EMA of seconds per cycle
-        self.cycle = 0
-        self.last_choice = max_block
+    """Adaptive verify width. `choose` before a cycle, `update` with what it measured."""
 
-    def alpha(self, prior: float = 0.5, strength: float = 2.0) -> List[float]:
+    def __init__(
+        self,
+        max_block: int,
+        decay: float = 0.85,
+        prior: float = 0.5,
+        prior_strength: float = 1.0,
+        first_width: int = 4,
+        probe_every: int = 8,
+        max_probe_every: int = 32,
+        margin: float = 0.15,
+    ):
+        self.margin = margin
+        self.max_block = max_block
+        self.first_width = first_width
+        # Widths tried: dense where acceptance changes most, sparse deep in the
+        # block (a rate is flat near its best, and each width costs a cycle to learn).
+        self.widths = sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if w < max_block} | {max_block})
+        self.decay = decay  # acceptance drifts with the text: old cycles fade
+        self.prior = prior
+        self.prior_strength = prior_strength
+        n = max(max_block - 1, 0)
+        self.hits: List[float] = [0.0] * n  # hits[k]: draft token k+1 accepted (decayed count)
+        self.trials: List[float] = [0.0] * n  # trials[k]: draft token k+1 was reached
+        self.times: Dict[int, float] = {}  # width -> moving average of seconds per cycle
+        self.cycle = 0
+        self.min_probe_every = probe_every
+        self.max_probe_every = max_probe_every
+        self.probe_every = probe_every
+        self.since_probe = 0
+        self.probing = False
+
+    # -- model --------------------------------------------------------------------
+
+    def alpha(self) -> List[float]:
         """Acceptance rate per depth. A depth seen rarely leans on the depth above it
-        (a draft right at depth k is usually about as right at k+1), so depths never
-        tried neither look perfect nor hopeless."""
-        out, above = [], prior
+        (a draft right at depth k is usually about as right at k+1), so untried
+        depths look neither perfect nor hopeless, and one observation moves them."""
+        out, above = [], self.prior
+        s = self.prior_strength
         for h, t in zip(self.hits, self.trials):
-            above = (h + strength * above) / (t + strength)
+            above = (h + s * above) / (t + s)
             out.append(above)
         return out
 
@@ -59,45 +89,95 @@ class BlockSizer:
         return total
 
     def cycle_time(self, width: int) -> float:
-        """Linear model t(B) = c0 + c1*B through the measured widths."""
+        """Measured seconds at `width`; else interpolated between the nearest measured
+        widths above 1 (a draft forward runs at every width above 1), or the nearest
+        one outside their range. None before anything above 1 was measured."""
         if width in self.times:
             return self.times[width]
-        pts = sorted(self.times.items())
-        if len(pts) < 2:
-            return 1.0 + 0.05 * width  # before measurements: roughly "verify cost grows slowly"
-        n = len(pts)
-        mx_ = sum(w for w, _ in pts) / n
-        my = sum(t for _, t in pts) / n
-        var = sum((w - mx_) ** 2 for w, _ in pts)
-        slope = max(0.0, sum((w - mx_) * (t - my) for w, t in pts) / var) if var else 0.0
-        return max(1e-6, my + slope * (width - mx_))
+        drafted = sorted((w, t) for w, t in self.times.items() if w > 1)
+        if width == 1 or not drafted:
+            return None
+        below = [(w, t) for w, t in drafted if w < width]
+        above = [(w, t) for w, t in drafted if w > width]
+        if not below:
+            return above[0][1]  # cost grows with width: an upper bound
+        if not above:
+            if len(below) == 1:
+                return below[-1][1]
+            (w0, t0), (w1, t1) = below[-2], below[-1]
+            return t1 + max(0.0, (t1 - t0) / (w1 - w0)) * (width - w1)
+        (w0, t0), (w1, t1) = below[-1], above[0]
+        return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+
+    def rate(self, width: int) -> float:
+        t = self.cycle_time(width)
+        return self.expected_tokens(width) / t if t else 0.0
+
+    def optimistic_rate(self, width: int) -> float:
+        below = max(w for w in self.times if w < width)
+        return self.expected_tokens(width) / self.times[below]
+
+    # -- policy -------------------------------------------------------------------
 
     def choose(self, remaining: int) -> int:
         limit = min(self.max_block, remaining)
         self.cycle += 1
+        self.probing = False
         if limit <= 1:
             return 1
-        if self.cycle <= 2:
-            # full width first (every depth, the widest cost), then width 2, so the
-            # cost line has two points
-            return limit if self.cycle == 1 else 2
-        if self.cycle % self.probe_every == 0:
-            # look a little deeper than the current choice: cheap, and it keeps
-            # the acceptance of the next depths measured
-            return min(limit, max(2, 2 * self.last_choice))
-        best, best_rate = 1, 0.0
-        for width in range(1, limit + 1):
-            rate = self.expected_tokens(width) / self.cycle_time(width)
-            if rate > best_rate:
-                best, best_rate = width, rate
-        self.last_choice = best
-        return best
+        # First a moderate width (cheap if the draft is poor; widths beyond it look
+        # no dearer until measured, so a good draft widens at once), then width 1
+        # (a plain decode step): the two ends every choice is judged between.
+        if not any(w > 1 for w in self.times):
+            return min(self.first_width, limit)
+        if 1 not in self.times:
+            return 1
+        candidates = [w for w in self.widths if w <= limit] + ([limit] if limit not in self.widths else [])
+        best = max(candidates, key=self.rate)
+        # A width never run may be cheaper than interpolation says (cost is flat up
+        # to a regime change, then jumps): try it once if even at the cost of the
+        # nearest measured width below it (a lower bound) it could beat `best`.
+        untried = [w for w in candidates if w not in self.times]
+        if untried:
+            hopeful = max(untried, key=self.optimistic_rate)
+            if self.optimistic_rate(hopeful) > self.rate(best):
+                self.since_probe = 0
+                return hopeful
+        if best > 1:
+            self.since_probe = 0
+            return best
+        # Near a tie keep drafting (at the best width already measured): a drafted
+        # cycle is what keeps acceptance measured; width 1 learns nothing.
+        measured = [w for w in candidates if w > 1 and w in self.times]
+        drafted = max(measured, key=self.rate) if measured else None
+        if drafted and self.rate(drafted) * (1 + self.margin) >= self.rate(1):
+            self.since_probe = 0
+            return drafted
+        self.since_probe += 1
+        if self.since_probe < self.probe_every:
+            return 1
+        # The cheapest drafted cycle: it measures the first draft position, which
+        # is what would have to improve before any wider width could win.
+        self.since_probe = 0
+        self.probing = True
+        return 2
 
     def update(self, width: int, accept_length: int, seconds: float):
-        d = self.decay
-        # depth k (draft token k+1) was tried when every token before it was accepted
-        for k in range(min(width - 1, accept_length + 1, len(self.hits))):
-            self.hits[k] = self.hits[k] * d + (1.0 if k < accept_length else 0.0)
-            self.trials[k] = self.trials[k] * d + 1.0
+        if width > 1:
+            # Depth k (draft token k+1) was reached when every token before it was
+            # accepted. Evidence fades with drafted cycles only (width-1 cycles say
+            # nothing about the draft), and at every depth, reached or not: what
+            # deep positions did while the draft was good must not outlive it.
+            d = self.decay
+            reached = min(width - 1, accept_length + 1)
+            for k in range(len(self.hits)):
+                self.hits[k] = self.hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
+                self.trials[k] = self.trials[k] * d + (1.0 if k < reached else 0.0)
         old = self.times.get(width)
         self.times[width] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        if self.probing:
+            # A probe that found nothing: wait twice as long for the next one.
+            found = accept_length > 0
+            self.probe_every = (
+                self.min_probe_every if found else min(self.max_probe_every, 2 * self.probe_every)
+            )

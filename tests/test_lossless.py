@@ -160,18 +160,3 @@ def test_auto_block_size_is_lossless_and_adapts(arch):
     out, responses = run(model, oracle, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[])
     assert out == ref
     assert responses[-1].tau > 8
-
-
-def test_block_sizer_objective():
-    from dflash_mlx.adaptive import BlockSizer
-
-    sizer = BlockSizer(16)
-    sizer.times = {1: 1.0, 16: 2.0}  # a 16-token verify costs twice a decode
-    sizer.cycle = 5
-    sizer.hits, sizer.trials = [0.0] * 15, [100.0] * 15  # never accepted
-    assert sizer.choose(100) == 1
-    sizer.hits = [99.0] * 15  # nearly always accepted
-    assert sizer.choose(100) == 16
-    sizer.hits = [80.0] + [10.0] * 14  # first token often right, deeper ones rarely
-    assert 1 < sizer.choose(100) < 6
-    assert sizer.choose(1) == 1

@@ -1,0 +1,124 @@
+"""The adaptive verify width (`BlockSizer`) on simulated drafts and cycle costs.
+
+Costs are a function of the width, so the policy's choices are deterministic;
+exactness of `block_size="auto"` through the engine is in test_lossless.py.
+"""
+
+import pytest
+
+from dflash_mlx.adaptive import BlockSizer, FixedWidth
+
+MAX = 16
+
+
+def cpu_cost(width):
+    """Seconds per cycle shaped like SmolLM2-135M on this CPU: a decode step 1.0,
+    a drafted cycle pays the draft forward and a verify that grows with width."""
+    return 1.0 if width == 1 else 1.25 + 0.05 * width
+
+
+def gpu_cost(width):
+    """Flat up to 8 tokens, then a jump (the quantized-matmul regime change)."""
+    return 1.0 if width == 1 else (1.1 if width <= 8 else 2.4)
+
+
+def run(sizer, accepts, cycles, cost=cpu_cost):
+    """Drive `sizer` for `cycles`; accepts(cycle, width) -> accept length. Returns widths, tokens, seconds."""
+    widths, tokens, seconds = [], 0, 0.0
+    for c in range(cycles):
+        w = sizer.choose(10**6)
+        a = min(accepts(c, w), w - 1)
+        sizer.update(w, a, cost(w))
+        widths.append(w)
+        tokens += a + 1
+        seconds += cost(w)
+    return widths, tokens, seconds
+
+
+def random_draft(c, w):
+    return 0
+
+
+def oracle(c, w):
+    return w - 1
+
+
+def test_poor_draft_falls_back_to_width_one_and_costs_little():
+    widths, tokens, seconds = run(BlockSizer(MAX), random_draft, 200)
+    assert max(widths) < MAX  # never pays for a full-width verify
+    assert widths[4:10] == [1] * 6  # plain decoding after a few cheap drafted cycles
+    probes = [w for w in widths[4:] if w > 1]
+    assert set(probes) == {2} and len(probes) <= 8  # cheap and ever rarer
+    assert tokens / seconds >= 0.97 * (1 / cpu_cost(1))  # vs plain decoding
+
+
+def test_oracle_draft_goes_and_stays_wide():
+    widths, tokens, seconds = run(BlockSizer(MAX), oracle, 40)
+    assert widths[0] < MAX  # the first cycle is moderate
+    assert widths[2] == MAX and widths[4:] == [MAX] * 36
+    assert tokens / seconds > 0.9 * MAX / cpu_cost(MAX)
+
+
+def test_widens_again_when_the_draft_improves():
+    switch = 60
+    widths, _, _ = run(BlockSizer(MAX), lambda c, w: 0 if c < switch else w - 1, switch + 60)
+    assert widths[switch - 10 : switch].count(1) >= 9
+    recovered = next(i for i, w in enumerate(widths[switch:]) if w == MAX)
+    assert recovered <= 40  # within one maximal probe interval and a few cycles
+    settled = widths[switch + recovered + 2 :]
+    assert settled == [MAX] * len(settled)
+
+
+def test_falls_back_when_the_draft_gets_worse():
+    switch = 30
+    widths, _, _ = run(BlockSizer(MAX), lambda c, w: w - 1 if c < switch else 0, switch + 40)
+    assert widths[switch - 1] == MAX
+    fell = widths[switch:].index(1)
+    assert fell <= 20
+    assert widths[switch + fell :].count(1) >= 0.8 * len(widths[switch + fell :])
+
+
+@pytest.mark.parametrize("cost", [cpu_cost, gpu_cost])
+def test_middling_draft_picks_the_best_width_for_the_hardware(cost):
+    """Each position accepted with probability 0.6 (deterministic pattern): the
+    chosen widths do within 5% of the best fixed width under that cost."""
+    pattern = [1, 1, 0, 1, 1, 0, 1, 0, 1, 1]  # 60% of draws accept
+
+    def draw(c, w, k):
+        return pattern[(7 * c + 3 * k) % len(pattern)]
+
+    def accepts(c, w):
+        a = 0
+        while a < w - 1 and draw(c, w, a):
+            a += 1
+        return a
+
+    _, tokens, seconds = run(BlockSizer(MAX), accepts, 300, cost)
+    best_fixed = max(run(FixedWidth(w), accepts, 300, cost)[1] / run(FixedWidth(w), accepts, 300, cost)[2]
+                     for w in range(1, MAX + 1))
+    assert tokens / seconds >= 0.95 * best_fixed
+
+
+def test_cost_model_interpolates_between_measured_widths():
+    sizer = BlockSizer(MAX)
+    sizer.times = {1: 1.0, 4: 1.4, 12: 2.2}
+    assert sizer.cycle_time(1) == 1.0
+    assert sizer.cycle_time(2) == 1.4  # below the smallest drafted width: its cost bounds it
+    assert sizer.cycle_time(8) == pytest.approx(1.8)
+    assert sizer.cycle_time(16) == pytest.approx(2.6)  # past the range: the last segment's slope
+    del sizer.times[12]
+    assert sizer.cycle_time(16) == 1.4  # one drafted point: nothing to extend
+    assert sizer.cycle_time(3) == 1.4
+
+
+def test_objective_and_remaining_budget():
+    sizer = BlockSizer(MAX)
+    sizer.times = {w: 1.0 if w == 1 else 1.1 + 0.9 * w / MAX for w in sizer.widths}  # all measured
+    sizer.hits, sizer.trials = [0.0] * 15, [100.0] * 15  # never accepted
+    assert sizer.choose(100) == 1
+    sizer.hits = [99.0] * 15  # nearly always accepted
+    assert sizer.choose(100) == 16
+    sizer.hits = [80.0] + [10.0] * 14  # first token often right, deeper ones rarely
+    assert 1 < sizer.choose(100) < 6
+    assert sizer.choose(1) == 1
+    assert FixedWidth(8).choose(3) == 3
