@@ -17,7 +17,6 @@ import mmap
 import os
 import struct
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,20 +330,20 @@ def convert_tensor(gf: GGUFFile, cfg: dict, name: str, w: np.ndarray) -> np.ndar
 
 
 def stderr_progress(label: str) -> Callable[[int, int], None]:
-    """A one-line progress bar on stderr when it is a terminal, else silent."""
+    """`progress.Progress` on stderr when it is a terminal, else silent."""
     if not sys.stderr.isatty():
         return lambda done, total: None
-    start = time.perf_counter()
+    from dflash_mlx.progress import Progress
+
+    bar = None
 
     def show(done, total):
-        width = 30
-        filled = width * done // max(total, 1)
-        end = "\n" if done >= total else ""
-        sys.stderr.write(
-            f"\r{label} [{'#' * filled}{'.' * (width - filled)}] {done}/{total} "
-            f"{time.perf_counter() - start:.1f}s{end}"
-        )
-        sys.stderr.flush()
+        nonlocal bar
+        if bar is None:
+            bar = Progress(total, label, "tensors", every=0.1)
+        bar.update(done, force=done >= total)
+        if done >= total:
+            bar.close()
 
     return show
 

@@ -124,16 +124,16 @@ def load(name_or_path, dtype=None, quiet: bool = False):
     dt = resolve_dtype(dtype)
     if kind == "packaged":
         model, tokenizer = _load_packaged(name, dtype, dt, quiet)
+    elif kind == "hub":
+        model, tokenizer = _load_hub(name, dtype, dt)
     elif path.is_file():
         if not _is_gguf(path):
             raise ModelLoadError(
                 f"{path} is not a GGUF file; give a .gguf file or an mlx-lm model folder"
             )
         model, tokenizer = _load_gguf(path, dt, quiet)
-    elif kind == "path":
-        model, tokenizer = _load_folder(path, dtype, dt)
     else:
-        model, tokenizer = _load_hub(name, dtype, dt)
+        model, tokenizer = _load_folder(path, dtype, dt)
     model.name = name
     return model, tokenizer
 

@@ -129,7 +129,7 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
         "top_p": dict(type=float, help="nucleus sampling, in (0, 1] (default: 1, off)"),
         "top_k": dict(type=int, help="keep the k likeliest tokens (default: 0, off)"),
         "min_p": dict(type=float, help="drop tokens below min-p x the top probability (default: 0, off)"),
-        "seed": dict(type=int, help="sampling seed (default: none)"),
+        "seed": dict(type=int, help=f"sampling seed (default: {'none' if d.seed is None else d.seed})"),
         "draft_sampling": dict(
             choices=DRAFT_SAMPLING_MODES,
             help="draft proposals at temperature > 0: the draft's argmax (default) or sampled from it",

@@ -177,11 +177,16 @@ def test_cli_arguments_and_dispatch():
     assert args.block_sizes == [4, 8, 16] and args.model == "smollm2-135m"
     assert cli.build_parser().parse_args(["--block-sizes", "8,auto"]).block_sizes == [8, "auto"]
     assert cli.build_parser().parse_args(["--block-size", "auto"]).block_size == "auto"
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["--block-size", "wide"])
-    from dflash_mlx.cli import main as top_main
+    from dflash_mlx.cli import CLIError, main as top_main
 
-    assert top_main(["bench", "--suite", "gsm8k,nope"]) == 2  # rejected before loading
+    with pytest.raises(CLIError, match="block size takes 'auto', a whole number >= 1"):
+        cli.build_parser().parse_args(["--block-size", "wide"])
+    with pytest.raises(CLIError, match="got '0'"):
+        cli.build_parser().parse_args(["--block-sizes", "4,0"])
+    # rejected before loading
+    assert top_main(["bench", "--suite", "gsm8k,nope"]) == 2
+    assert top_main(["bench", "--limit", "0"]) == 2
+    assert top_main(["bench", "--temperature", "-1"]) == 2
 
 
 def test_sampling_run_skips_the_identity_check(tiny):

@@ -6,28 +6,26 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, check_sources, usage_error
+from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
+from dflash_mlx.packaged import DEFAULT_MODEL
+
 from .suites import SUITES, parse_suites
 
 
-def _block(spec: str):
-    spec = spec.strip()
-    if spec == "auto":
-        return spec
+def _block_sizes(spec: str):
+    """--block-sizes: a comma list of what --block-size takes, e.g. 4,8,16,auto."""
     try:
-        b = int(spec)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"block size must be an integer or 'auto', not {spec!r}")
-    if b < 1:
-        raise argparse.ArgumentTypeError(f"block size must be >= 1, not {b}")
-    return b
-
-
-def _blocks(spec: str):
-    return [_block(x) for x in spec.split(",") if x.strip()]
+        sizes = [parse_block_size(x) for x in spec.split(",") if x.strip()]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"no block sizes in {spec!r}")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="dflash-mlx bench",
         description="Benchmark DFlash speculative decoding against plain decoding of the "
         "same target (mlx-lm stream_generate): tau, accept lengths, tok/s, speed-up, "
@@ -36,20 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", default="gsm8k,humaneval,mtbench",
                    help=f"comma list of {', '.join(SUITES)}, or 'all' (default: %(default)s)")
     p.add_argument("--limit", type=int, default=10, help="prompts per suite (seeded subset)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--block-size", type=_block, default=None,
-                   help="DFlash block size, or 'auto' for the engine's adaptive verify width "
-                   "(default: the draft's own)")
-    p.add_argument("--block-sizes", type=_blocks, default=None,
+    # top-p/k and min-p are not swept: plain decoding and DFlash compare at one temperature
+    add_generation_args(p, GenerationOptions(block_size=None, seed=0),
+                        skip=("top_p", "top_k", "min_p"))
+    p.add_argument("--block-sizes", type=_block_sizes, default=None,
                    help="sweep, e.g. 4,8,16 or 4,8,16,auto (overrides --block-size)")
-    p.add_argument("--model", default="smollm2-135m", help="packaged name | folder | .gguf | hub id")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name | folder | .gguf | hub id")
     p.add_argument("--draft", default=None, help="draft (default: the same name as --model)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (tokens checked)")
-    p.add_argument("--draft-sampling", choices=["argmax", "sample"], default="argmax",
-                   help="proposal mode at temperature > 0: draft argmax (default) or sampled from q")
-    p.add_argument("--seed", type=int, default=0, help="subset and sampling seed")
     p.add_argument("--out", default=None,
                    help="output folder (default: benchmarks/results/<date>-<model>)")
     p.add_argument("--data-dir", default=None, help="folder with the suite files")
@@ -95,12 +88,15 @@ def main(argv=None) -> int:
     if args.from_json:
         return rerender(Path(args.from_json), with_plots=not args.no_plots)
     try:
+        options = GenerationOptions.from_args(args).check()
         suites = parse_suites(args.suite)
     except ValueError as e:
-        print(f"dflash-mlx bench: {e}", file=sys.stderr)
-        return 2
+        raise usage_error(e) from None
+    if args.limit is not None and args.limit < 1:
+        raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
     draft_name = args.draft or args.model
-    blocks = args.block_sizes or [args.block_size]
+    check_sources(args.model, draft_name)
+    blocks = args.block_sizes or [options.block_size]
     out = args.out or str(
         Path("benchmarks") / "results" / (
             datetime.now(timezone.utc).strftime("%Y%m%d-%H%M") + "-"
@@ -114,8 +110,8 @@ def main(argv=None) -> int:
     model, tokenizer = load(args.model, dtype=args.dtype)
     draft = load_draft(draft_name, model)
     cfg = runner.BenchConfig(
-        suites=suites, limit=args.limit, max_tokens=args.max_tokens, block_sizes=blocks,
-        temperature=args.temperature, draft_sampling=args.draft_sampling, seed=args.seed,
+        suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
+        temperature=options.temperature, draft_sampling=options.draft_sampling, seed=options.seed,
         warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
         model=args.model, draft=draft_name, data_dir=args.data_dir,

@@ -1,4 +1,4 @@
-"""Benchmark arithmetic on generation traces. Pure Python: no MLX, testable alone.
+"""Benchmark arithmetic on generation traces; no model runs here.
 
 Definitions used everywhere in the reports:
 

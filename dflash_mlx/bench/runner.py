@@ -25,6 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import mlx.core as mx
 
+from dflash_mlx.generate import encode_prompt, stop_ids
 from dflash_mlx.progress import format_duration
 
 from . import metrics
@@ -57,14 +58,6 @@ def _log(msg: str):
 
 
 # -- streams -----------------------------------------------------------------
-
-
-def stop_ids(tokenizer) -> set:
-    ids = getattr(tokenizer, "eos_token_ids", None)
-    if ids is None:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        ids = [] if eos is None else [eos]
-    return set(ids)
 
 
 def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
@@ -132,21 +125,6 @@ def dflash_stream(model, draft, tokenizer, ids: List[int], max_tokens: int,
                            seed=seed, profile=profile, draft_sampling=draft_sampling)
 
 
-def draft_block_size(draft) -> int:
-    for obj in (draft, getattr(draft, "args", None), getattr(draft, "config", None)):
-        b = getattr(obj, "block_size", None) if obj is not None else None
-        if isinstance(b, int):
-            return b
-    raise ValueError("cannot tell the draft's block size; pass --block-size")
-
-
-def encode(tokenizer, text: str) -> List[int]:
-    # Chat templates already carry BOS; only add special tokens when they do not.
-    bos = getattr(tokenizer, "bos_token", None)
-    add = bos is None or not text.startswith(bos)
-    return list(tokenizer.encode(text, add_special_tokens=add))
-
-
 # -- direct forward timing ---------------------------------------------------
 
 
@@ -190,25 +168,6 @@ def measure_forward_times(model, context: List[int], sizes: Iterable[int],
 # -- environment ---------------------------------------------------------------
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if sys.platform == "darwin":
-        try:
-            import subprocess
-
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"],
-                                  capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
-    return platform.processor() or platform.machine()
-
-
 def _loadavg() -> Optional[float]:
     try:
         return round(os.getloadavg()[0], 2)
@@ -225,17 +184,22 @@ def _model_dtype(model) -> str:
 
 
 def environment(model=None) -> dict:
-    env = {
+    """`doctor.machine()` under the result schema's names, plus what explains timings."""
+    from dflash_mlx.doctor import machine
+
+    m = machine()
+    return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "mlx_version": mx.__version__,
-        "backend": "gpu" if mx.default_device() == mx.gpu else "cpu",
-        "device": str(mx.default_device()),
+        "mlx_version": m["mlx"],
+        "mlx_lm_version": m["mlx_lm"],
+        "backend": m["backend"],
+        "device": m["device"],
         "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "gpu": None,
-        "blas": None,
+        "python": m["python"],
+        "cpu": m["cpu"],
+        "cpu_count": m["cpu_count"],
+        "gpu": m["gpu"],
+        "blas": m["blas"],
         "dtype": _model_dtype(model) if model is not None else None,
         # BLAS threads and machine load explain most run-to-run spread on shared
         # CPUs (OpenBLAS with more threads than free cores thrashes).
@@ -243,31 +207,6 @@ def environment(model=None) -> dict:
                        ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
         "loadavg": _loadavg(),
     }
-    try:
-        import mlx_lm
-
-        env["mlx_lm_version"] = mlx_lm.__version__
-    except Exception:
-        env["mlx_lm_version"] = None
-    try:
-        if mx.metal.is_available():
-            env["gpu"] = mx.metal.device_info().get("device_name")
-    except Exception:
-        pass
-    if env["gpu"] is None and env["backend"] == "gpu":
-        try:
-            env["gpu"] = mx.device_info().get("device_name")
-        except Exception:
-            pass
-    try:
-        from dflash_mlx.blas import active_blas
-
-        env["blas"] = active_blas()
-    except Exception:
-        pass
-    if env["blas"] is not None and not isinstance(env["blas"], (str, int, float, dict, list)):
-        env["blas"] = str(env["blas"])
-    return env
 
 
 # -- the run -------------------------------------------------------------------
@@ -340,15 +279,15 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
                    for p in load_suite(s, cfg.limit, cfg.seed, cfg.data_dir)]
     if not prompts:
         raise ValueError("no prompts to run")
-    blocks = [b if b is not None else draft_block_size(draft) for b in cfg.block_sizes]
+    blocks = [b if b is not None else draft.block_size for b in cfg.block_sizes]
     blocks = list(dict.fromkeys(blocks))  # keep order, drop repeats
     fixed = [b for b in blocks if b != "auto"]
     # "auto" varies the width per cycle: its histogram spans the draft's block,
     # and it has no single verify width, so no limit.
-    max_block = draft_block_size(draft) if "auto" in blocks else None
+    max_block = draft.block_size if "auto" in blocks else None
     greedy = cfg.temperature == 0
     stops = stop_ids(tokenizer)
-    encoded = [encode(tokenizer, format_prompt(tokenizer, p)) for p in prompts]
+    encoded = [encode_prompt(tokenizer, format_prompt(tokenizer, p)) for p in prompts]
 
     # Target forward times at a realistic context: the median prompt length.
     # Sampled up front and again after every prompt, so on a shared machine the
