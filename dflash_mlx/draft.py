@@ -666,34 +666,22 @@ def random_draft(target, seed: int = 0, dtype=mx.float32, version: int = 1, **co
 
 def _resolve_draft_dir(name_or_path: str) -> Optional[Path]:
     """Folder for a local path, a packaged draft name, or a hub id (downloaded); None: packaged but not shipped."""
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise FileNotFoundError(
-                f"draft path {path} is a file; give the folder holding config.json and model.safetensors"
-            )
-        return path
     from dflash_mlx import packaged
-
-    if name_or_path in packaged.PACKAGED:
-        return packaged.packaged_draft_dir(name_or_path)
-    if name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1:
-        raise FileNotFoundError(
-            f"draft '{name_or_path}' is neither a folder, a packaged name "
-            f"({', '.join(packaged.PACKAGED)}) nor a hub id like 'z-lab/Qwen3-8B-DFlash-b16'"
-        )
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from dflash_mlx.loading import ModelLoadError, hub_snapshot, resolve_source
 
     try:
-        return Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "*.md"]))
-    except LocalEntryNotFoundError:
+        kind, path = resolve_source(name_or_path, "draft")
+        if kind == "hub":
+            return hub_snapshot(name_or_path, ["*.json", "*.safetensors", "*.md"], "draft")
+    except ModelLoadError as e:
+        raise FileNotFoundError(str(e)) from None
+    if kind == "packaged":
+        return packaged.packaged_draft_dir(name_or_path)
+    if not path.is_dir():
         raise FileNotFoundError(
-            f"draft '{name_or_path}' is not in the local Hugging Face cache and the hub cannot be "
-            "reached (offline?). Download it on a connected machine or pass a local folder."
-        ) from None
-    except Exception as e:
-        raise FileNotFoundError(f"could not fetch draft '{name_or_path}' from the hub: {e}") from None
+            f"draft path {path} is a file; give the folder holding config.json and model.safetensors"
+        )
+    return path
 
 
 def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet: bool = False) -> DFlashDraftModel:

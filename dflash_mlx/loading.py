@@ -30,7 +30,12 @@ class ModelLoadError(Exception):
     """A model could not be loaded; the message says why and what to do."""
 
 
-def _known_sources():
+def _known_sources(what: str = "model"):
+    if what == "draft":
+        return (
+            f"packaged names: {', '.join(packaged.packaged_names())}; or a draft folder "
+            "(config.json + model.safetensors), or a hub id like 'z-lab/Qwen3-8B-DFlash-b16'"
+        )
     return (
         f"packaged models: {', '.join(packaged.packaged_names())}; or a .gguf file, "
         "an mlx-lm model folder, or a Hugging Face repo id like 'mlx-community/SmolLM2-135M-Instruct'"
@@ -78,7 +83,7 @@ def resolve_source(name: str, what: str = "model") -> Tuple[str, Optional[Path]]
     """
     name = str(name).strip()
     if not name:
-        raise ModelLoadError(f"no {what} given; {_known_sources()}")
+        raise ModelLoadError(f"no {what} given; {_known_sources(what)}")
     if packaged.is_packaged(name):
         return "packaged", None
     path = Path(name).expanduser()
@@ -87,7 +92,7 @@ def resolve_source(name: str, what: str = "model") -> Tuple[str, Optional[Path]]
     if name.startswith((".", "/", "~")) or name.endswith(".gguf") or name.count("/") > 1:
         raise ModelLoadError(f"no such file or folder for the {what}: {path}")
     if name.count("/") != 1 or " " in name:
-        raise ModelLoadError(f"unknown {what} {name!r}; {_known_sources()}")
+        raise ModelLoadError(f"unknown {what} {name!r}; {_known_sources(what)}")
     return "hub", None
 
 

@@ -128,7 +128,7 @@ def test_missing_paths(tmp_path, target):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         (tmp_path / "empty").mkdir()
         load_draft(tmp_path / "empty", target[0])
-    with pytest.raises(FileNotFoundError, match="neither a folder"):
+    with pytest.raises(FileNotFoundError, match="no such file or folder for the draft"):
         load_draft(str(tmp_path / "nope" / "x" / "y"), target[0])
 
 
