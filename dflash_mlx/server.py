@@ -240,6 +240,7 @@ class Worker:
     def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
                  block_size="auto", max_tokens: int = 512, queue_size: int = 16, max_snapshots: int = 4,
                  chat_template: bool = True):
+        import mlx.core as mx
         from mlx_lm.tokenizer_utils import TokenizerWrapper
 
         from dflash_mlx.prompt_cache import make_prompt_cache
@@ -255,6 +256,12 @@ class Worker:
         self.default_max_tokens = max_tokens
         self.queue_size = queue_size
         self.chat_template = chat_template
+        # MLX streams belong to the thread that made them: an array still lazy here
+        # (weights loaded lazily, a draft's vocabulary ids) could not be evaluated
+        # by the worker thread, so everything is evaluated now.
+        mx.eval(model.parameters())
+        if draft is not None:
+            mx.eval(draft.parameters(), [v for v in vars(draft).values() if isinstance(v, mx.array)])
         self.cache = make_prompt_cache(model, draft, max_snapshots=max_snapshots)
         target = getattr(draft, "target", None) or Target(model)
         self.context_window = target.max_context

@@ -423,3 +423,19 @@ def test_serve_options_are_checked():
     for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--max-tokens", "-1"]):
         with pytest.raises(CLIError, match=bad[0]):
             p.parse_args(bad)
+
+
+def test_lazily_loaded_weights_are_served_from_the_worker_thread():
+    # mlx-lm loads weights lazily, and a draft's vocabulary ids may be lazy too:
+    # arrays still lazy on the loading thread cannot be evaluated on the worker's.
+    import mlx.core as mx
+    from mlx.utils import tree_map
+
+    model, tok = tiny_target("llama", seed=2, layer_types=None, sliding_window=None)
+    draft = random_draft(model, block_size=4)
+    model.update(tree_map(lambda p: p * 1.0, model.parameters()))
+    draft.set_vocab(mx.arange(0, 300))
+    with serving(model, draft, tok) as s:
+        ids = s.worker.encode_text("lazy")
+        r = s.client.completions.create(model=MODEL, prompt="lazy", max_tokens=6)
+        assert r.choices[0].text == expected(s, ids, 6)[0]
