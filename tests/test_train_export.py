@@ -78,8 +78,8 @@ def test_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
 
 
 def test_measure_tau_pools_engine_cycles():
-    from dflash_mlx.bench.runner import encode
     from dflash_mlx.bench.suites import format_prompt, load_suite
+    from dflash_mlx.generate import encode_prompt as encode
     from dflash_mlx.testing import ScriptedDraft, greedy_reference
     from dflash_mlx.train.evaluate import measure_tau
 

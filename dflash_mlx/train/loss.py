@@ -51,3 +51,9 @@ def block_metrics(logits: mx.array, labels: mx.array, valid: mx.array, exists: m
 
 def expected_tau(accepted_sum: float, blocks: float) -> float:
     return 1.0 + accepted_sum / blocks if blocks else math.nan
+
+
+def position_accuracy(logits: mx.array, labels: mx.array, valid: mx.array, exists: mx.array):
+    """Per mask position k = 1..B-1: (correct count [B-1], existing label count [B-1])."""
+    correct = (logits.argmax(-1) == labels) & valid
+    return correct.sum(axis=(0, 1)), exists.sum(axis=(0, 1))

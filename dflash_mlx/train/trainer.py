@@ -33,7 +33,7 @@ from dflash_mlx.draft import DFlashDraftModel, DraftConfig
 from dflash_mlx.progress import eta_seconds, format_duration
 from dflash_mlx.train.data import feature_file
 from dflash_mlx.train.forward import training_logits
-from dflash_mlx.train.loss import block_loss, block_metrics, expected_tau
+from dflash_mlx.train.loss import block_loss, block_metrics, expected_tau, position_accuracy
 from dflash_mlx.train.vocab import index_map
 
 CHECKPOINT = "checkpoint"  # the latest full checkpoint (weights + optimizer + state)
@@ -48,7 +48,7 @@ class TrainConfig:
     lr: float = 6e-4
     warmup: float = 0.04  # fraction of steps
     min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01
+    weight_decay: float = 0.01  # matrices only: decaying norm weights pulls them toward 0, not 1
     grad_clip: float = 1.0
     gamma: float = 7.0
     seed: int = 0
@@ -101,6 +101,20 @@ class FeatureSource:
         self.layer_ids = list(layer_ids)
         self.feature_dir = Path(feature_dir) if feature_dir else None
         self.save_missing = save_missing and self.feature_dir is not None
+        # A cache may hold more layers than this draft taps (`feature_layers.json`,
+        # written by data generation): then this draft reads its columns of them.
+        self.stored = self.layer_ids
+        if self.feature_dir is not None and (self.feature_dir.parent / "feature_layers.json").exists():
+            stored = json.loads((self.feature_dir.parent / "feature_layers.json").read_text())
+            if set(self.layer_ids) <= set(stored):
+                self.stored = list(stored)
+        H = target.hidden_size
+        self.columns = None
+        if self.stored != self.layer_ids:
+            self.columns = np.concatenate([np.arange(H) + H * self.stored.index(i) for i in self.layer_ids])
+
+    def _select(self, f: np.ndarray) -> np.ndarray:
+        return f if self.columns is None else f[:, self.columns]
 
     def __call__(self, rec: dict) -> np.ndarray:
         """[len-1, n_tl*H] features of positions 0..len-2 (float16 or float32)."""
@@ -109,10 +123,11 @@ class FeatureSource:
             path = feature_file(self.feature_dir, rec["id"])
             if path.exists():
                 f = np.load(path, mmap_mode="r")
-                if f.shape[0] >= n:
-                    return f[:n]
+                # a cache written for other taps has another width: recompute instead
+                if f.shape[0] >= n and f.shape[1] == len(self.stored) * self.target.hidden_size:
+                    return self._select(f[:n])
         seq = rec["prompt"] + rec["response"][:-1]
-        _, feats, _ = self.target.forward(mx.array([seq]), None, self.layer_ids)
+        _, feats, _ = self.target.forward(mx.array([seq]), None, self.stored)
         f = np.array(feats[0].astype(mx.float16))
         if self.save_missing:
             path = feature_file(self.feature_dir, rec["id"])
@@ -120,7 +135,7 @@ class FeatureSource:
             tmp = path.with_suffix(".tmp.npy")
             np.save(tmp, f)
             tmp.replace(path)
-        return f
+        return self._select(f)
 
 
 @dataclass
@@ -146,8 +161,10 @@ def make_batch(
     mask_token_id: int,
     vocab_index: np.ndarray,
     max_seq_len: int = 512,
+    feature_scale: Optional[np.ndarray] = None,
 ) -> Batch:
-    """K random anchors in each record's response; blocks past the end are masked."""
+    """K random anchors in each record's response; blocks past the end are masked.
+    `feature_scale` [n_tl*H] preconditions the features (folded into fc at export)."""
     B, K = block_size, blocks_per_seq
     feats, blocks, anchors, labels, valid, exists = [], [], [], [], [], []
     for rec in records:
@@ -177,6 +194,8 @@ def make_batch(
     F = np.zeros((len(feats), S, feats[0].shape[1]), dtype=np.float32)
     for i, f in enumerate(feats):
         F[i, : f.shape[0]] = f
+    if feature_scale is not None:
+        F *= feature_scale[None, None, :]
     return Batch(
         mx.array(F),
         mx.array(np.stack(blocks).astype(np.int32)),
@@ -199,8 +218,10 @@ class Trainer:
         cfg: TrainConfig,
         run_dir,
         log: Optional[Callable[[str], None]] = None,
+        feature_scale: Optional[np.ndarray] = None,
     ):
         self.draft = draft
+        self.feature_scale = feature_scale
         self.train_records = list(train_records)
         self.eval_records = list(eval_records)
         self.features = features
@@ -212,7 +233,8 @@ class Trainer:
         self.seqs_per_step = max(1, cfg.batch_tokens // (cfg.blocks_per_seq * B))
         vocab = None if draft.vocab_ids is None else np.array(draft.vocab_ids)
         self.vocab_index = index_map(vocab, draft.config.vocab_size)
-        self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
+        # Decoupled weight decay is applied by hand to matrices only (see train_step).
+        self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=0.0)
         self.optimizer.init(draft.trainable_parameters())
         self.step = 0
         self.tokens = 0  # supervised (mask-position) tokens seen
@@ -241,7 +263,7 @@ class Trainer:
         c = self.draft.config
         return make_batch(
             self.batch_records(step), self.features, rng, c.block_size, self.cfg.blocks_per_seq,
-            c.mask_token_id, self.vocab_index, self.cfg.max_seq_len,
+            c.mask_token_id, self.vocab_index, self.cfg.max_seq_len, self.feature_scale,
         )
 
     # -- one step -------------------------------------------------------------
@@ -254,7 +276,13 @@ class Trainer:
     def train_step(self, batch: Batch):
         (loss, logits), grads = self._loss_and_grad(self.draft, batch)
         grads, gnorm = optim.clip_grad_norm(grads, self.cfg.grad_clip)
+        lr = self.optimizer.learning_rate
         self.optimizer.update(self.draft, grads)
+        if self.cfg.weight_decay:
+            decay = 1.0 - lr * self.cfg.weight_decay
+            self.draft.update(tree_unflatten([
+                (k, v * decay) for k, v in tree_flatten(self.draft.trainable_parameters()) if v.ndim >= 2
+            ]))
         corr, n, acc_sum, blocks = block_metrics(logits, batch.labels, batch.valid, batch.exists)
         mx.eval(self.draft.parameters(), self.optimizer.state, loss, gnorm, corr, n, acc_sum, blocks)
         return {
@@ -272,15 +300,21 @@ class Trainer:
         c = self.draft.config
         rng = np.random.default_rng([self.cfg.seed, 7])
         tot = {"loss": 0.0, "w": 0.0, "corr": 0, "n": 0, "acc": 0, "blocks": 0}
+        pos_corr = np.zeros(c.block_size - 1)
+        pos_n = np.zeros(c.block_size - 1)
         for i in range(0, len(self.eval_records), self.seqs_per_step):
             b = make_batch(
                 self.eval_records[i : i + self.seqs_per_step], self.features, rng, c.block_size,
                 self.cfg.blocks_per_seq, c.mask_token_id, self.vocab_index, self.cfg.max_seq_len,
+                self.feature_scale,
             )
             logits = training_logits(self.draft, b.features, b.block_ids, b.anchors)
             loss, w = block_loss(logits, b.labels, b.valid, self.cfg.gamma)
             corr, n, acc_sum, blocks = block_metrics(logits, b.labels, b.valid, b.exists)
-            mx.eval(loss, w, corr, n, acc_sum, blocks)
+            pc, pn = position_accuracy(logits, b.labels, b.valid, b.exists)
+            mx.eval(loss, w, corr, n, acc_sum, blocks, pc, pn)
+            pos_corr += np.array(pc)
+            pos_n += np.array(pn)
             tot["loss"] += loss.item() * w.item()
             tot["w"] += w.item()
             tot["corr"] += corr.item()
@@ -293,6 +327,8 @@ class Trainer:
             "val_loss": tot["loss"] / max(tot["w"], 1e-9),
             "val_acc": tot["corr"] / max(tot["n"], 1),
             "val_tau_hat": expected_tau(tot["acc"], tot["blocks"]),
+            # top-1 accuracy of mask position k = 1..B-1 (each on its own, not conditional)
+            "val_pos_acc": [round(float(x), 4) for x in pos_corr / np.maximum(pos_n, 1)],
         }
 
     # -- checkpoints ----------------------------------------------------------

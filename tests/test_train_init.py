@@ -1,0 +1,180 @@
+"""Target initialisation, feature preconditioning and the overfit check of the
+training recipe (dflash_mlx/train/init.py, trainer.py), on tiny targets."""
+
+import random
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import dflash_mlx  # noqa: F401
+from dflash_mlx.draft import load_draft
+from dflash_mlx.target import Target
+from dflash_mlx.testing import greedy_reference, tiny_target
+from dflash_mlx.train import data as D
+from dflash_mlx.train import init as I
+from dflash_mlx.train.export import export_draft
+from dflash_mlx.train.forward import training_logits
+from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, make_batch
+from dflash_mlx.train.vocab import index_map
+
+
+def _records(model, n=6, prompt_len=24, max_tokens=64):
+    out = []
+    for s in range(n):
+        rng = random.Random(s)
+        prompt = [rng.randrange(0, 256) for _ in range(prompt_len)]
+        out.append({"id": f"r{s}", "prompt": prompt, "response": greedy_reference(model, prompt, max_tokens)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model, tok = tiny_target("llama")
+    target = Target(model)
+    return model, tok, target, _records(model)
+
+
+def _overfit(target, tok, recs, tmp_path, steps=150, lr=3e-3, init="target"):
+    cfg = I.make_draft_config(target, tok, recs, 2, 8, init)
+    feats = FeatureSource(target, cfg.target_layer_ids)
+    mx.random.seed(0)
+    draft, scale, _ = I.make_draft(cfg, target, recs, feats, init=init)
+    tc = TrainConfig(steps=steps, batch_tokens=256, blocks_per_seq=8, lr=lr, eval_every=0, log_every=10**6)
+    tr = Trainer(draft, recs, recs, feats, tc, tmp_path, log=lambda s: None, feature_scale=scale)
+    before = tr.evaluate()
+    tr.train()
+    return before, tr.evaluate()
+
+
+def test_overfit_check_fits_a_handful_of_sequences(setup, tmp_path):
+    _, tok, target, recs = setup
+    before, after = _overfit(target, tok, recs, tmp_path)
+    assert before["val_acc"] < 0.2
+    assert after["val_acc"] >= 0.9, after
+    assert min(after["val_pos_acc"]) >= 0.8, after["val_pos_acc"]
+    assert after["val_tau_hat"] > 5.0
+
+
+def test_overfit_check_reports_a_recipe_that_cannot_learn(setup, tmp_path):
+    # lr 0: the optimiser does nothing; the check must say so, not pass anyway.
+    _, tok, target, recs = setup
+    _, after = _overfit(target, tok, recs, tmp_path, steps=20, lr=0.0)
+    assert after["val_acc"] < 0.3
+
+
+def test_init_copies_target_layers_and_passes_the_feeding_tap(setup):
+    model, tok, target, recs = setup
+    L = target.num_layers
+    cfg = I.make_draft_config(target, tok, recs, 2, 8, "target")
+    assert (L - 3) in cfg.target_layer_ids  # feeds the first copied layer, L-2
+    feats = FeatureSource(target, cfg.target_layer_ids)
+    draft, scale, done = I.make_draft(cfg, target, recs, feats)
+    assert done["copied_layers"] == [L - 2, L - 1]
+    assert done["passthrough_tap"] == L - 3
+    src = model.model.layers[L - 2]
+    np.testing.assert_array_equal(np.array(draft.layers[0].self_attn.q_proj.weight), np.array(src.self_attn.q_proj.weight))
+    np.testing.assert_array_equal(np.array(draft.layers[0].mlp.down_proj.weight), np.array(src.mlp.down_proj.weight))
+    # The fused context is exactly what the first copied layer reads: its input norm
+    # applied to the feeding layer's output.
+    f = mx.array(np.asarray(feats(recs[0]), np.float32))
+    fused = draft.fuse(f * mx.array(scale))
+    H = target.hidden_size
+    j = cfg.target_layer_ids.index(L - 3)
+    expect = src.input_layernorm(f[:, j * H : (j + 1) * H])
+    np.testing.assert_allclose(np.array(fused), np.array(expect), rtol=1e-4, atol=1e-4)
+
+
+def test_feature_scale_is_folded_into_fc_at_export(setup, tmp_path):
+    model, tok, target, recs = setup
+    cfg = I.make_draft_config(target, tok, recs, 2, 8, "target")
+    feats = FeatureSource(target, cfg.target_layer_ids)
+    draft, scale, _ = I.make_draft(cfg, target, recs, feats)
+    # make fc non-trivial in every column, as after training
+    draft.fc.weight = draft.fc.weight + 0.01 * mx.random.normal(draft.fc.weight.shape)
+    assert np.ptp(scale) > 0
+    batch = make_batch(recs[:2], feats, np.random.default_rng(0), 8, 4, cfg.mask_token_id,
+                       index_map(None, cfg.vocab_size), feature_scale=scale)
+    trained = training_logits(draft, batch.features, batch.block_ids, batch.anchors)
+    export_draft(draft, tmp_path / "d", dtype=mx.float32, feature_scale=scale)
+    shipped = load_draft(tmp_path / "d", model)
+    raw = batch.features / mx.array(scale)  # what the engine feeds: unscaled features
+    exported = training_logits(shipped, raw, batch.block_ids, batch.anchors)
+    np.testing.assert_allclose(np.array(exported), np.array(trained), rtol=1e-3, atol=1e-3)
+
+
+def test_mask_token_is_never_a_token_of_the_data():
+    class Tok:
+        eos_token_ids = [0]
+
+    recs = [{"prompt": [1, 2, 3], "response": [299, 4]}]
+    m = I.choose_mask_token(Tok(), recs, 300)
+    assert m == 298
+    recs = [{"prompt": list(range(300)), "response": [1]}]
+    with pytest.raises(ValueError, match="mask token"):
+        I.choose_mask_token(Tok(), recs, 300)
+
+
+def test_smollm2_style_special_token_is_preferred():
+    class Added:
+        special = True
+
+    class HF:
+        added_tokens_decoder = {0: Added(), 1: Added(), 2: Added(), 16: Added()}
+        bos_token_id = 1
+
+    class Tok:
+        eos_token_ids = [2]
+        _tokenizer = HF()
+
+    assert I.choose_mask_token(Tok(), [{"prompt": [0, 1, 5], "response": [2]}], 100) == 16
+
+
+def test_weight_decay_leaves_norms_alone(setup, tmp_path):
+    _, tok, target, recs = setup
+    cfg = I.make_draft_config(target, tok, recs, 1, 8, "target")
+    feats = FeatureSource(target, cfg.target_layer_ids)
+    results = []
+    for wd in (0.0, 0.5):
+        mx.random.seed(0)
+        draft, scale, _ = I.make_draft(cfg, target, recs, feats)
+        tc = TrainConfig(steps=1, batch_tokens=128, blocks_per_seq=4, lr=1e-2, weight_decay=wd, warmup=0.0,
+                         eval_every=0, log_every=10**6)
+        Trainer(draft, recs, [], feats, tc, tmp_path / str(wd), log=lambda s: None, feature_scale=scale).train()
+        results.append(draft)
+    a, b = results
+    np.testing.assert_array_equal(np.array(a.layers[0].input_layernorm.weight), np.array(b.layers[0].input_layernorm.weight))
+    np.testing.assert_array_equal(np.array(a.hidden_norm.weight), np.array(b.hidden_norm.weight))
+    assert not np.allclose(np.array(a.layers[0].mlp.up_proj.weight), np.array(b.layers[0].mlp.up_proj.weight))
+
+
+def test_feature_cache_with_more_layers_than_the_draft_taps(setup, tmp_path):
+    import json
+
+    _, _, target, recs = setup
+    run = tmp_path / "run"
+    (run / "features").mkdir(parents=True)
+    (run / "feature_layers.json").write_text(json.dumps([0, 1, 2, 3]))
+    full = FeatureSource(target, [0, 1, 2, 3], run / "features", save_missing=True)
+    wide = np.asarray(full(recs[0]))
+    sub = FeatureSource(target, [1, 3], run / "features")
+    H = target.hidden_size
+    np.testing.assert_array_equal(np.asarray(sub(recs[0])), np.concatenate([wide[:, H:2 * H], wide[:, 3 * H:]], 1))
+    direct = FeatureSource(target, [1, 3])(recs[0])
+    np.testing.assert_allclose(np.asarray(sub(recs[0]), np.float32), np.asarray(direct, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_packed_responses_round_trip(tmp_path):
+    from dflash_mlx.testing import byte_tokenizer
+
+    tok = byte_tokenizer()
+    prompts = D.gsm8k_train_prompts()[:3]
+    recs = [{"id": p.id, "prompt": D.chat_prompt_ids(tok, p.text), "response": [5, 6, 7 + i], "finish": "length"}
+            for i, p in enumerate(prompts)]
+    recs.append({"id": "gsm8k-train:999999", "prompt": [1, 2], "response": [3], "finish": "stop"})
+    path = tmp_path / "r.jsonl.gz"
+    D.pack_responses(recs, path)
+    msgs = []
+    back = D.unpack_responses(path, tok, log=msgs.append)
+    assert back == recs[:3]
+    assert msgs and "1 records without their prompt source" in msgs[0]
