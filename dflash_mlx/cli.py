@@ -57,6 +57,44 @@ def check_sources(model: str, draft=None) -> None:
         raise CLIError(str(e)) from None
 
 
+def draft_for(model: str, draft=None, baseline: bool = False):
+    """The draft a front end loads for `model`: `draft`, else a packaged model's own;
+    None for `baseline`. Both names are checked before anything loads."""
+    from dflash_mlx.packaged import is_packaged
+
+    check_sources(model)
+    if baseline:
+        return None
+    if draft is None:
+        if not is_packaged(model):
+            raise CLIError(
+                f"no DFlash draft for {model!r}: pass --draft (folder or hub id), "
+                "or --baseline to use the target alone"
+            )
+        draft = model
+    check_sources(model, draft)
+    return draft
+
+
+def load_model_and_draft(model: str, draft=None, baseline: bool = False, dtype=None, quiet=False):
+    """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags."""
+    from dflash_mlx import load, load_draft
+    from dflash_mlx.draft import DraftMismatchError
+    from dflash_mlx.packaged import draft_label
+
+    draft_name = draft_for(model, draft, baseline)
+    target, tokenizer = load(model, dtype=dtype, quiet=quiet)
+    if draft_name is None:
+        return target, tokenizer, None, None
+    try:
+        loaded = load_draft(draft_name, target, quiet=quiet)
+    except DraftMismatchError as e:
+        raise CLIError(f"draft {draft_name!r} does not fit model {model!r}: {e}") from None
+    except (FileNotFoundError, ValueError) as e:
+        raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
+    return target, tokenizer, loaded, draft_label(draft_name)
+
+
 def _one_line(e: BaseException) -> str:
     from dflash_mlx.draft import DraftMismatchError
     from dflash_mlx.loading import ModelLoadError

@@ -140,9 +140,12 @@ def packaged_draft_dir(name: str) -> Optional[Path]:
     return d if (d / "config.json").is_file() else None
 
 
+def untrained_draft(name: str) -> bool:
+    """A packaged name without a shipped draft: `load_draft` makes an untrained one
+    (exact output, low acceptance)."""
+    return is_packaged(name) and packaged_draft_dir(name) is None
+
+
 def draft_label(name: str) -> str:
-    """How to show draft `name`: a packaged name without a shipped draft gets an
-    untrained one from `load_draft` (exact output, low acceptance), and says so."""
-    if is_packaged(name) and packaged_draft_dir(name) is None:
-        return f"{name} (untrained)"
-    return name
+    """How to show draft `name`: an untrained one says so."""
+    return f"{name} (untrained)" if untrained_draft(name) else name

@@ -7,7 +7,7 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, check_sources, usage_error
+from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, load_model_and_draft, usage_error
 from dflash_mlx.options import GenerationOptions, add_generation_args
 
 
@@ -64,49 +64,14 @@ def _read_prompt(args) -> str:
     return prompt
 
 
-def _draft_name(args):
-    """The draft to load, or None for --baseline."""
-    from dflash_mlx.packaged import is_packaged
-
-    if args.baseline:
-        return None
-    if args.draft is not None:
-        return args.draft
-    if not is_packaged(args.model):
-        raise CLIError(
-            f"no DFlash draft for {args.model!r}: pass --draft (folder or hub id), "
-            "or --baseline to decode with the target alone"
-        )
-    return args.model
-
-
-def _load(args, draft_name):
-    from dflash_mlx import load, load_draft
-    from dflash_mlx.draft import DraftMismatchError
-
-    model, tokenizer = load(args.model, dtype=args.dtype, quiet=args.json)
-    if draft_name is None:
-        return model, tokenizer, None
-    try:
-        draft = load_draft(draft_name, model, quiet=args.json)
-    except DraftMismatchError as e:
-        raise CLIError(f"draft {draft_name!r} does not fit model {args.model!r}: {e}") from None
-    except (FileNotFoundError, ValueError) as e:
-        raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
-    return model, tokenizer, draft
-
-
 def run(args) -> int:
     try:
         options = GenerationOptions.from_args(args).check()
     except ValueError as e:
         raise usage_error(e) from None
     prompt = _read_prompt(args)
-    check_sources(args.model)
-    draft_name = _draft_name(args)
-    if draft_name is not None:
-        check_sources(args.model, draft_name)
-    model, tokenizer, draft = _load(args, draft_name)
+    model, tokenizer, draft, draft_label = load_model_and_draft(
+        args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json)
 
     from dflash_mlx import stream_generate
     from dflash_mlx.loading import apply_chat_template
@@ -144,11 +109,9 @@ def run(args) -> int:
     }
     tau = last.tau if last.accept_lengths else None
     if args.json:
-        from dflash_mlx.packaged import draft_label
-
         out = {"text": "".join(pieces), "tokens": tokens, **stats,
                "accept_lengths": list(last.accept_lengths), "tau": tau, "model": args.model,
-               "draft": draft_label(draft_name) if draft_name else None}
+               "draft": draft_label}
         print(json.dumps(out, ensure_ascii=False))
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"

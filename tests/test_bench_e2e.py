@@ -148,8 +148,8 @@ def test_cli_writes_results_and_plots(tiny, tmp_path, monkeypatch):
     import dflash_mlx
 
     model, tok = tiny
-    monkeypatch.setattr(dflash_mlx, "load", lambda name, dtype=None: (model, tok))
-    monkeypatch.setattr(dflash_mlx, "load_draft", lambda name, m: None)
+    monkeypatch.setattr(dflash_mlx, "load", lambda name, **kw: (model, tok))
+    monkeypatch.setattr(dflash_mlx, "load_draft", lambda name, m, **kw: None)
     monkeypatch.setattr(runner, "dflash_stream", scripted(2))
     monkeypatch.setattr(runner, "format_prompt", lambda t, p: p.text[:40])
     out = tmp_path / "run"

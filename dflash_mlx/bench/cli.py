@@ -6,7 +6,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, check_sources, usage_error
+from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, draft_for, load_model_and_draft, usage_error
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.packaged import DEFAULT_MODEL
 
@@ -94,21 +94,17 @@ def main(argv=None) -> int:
         raise usage_error(e) from None
     if args.limit is not None and args.limit < 1:
         raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
-    draft_name = args.draft or args.model
-    check_sources(args.model, draft_name)
+    draft_name = draft_for(args.model, args.draft or args.model)
     blocks = args.block_sizes or [options.block_size]
     out = args.out or str(
         Path("benchmarks") / "results" / (
             datetime.now(timezone.utc).strftime("%Y%m%d-%H%M") + "-"
             + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).name)))
 
-    from dflash_mlx import load, load_draft
-
     from . import report, runner
 
     print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
-    model, tokenizer = load(args.model, dtype=args.dtype)
-    draft = load_draft(draft_name, model)
+    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, draft_sampling=options.draft_sampling, seed=options.seed,
