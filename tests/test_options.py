@@ -69,3 +69,29 @@ def test_bad_block_size_flag_is_a_usage_error(capsys):
         p.parse_args(["--block-size", "0"])
     assert e.value.code == 2
     assert "block size takes 'auto'" in capsys.readouterr().err
+
+
+def _front_end_parsers():
+    from dflash_mlx import run, server
+    from dflash_mlx.bench import cli as bench_cli
+    from dflash_mlx.tui import app
+
+    return {
+        "run": lambda text: run.build_parser().parse_args(["--block-size", text, "hi"]).block_size,
+        "chat": lambda text: app.build_parser().parse_args(["--block-size", text]).block_size,
+        "bench": lambda text: bench_cli.build_parser().parse_args(["--block-size", text]).block_size,
+        "bench sweep": lambda text: bench_cli.build_parser().parse_args(["--block-sizes", f"4,{text}"]).block_sizes[1],
+        "serve": lambda text: server.build_parser().parse_args(["--block-size", text]).block_size,
+    }
+
+
+@pytest.mark.parametrize("front_end", ["run", "chat", "bench", "bench sweep", "serve"])
+def test_every_front_end_takes_the_same_block_sizes(front_end):
+    from dflash_mlx.cli import CLIError
+
+    parse = _front_end_parsers()[front_end]
+    for text, want in (("auto", "auto"), ("AUTO", "auto"), (" Auto ", "auto"), ("16", 16), ("1", 1)):
+        assert parse(text) == want, (front_end, text)
+    for text in ("0", "-2", "x", "2.5"):
+        with pytest.raises(CLIError, match="block size takes 'auto', a whole number >= 1"):
+            parse(text)
