@@ -324,6 +324,19 @@ def test_bad_setting_is_refused_with_a_notification(tiny):
     assert app.session.settings.max_tokens == MAX
 
 
+async def try_values(app, pilot, field, texts):
+    """Type each text into a settings field and press Enter: {text: (dialog still open, new notes)}."""
+    out = {}
+    field.focus()
+    for text in texts:
+        field.value = text
+        seen = len(notifications(app))
+        await pilot.press("enter")  # Enter in a field saves (a click could land on the last toast)
+        await pilot.pause(0.05)
+        out[text] = (isinstance(app.screen, SettingsScreen), notifications(app)[seen:])
+    return out
+
+
 def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
     model, tok, draft = tiny
     app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
@@ -332,14 +345,7 @@ def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
         await pilot.press("f2")
         field = app.screen.query_one("#top_p")
         shown = field.value
-        field.focus()
-        refused = {}
-        for text in ("1.5", "0", "most"):
-            field.value = text
-            seen = len(notifications(app))
-            await pilot.press("enter")
-            await pilot.pause(0.05)
-            refused[text] = (isinstance(app.screen, SettingsScreen), notifications(app)[seen:])
+        refused = await try_values(app, pilot, field, ("1.5", "0", "most"))
         field.value = "0.9"
         app.screen.query_one("#temperature").value = "0.7"
         app.screen.query_one("#seed").value = "5"
@@ -606,14 +612,7 @@ def test_settings_dialog_takes_auto_a_number_or_nothing(tiny):
         for text in ("auto", " Auto ", "8", ""):
             field.value = text
             parsed[text] = app.screen.read().block_size
-        refused = {}
-        field.focus()
-        for text in ("0", "x", "2.5"):
-            field.value = text
-            seen = len(notifications(app))
-            await pilot.press("enter")  # Enter in a field saves (a click could land on the last toast)
-            await pilot.pause(0.05)
-            refused[text] = (isinstance(app.screen, SettingsScreen), notifications(app)[seen:])
+        refused = await try_values(app, pilot, field, ("0", "x", "2.5"))
         field.value = "8"
         await pilot.press("enter")
         await pilot.pause(0.05)
