@@ -55,6 +55,18 @@ class GenerationRequest:
 
 _MISSING = object()
 
+# Fields whose other values ask for something the server does not do: refused
+# rather than silently ignored. (Sampling penalties and other extras are ignored.)
+_UNSUPPORTED = {
+    "tools": (None, []),
+    "functions": (None, []),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+}
+
 
 def _field(body, name, types, what, default=_MISSING):
     value = body.get(name, default)
@@ -103,6 +115,9 @@ def parse_request(raw: bytes, kind: str, worker: "Worker") -> GenerationRequest:
             f"model '{model}' is not served here: use '{worker.model_name}' (GET /v1/models)",
             param="model", status=404, code="model_not_found",
         )
+    for name, served in _UNSUPPORTED.items():
+        if body.get(name) not in served:
+            raise RequestError(f"'{name}' is not supported by this server: leave it out", param=name)
     n = _field(body, "n", (int,), "1", default=1)
     if n != 1:
         raise RequestError(f"'n' must be 1 (one choice per request), got {n}", param="n")
@@ -493,30 +508,33 @@ def create_app(worker: Worker):
     return app
 
 
-async def _next_event(job: Job, request=None):
-    """The worker's next event; a client that went away cancels the job."""
+async def _watch_disconnect(request, job: Job):
+    """Cancel `job` when the client goes away (the body is read: the next message says so)."""
     while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
-                job.cancel()
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
 
 
 async def _complete(request, job: Job, kind, rid, created, model):
     from fastapi.responses import JSONResponse
 
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
     pieces = []
-    while True:
-        event, payload = await _next_event(job, request)
-        if event == "text":
-            pieces.append(payload)
-        elif event == "error":
-            return _error_response(payload)
-        elif payload is None:  # cancelled: nobody is listening
-            return JSONResponse({}, status_code=499)
-        else:
-            break
+    try:
+        while True:
+            event, payload = await job.events.get()
+            if event == "text":
+                pieces.append(payload)
+            elif event == "error":
+                return _error_response(payload)
+            elif payload is None:  # cancelled: nobody is listening
+                return JSONResponse({}, status_code=499)
+            else:
+                break
+    finally:
+        watcher.cancel()
     text = "".join(pieces)
     if kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -553,7 +571,7 @@ async def _sse(job: Job, kind, rid, created, model):
         if kind == "chat":
             yield _sse_line(chunk(text="", role=True))
         while True:
-            event, payload = await _next_event(job)
+            event, payload = await job.events.get()
             if event == "text":
                 yield _sse_line(chunk(text=payload))
             elif event == "error":

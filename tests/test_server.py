@@ -275,6 +275,11 @@ def test_client_disconnect_mid_stream_frees_the_server_within_one_cycle(endless)
     print(f"server idle {freed_in * 1000:.0f} ms after the client went away")
     r = endless.client.completions.create(model=MODEL, prompt="c", max_tokens=7)
     assert r.choices[0].text == "defghij"
+    # a client that gives up on a non-streaming answer cancels it too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(endless.url + "/v1/completions", json={**body, "stream": False}, timeout=0.5)
+    wait_idle(endless)
+    assert endless.worker.counts["cancelled"] == 2 and endless.worker.counts["served"] == served + 1
 
 
 def test_full_queue_answers_429_and_keeps_serving(endless):
@@ -391,6 +396,8 @@ BAD = [
     ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt", "context window"),
     ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt", "token ids"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
 ]
 
 
