@@ -143,4 +143,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # `python -m dflash_mlx.cli` runs this file as __main__; the subcommands import
+    # dflash_mlx.cli, so its CLIError is the one to catch
+    from dflash_mlx.cli import main as cli_main
+
+    sys.exit(cli_main())

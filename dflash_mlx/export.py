@@ -5,7 +5,6 @@ tokenizer files that `mlx_lm.load` (and `dflash-mlx train`) read directly,
 without the GGUF dequantization and tokenizer conversion on every load.
 """
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -55,7 +54,9 @@ def export_model(model, tokenizer, out, dtype=None, overwrite=False) -> Path:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
+    from dflash_mlx.cli import ArgumentParser  # a bad flag is one line, as in every subcommand
+
+    p = ArgumentParser(
         prog="dflash-mlx export",
         description="write a model (packaged name, .gguf, folder, hub id) as a standard mlx-lm folder",
     )
