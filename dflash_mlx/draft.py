@@ -335,9 +335,16 @@ class DFlashDraftModel(nn.Module):
     """Block-diffusion drafter. Bind it to a target (`bind`) before use."""
 
     layer_class = DraftLayer
+    version = 1
 
     def __init__(self, config: DraftConfig):
         super().__init__()
+        if config.version != self.version:
+            # A DFlash 2 config in a DFlash model would silently drop the conv and the selector.
+            raise DraftMismatchError(
+                f"{type(self).__name__} builds DFlash {self.version} drafts but the config is "
+                f"DFlash {config.version}; build it with dflash_mlx.draft.draft_class(config)(config)"
+            )
         self.config = config
         n_feat = len(config.target_layer_ids) * config.hidden_size
         self.fc = nn.Linear(n_feat, config.hidden_size, bias=False)

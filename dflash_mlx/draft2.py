@@ -110,6 +110,7 @@ class DFlash2DraftModel(DFlashDraftModel):
     """DFlash 2 drafter: `propose_logits` as DFlash, then `select_tokens` gives the proposal."""
 
     layer_class = DFlash2Layer
+    version = 2
 
     def __init__(self, config: DraftConfig):
         super().__init__(config)

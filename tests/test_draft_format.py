@@ -336,3 +336,16 @@ def test_select_tokens_needs_a_proposal(target):
     draft = random_draft(target[0], version=2)
     with pytest.raises(RuntimeError, match="propose_logits"):
         draft.select_tokens(mx.zeros((1, 7, 300)))
+
+
+def test_a_dflash2_config_needs_the_dflash2_class(target):
+    """Code that builds `DFlashDraftModel(config)` itself (training, export) must not get a
+    DFlash 2 draft without its conv and selector; `draft_class` picks the right one."""
+    from dflash_mlx.draft import DFlashDraftModel, draft_class, random_draft_config
+    from dflash_mlx.draft2 import DFlash2DraftModel, dflash2_defaults
+
+    config = random_draft_config(Target(target[0]), version=2, **dflash2_defaults(64))
+    with pytest.raises(DraftMismatchError, match="draft_class"):
+        DFlashDraftModel(config)
+    assert draft_class(config) is DFlash2DraftModel
+    assert isinstance(draft_class(config)(config), DFlash2DraftModel)
