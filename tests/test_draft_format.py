@@ -349,3 +349,29 @@ def test_a_dflash2_config_needs_the_dflash2_class(target):
         DFlashDraftModel(config)
     assert draft_class(config) is DFlash2DraftModel
     assert isinstance(draft_class(config)(config), DFlash2DraftModel)
+
+
+def test_neutral_dflash2_is_dflash(tmp_path, target):
+    """A DFlash 2 draft with pass-through convs (base taps [1, 0, ...], no dynamic part) and
+    zero codebooks computes exactly its DFlash weights' logits, and its selector picks the argmax."""
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft2 import dflash2_defaults
+
+    model = target[0]
+    v1 = random_draft(model, num_layers=2, seed=7)
+    v2 = random_draft(model, num_layers=2, seed=8, version=2, **dflash2_defaults(64))
+    v2.load_weights(tree_flatten(v1.parameters()), strict=False)
+    for layer in v2.layers:
+        for conv in (layer.attention_conv, layer.mlp_conv):
+            conv.base_kernel = mx.zeros_like(conv.base_kernel).at[:, 0].add(1.0)
+            conv.kernel_projection.weight = mx.zeros_like(conv.kernel_projection.weight)
+    sel = v2.candidate_selector
+    sel.predecessor_codebook = mx.zeros_like(sel.predecessor_codebook)
+    feats = mx.random.normal((1, 20, len(v1.config.target_layer_ids) * 64), key=mx.random.key(3))
+    last = mx.array([9])
+    a = v1.propose_logits(last, feats, v1.make_cache(), 8)
+    b = v2.propose_logits(last, feats, v2.make_cache(), 8)
+    assert mx.array_equal(a, b)
+    assert v2.select_tokens(b).tolist() == mx.argmax(a, axis=-1).tolist()
