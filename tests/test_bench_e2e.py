@@ -201,3 +201,30 @@ def test_sampling_run_skips_the_identity_check(tiny):
     assert doc["config"]["greedy"] is False and rec["tokens_match"] is None
     assert rec["generated"] > 0 and doc["prompts"][0]["baseline"]["generated"] > 0
     assert "Not checked (temperature > 0)" in report.markdown(doc)
+
+
+def test_sampling_filters_reach_both_engines(tiny, monkeypatch):
+    from dflash_mlx.draft import random_draft
+
+    model, tok = tiny
+    seen = {"baseline": [], "dflash": []}
+    real_base, real_dflash = runner.baseline_stream, runner.dflash_stream
+
+    def base(*a, **kw):
+        seen["baseline"].append(kw)
+        return real_base(*a, **kw)
+
+    def dflash(*a, **kw):
+        seen["dflash"].append(kw)
+        return real_dflash(*a, **kw)
+
+    monkeypatch.setattr(runner, "baseline_stream", base)
+    monkeypatch.setattr(runner, "dflash_stream", dflash)
+    draft = random_draft(model, seed=0, num_layers=1, block_size=4)
+    cfg = _cfg([4], temperature=0.8, top_p=0.9, top_k=5, profile=False, warmup=False)
+    doc = runner.run(model, draft, tok, cfg, prompts=_prompts()[:1], log=lambda m: None)
+    assert seen["baseline"] == [{"top_p": 0.9, "top_k": 5}]
+    assert seen["dflash"] == [{"top_p": 0.9, "top_k": 5}]
+    assert (doc["config"]["top_p"], doc["config"]["top_k"], doc["config"]["min_p"]) == (0.9, 5, 0.0)
+    args = cli.build_parser().parse_args(["--top-p", "0.9", "--top-k", "5", "--min-p", "0.1"])
+    assert (args.top_p, args.top_k, args.min_p, args.block_size, args.seed) == (0.9, 5, 0.1, None, 0)

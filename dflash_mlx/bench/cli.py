@@ -34,9 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", default="gsm8k,humaneval,mtbench",
                    help=f"comma list of {', '.join(SUITES)}, or 'all' (default: %(default)s)")
     p.add_argument("--limit", type=int, default=10, help="prompts per suite (seeded subset)")
-    # top-p/k and min-p are not swept: plain decoding and DFlash compare at one temperature
-    add_generation_args(p, GenerationOptions(block_size=None, seed=0),
-                        skip=("top_p", "top_k", "min_p"))
+    add_generation_args(p, GenerationOptions(block_size=None, seed=0))
     p.add_argument("--block-sizes", type=_block_sizes, default=None,
                    help="sweep, e.g. 4,8,16 or 4,8,16,auto (overrides --block-size)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name | folder | .gguf | hub id")
@@ -107,7 +105,8 @@ def main(argv=None) -> int:
     model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
-        temperature=options.temperature, draft_sampling=options.draft_sampling, seed=options.seed,
+        temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
+        min_p=options.min_p, draft_sampling=options.draft_sampling, seed=options.seed,
         warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
         model=args.model, draft=draft_name, data_dir=args.data_dir,

@@ -42,6 +42,9 @@ class BenchConfig:
     # None: the draft's own; "auto": the engine's adaptive verify width
     block_sizes: List[Union[int, str, None]] = field(default_factory=lambda: [None])
     temperature: float = 0.0
+    top_p: float = 1.0  # sampling filters, as in dflash_mlx.options (off by default)
+    top_k: int = 0
+    min_p: float = 0.0
     draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.accept)
     seed: int = 0
     warmup: bool = True
@@ -106,23 +109,27 @@ def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
 
 
 def baseline_stream(model, tokenizer, ids: List[int], max_tokens: int,
-                    temperature: float, seed: int):
+                    temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0,
+                    min_p: float = 0.0):
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
     return stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
-                           sampler=make_sampler(temp=temperature))
+                           sampler=make_sampler(temp=temperature, top_p=top_p, min_p=min_p,
+                                                top_k=top_k))
 
 
 def dflash_stream(model, draft, tokenizer, ids: List[int], max_tokens: int,
                   block_size: Union[int, str, None], temperature: float, seed: int,
-                  profile: bool, draft_sampling: str = "argmax"):
+                  profile: bool, draft_sampling: str = "argmax", top_p: float = 1.0,
+                  top_k: int = 0, min_p: float = 0.0):
     from dflash_mlx.generate import stream_generate
 
     return stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens,
-                           block_size=block_size, temperature=temperature,
-                           seed=seed, profile=profile, draft_sampling=draft_sampling)
+                           block_size=block_size, temperature=temperature, top_p=top_p,
+                           top_k=top_k, min_p=min_p, seed=seed, profile=profile,
+                           draft_sampling=draft_sampling)
 
 
 # -- direct forward timing ---------------------------------------------------
@@ -269,11 +276,15 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
 
     `baseline_fn` / `dflash_fn` replace the two engines (tests use scripted drafts).
     """
-    baseline_fn = baseline_fn or baseline_stream
+    # the sampling filters go to both engines alike; only set ones, so that a
+    # test's stand-in engine without them still fits
+    off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
+    filters = {k: getattr(cfg, k) for k in off if getattr(cfg, k) != off[k]}
+    if baseline_fn is None:
+        baseline_fn = functools.partial(baseline_stream, **filters)
     if dflash_fn is None:
-        dflash_fn = dflash_stream
-        if cfg.draft_sampling != "argmax":
-            dflash_fn = functools.partial(dflash_stream, draft_sampling=cfg.draft_sampling)
+        proposals = {} if cfg.draft_sampling == "argmax" else {"draft_sampling": cfg.draft_sampling}
+        dflash_fn = functools.partial(dflash_stream, **proposals, **filters)
     if prompts is None:
         prompts = [p for s in cfg.suites
                    for p in load_suite(s, cfg.limit, cfg.seed, cfg.data_dir)]
