@@ -59,15 +59,16 @@ def _reference_cycle(theirs, block, features, cache):
 
 
 def compare_cycles(ours, theirs, model, prompt, block_size=8, split=5):
-    """Two draft cycles as the engine runs them: the prompt's context minus its last
-    `split` tokens, then those `split` tokens. Returns [(our logits, theirs, our
-    choices, their choices)] per cycle (choices None for DFlash 1)."""
+    """Two draft cycles as the engine runs them: context = the prompt minus its last
+    `split` tokens with the next token as the block's first (the engine's last committed
+    token, not in the context yet), then those `split` tokens' context with another token.
+    Returns [(our logits, theirs, our choices, their choices)] per cycle (choices None for DFlash 1)."""
     target = Target(model)
     _, features, _ = target.forward(mx.array([prompt]), target.make_cache(), ours.config.target_layer_ids)
     our_cache, their_cache = ours.make_cache(), theirs.make_cache()
     out = []
     for lo, hi in ((0, len(prompt) - split), (len(prompt) - split, len(prompt))):
-        last = prompt[hi - 1]
+        last = prompt[hi] if hi < len(prompt) else prompt[0]
         logits = ours.propose_logits(mx.array([last]), features[:, lo:hi], our_cache, block_size)
         chosen = ours.select_tokens(logits) if hasattr(ours, "select_tokens") else None
         block = mx.array([[last] + [ours.config.mask_token_id] * (block_size - 1)])
