@@ -284,6 +284,7 @@ class Worker:
         self.vocab_size = target.vocab_size
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
         self.current: Optional[Job] = None
+        self.stopping = False
         self.counts = {"served": 0, "cancelled": 0, "rejected": 0, "failed": 0}
         self.cycles_after_cancel: List[int] = []  # per cancelled job: engine cycles run after the cancel
         self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
@@ -304,6 +305,8 @@ class Worker:
     # -- scheduling
 
     def submit(self, job: Job):
+        if self.stopping:
+            raise _shutting_down()
         try:
             self.jobs.put_nowait(job)
         except queue.Full:
@@ -328,18 +331,21 @@ class Worker:
         }
 
     def stop(self, timeout: float = 10.0):
-        """Cancel the running job, drop the waiting ones, and end the thread."""
+        """Refuse the waiting jobs, cancel the running one, and end the thread (idempotent)."""
+        self.stopping = True
         while True:
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None:
-                job.emit("error", RequestError("the server is shutting down", status=503, type="server_error"))
-        if self.current is not None:
-            self.current.cancel()
-        self.jobs.put(None)
-        self._thread.join(timeout)
+                job.emit("error", _shutting_down())
+        job = self.current
+        if job is not None:
+            job.cancel()
+        if self._thread.is_alive():
+            self.jobs.put(None)
+            self._thread.join(timeout)
 
     def _run(self):
         while True:
@@ -405,7 +411,7 @@ class Worker:
         if finish is None and job.cancelled.is_set():
             self.counts["cancelled"] += 1
             self.cycles_after_cancel.append(job.cycles - job.cancel_cycle)
-            job.emit("done", None)
+            job.emit(*(("error", _shutting_down()) if self.stopping else ("done", None)))
             return
         tail = matcher.flush() if finish != "stop" or not req.stop else ""
         if tail:
@@ -434,6 +440,11 @@ class Worker:
             },
         }
         job.emit("done", {"finish_reason": finish, "usage": usage})
+
+
+def _shutting_down() -> RequestError:
+    return RequestError("the server is shutting down; retry on its next start", status=503,
+                        code="shutting_down", type="server_error")
 
 
 # -- the HTTP app ---------------------------------------------------------------
@@ -681,10 +692,24 @@ def main(argv=None) -> int:
     worker = load_worker(args)
     print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {args.block_size}, "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    # uvicorn turns Ctrl-C / SIGTERM into a graceful shutdown; the app's lifespan then stops the worker
-    uvicorn.run(create_app(worker), host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=5)
+    config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=5)
+    _serve(config, worker)
     return 0
+
+
+def _serve(config, worker: Worker):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """On Ctrl-C / SIGTERM the worker stops first, so open streams end (with an
+        error event) at their next cycle instead of waiting out the grace period."""
+
+        def handle_exit(self, sig, frame):
+            threading.Thread(target=worker.stop, daemon=True).start()  # it joins the worker: not on the loop
+            super().handle_exit(sig, frame)
+
+    Server(config).run()
 
 
 if __name__ == "__main__":

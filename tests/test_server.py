@@ -9,7 +9,11 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 import contextlib
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -446,3 +450,46 @@ def test_lazily_loaded_weights_are_served_from_the_worker_thread():
         ids = s.worker.encode_text("lazy")
         r = s.client.completions.create(model=MODEL, prompt="lazy", max_tokens=6)
         assert r.choices[0].text == expected(s, ids, 6)[0]
+
+
+def test_sigterm_stops_the_served_process_cleanly(tmp_path):
+    """`dflash-mlx serve` as its own process: SIGTERM mid-stream ends the stream and the process."""
+    from dflash_mlx.draft import save_draft
+    from gguf_helpers import write_tiny_gguf
+
+    model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
+    save_draft(random_draft(model, num_layers=1, block_size=4), tmp_path / "draft")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", str(tmp_path / "tiny.gguf"),
+         "--draft", str(tmp_path / "draft"), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.poll() is not None else "slow start"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        body = {"prompt": "hello", "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            next(lines)
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]  # the stream ends: the worker is cancelled at its next cycle
+        events = [json.loads(line[6:]) for line in rest if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "shutting_down" and rest[-1] == "data: [DONE]"
+        # uvicorn shuts down, then re-raises the signal it caught: "terminated by SIGTERM", as it should be
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        out = proc.stdout.read()
+        assert "Finished server process" in out and "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
