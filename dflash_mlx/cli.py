@@ -57,9 +57,13 @@ def check_sources(model: str, draft=None) -> None:
         raise CLIError(str(e)) from None
 
 
-def draft_for(model: str, draft=None, baseline: bool = False):
-    """The draft a front end loads for `model`: `draft`, else a packaged model's own;
-    None for `baseline`. Both names are checked before anything loads."""
+def draft_for(model: str, draft=None, baseline=None):
+    """The draft a front end loads for `model`: `draft`, else a packaged model's own.
+
+    `baseline` is the front end's --baseline flag: True means no draft (None is
+    returned); None means the front end has no such flag. Both names are
+    checked before anything loads.
+    """
     from dflash_mlx.packaged import is_packaged
 
     check_sources(model)
@@ -67,16 +71,14 @@ def draft_for(model: str, draft=None, baseline: bool = False):
         return None
     if draft is None:
         if not is_packaged(model):
-            raise CLIError(
-                f"no DFlash draft for {model!r}: pass --draft (folder or hub id), "
-                "or --baseline to use the target alone"
-            )
+            alternative = "" if baseline is None else ", or --baseline to use the target alone"
+            raise CLIError(f"no DFlash draft for {model!r}: pass --draft (a folder or hub id){alternative}")
         draft = model
     check_sources(model, draft)
     return draft
 
 
-def load_model_and_draft(model: str, draft=None, baseline: bool = False, dtype=None, quiet=False):
+def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False):
     """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags."""
     from dflash_mlx import load, load_draft
     from dflash_mlx.draft import DraftMismatchError

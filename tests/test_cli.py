@@ -124,6 +124,12 @@ def test_doctor_reports_environment(capsys):
 def test_model_without_draft_needs_draft_or_baseline(tiny, capsys):
     code, _, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "hi")
     assert code != 0 and "--draft" in err and "--baseline" in err
+    # front ends without --baseline do not offer it
+    for sub in ("chat", "bench"):
+        code, _, err = cli(capsys, sub, "--model", str(tiny / "tiny.gguf"))
+        assert code == 1 and err.strip() == (
+            f"dflash-mlx {sub}: error: no DFlash draft for '{tiny / 'tiny.gguf'}': "
+            "pass --draft (a folder or hub id)")
 
 
 def test_prompt_past_context_window(tiny, capsys):

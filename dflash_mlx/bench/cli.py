@@ -38,7 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-sizes", type=_block_sizes, default=None,
                    help="sweep, e.g. 4,8,16 or 4,8,16,auto (overrides --block-size)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name | folder | .gguf | hub id")
-    p.add_argument("--draft", default=None, help="draft (default: the same name as --model)")
+    p.add_argument("--draft", default=None, help="DFlash draft: packaged name, folder or hub id "
+                   "(default: the packaged draft of a packaged --model)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")
     p.add_argument("--out", default=None,
@@ -92,7 +93,7 @@ def main(argv=None) -> int:
         raise usage_error(e) from None
     if args.limit is not None and args.limit < 1:
         raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
-    draft_name = draft_for(args.model, args.draft or args.model)
+    draft_name = draft_for(args.model, args.draft)
     blocks = args.block_sizes or [options.block_size]
     out = args.out or str(
         Path("benchmarks") / "results" / (
