@@ -369,6 +369,18 @@ class Worker:
             finally:
                 self.current = None
 
+    def _lost_leading_space(self, token: int) -> str:
+        """" " when the streaming detokenizer drops the first token's leading space.
+
+        mlx-lm's BPE detokenizer starts every answer without it, right for a chat
+        answer but not for a completion, whose text continues the prompt.
+        """
+        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+
+        if not isinstance(self.tokenizer.detokenizer, BPEStreamingDetokenizer):
+            return ""
+        return " " if self.tokenizer.decode([token]).startswith(" ") else ""
+
     def _generate(self, job: Job):
         from dflash_mlx.generate import stream_generate, tau
 
@@ -385,16 +397,23 @@ class Worker:
                 seed=req.seed, prompt_cache=self.cache, baseline=self.draft is None,
             )
             first, last, finish, widths = True, None, None, {}
+            lead = ""
             for r in stream:
                 job.cycles += 1
                 if first:
                     first = False
                     if self.recurrent:
                         self.cache.snapshot()  # end of the prompt: recurrent state cannot be trimmed back here
+                    if req.kind == "completion":
+                        lead = self._lost_leading_space(r.token)
                 last = r
                 if r.verify_width is not None:
                     widths[r.verify_width] = widths.get(r.verify_width, 0) + 1
-                text, stopped = matcher.feed(r.text)
+                text = r.text
+                if lead and text:
+                    text = text if text.startswith(lead) else lead + text
+                    lead = ""
+                text, stopped = matcher.feed(text)
                 if text:
                     job.emit("text", text)
                 if stopped:

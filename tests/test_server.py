@@ -493,3 +493,20 @@ def test_sigterm_stops_the_served_process_cleanly(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_completion_keeps_the_first_tokens_leading_space():
+    # mlx-lm's BPE detokenizer drops the first token's leading space (right for a chat
+    # answer); a completion continues its prompt, so the space must stay.
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+
+    model, tok = chain_target("ab cd")
+    tok = TokenizerWrapper(tok._tokenizer, BPEStreamingDetokenizer)
+    draft = random_draft(model, block_size=4)
+    engine_text = "".join(r.text for r in stream_generate(model, draft, tok, "b", max_tokens=4))
+    assert engine_text == "cda"
+    with serving(model, draft, tok) as s:
+        assert s.client.completions.create(model=MODEL, prompt="b", max_tokens=4).choices[0].text == " cda"
+        chunks = s.client.completions.create(model=MODEL, prompt="b", max_tokens=4, stream=True)
+        assert "".join(c.choices[0].text for c in chunks) == " cda"
+        assert s.client.completions.create(model=MODEL, prompt="a", max_tokens=3).choices[0].text == "b c"
