@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
+from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.accept import Proposal, make_acceptor
@@ -199,16 +200,17 @@ def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: L
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
-    drafter.absorb(None)
-    for start in range(0, len(new_ids), step_size):
-        chunk = mx.array(new_ids[start : start + step_size])[None]
-        h, feats, _ = target.forward(chunk, cache, drafter.layer_ids)
-        drafter.absorb(feats)
-        mx.eval([c.state for c in cache], h)
-        if state.draft_cache:
-            mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
-    first = acceptor.first_token(target.logits(h[:, -1, :]))
-    mx.eval(first)
+    with mx.stream(generation_stream):
+        drafter.absorb(None)
+        for start in range(0, len(new_ids), step_size):
+            chunk = mx.array(new_ids[start : start + step_size])[None]
+            h, feats, _ = target.forward(chunk, cache, drafter.layer_ids)
+            drafter.absorb(feats)
+            mx.eval([c.state for c in cache], h)
+            if state.draft_cache:
+                mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
+        first = acceptor.first_token(target.logits(h[:, -1, :]))
+        mx.eval(first)
     state.tokens.extend(new_ids)
     state.valid = True
     return first, len(new_ids)
@@ -237,14 +239,18 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
         timer.start()
         t0 = time.perf_counter()
         state.valid = False
-        if width > 1:
-            proposal = drafter.propose(last, width, acceptor)
-            verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
-        else:
-            proposal, verify_in = None, last[:, None]
-        timer.mark("draft", verify_in)
-        h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
-        accept_len, committed = acceptor.accept(proposal, target.logits(h), drafter.draft)
+        with mx.stream(generation_stream):
+            if width > 1:
+                proposal = drafter.propose(last, width, acceptor)
+                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+                # The draft runs while the host builds the verify graph (on a GPU
+                # the whole draft forward hides behind it).
+                mx.async_eval(verify_in)
+            else:
+                proposal, verify_in = None, last[:, None]
+            timer.mark("draft", verify_in)
+            h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
+            accept_len, committed = acceptor.accept(proposal, target.logits(h), drafter.draft)
         mx.eval(accept_len, committed, verify_in)  # the cycle's one host sync
         a = accept_len.item()
         widths.update(width, a, time.perf_counter() - t0)
@@ -252,9 +258,10 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
 
         tokens = committed[0, : a + 1].tolist()
         kept, finish = _committed_span(tokens, stops, budget)  # fed tokens whose cache entries stay
-        target.rollback(cache, width, width - kept, record)
-        if feats is not None:
-            drafter.keep(feats[:, :kept])
+        with mx.stream(generation_stream):
+            target.rollback(cache, width, width - kept, record)
+            if feats is not None:
+                drafter.keep(feats[:, :kept])
         timer.mark("rollback", lambda: [c.state for c in cache])
         state.tokens.extend(verify_in[0, :kept].tolist())
         state.valid = True
@@ -337,6 +344,16 @@ def stream_generate(
     drafter = DraftContext(draft, state) if use_draft else PlainDecoding()
     timer = PhaseTimer() if profile else NoTimer()
 
+    # mlx-lm's set-up: its generation stream, and (on Apple GPUs) the model's
+    # weights wired in memory for the length of the generation.
+    with wired_limit(model, [generation_stream]):
+        yield from _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids,
+                            max_tokens, stops, timer, prefill_step_size)
+
+
+def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, max_tokens, stops,
+             timer, prefill_step_size) -> Iterator[DFlashResponse]:
+    """Steps of `prefill` and `cycles` as responses: detokenized text and running statistics."""
     detok = tokenizer.detokenizer
     detok.reset()
     tic = time.perf_counter()
