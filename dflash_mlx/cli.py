@@ -101,8 +101,10 @@ def _one_line(e: BaseException) -> str:
     from dflash_mlx.draft import DraftMismatchError
     from dflash_mlx.loading import ModelLoadError
 
+    if isinstance(e, MemoryError):
+        return "out of memory"
     text = " ".join(str(e).split()) or type(e).__name__
-    if isinstance(e, (ModelLoadError, DraftMismatchError, FileNotFoundError, ValueError)):
+    if isinstance(e, (CLIError, ModelLoadError, DraftMismatchError, FileNotFoundError, ValueError)):
         return text
     return f"{type(e).__name__}: {text} (run with --debug for the traceback)"
 
@@ -118,11 +120,6 @@ def main(argv=None) -> int:
         prog, module_name, args = "dflash-mlx", "dflash_mlx.run", argv
     try:
         return importlib.import_module(module_name).main(args)
-    except CLIError as e:
-        if debug:
-            raise
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return e.code
     except KeyboardInterrupt:
         if debug:
             raise
@@ -134,14 +131,11 @@ def main(argv=None) -> int:
         # Python from complaining again when it flushes stdout at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except MemoryError:
-        print(f"{prog}: error: out of memory", file=sys.stderr)
-        return EXIT_FAIL
     except Exception as e:
         if debug:
             raise
         print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_FAIL
+        return e.code if isinstance(e, CLIError) else EXIT_FAIL
 
 
 if __name__ == "__main__":

@@ -99,7 +99,8 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # NaN is no value
 
 
-def _block_size_arg(text: str) -> BlockSize:
+def block_size_arg(text: str) -> BlockSize:
+    """`parse_block_size` as an argparse `type=` (its message as the usage error)."""
     try:
         return parse_block_size(text)
     except ValueError as e:
@@ -120,7 +121,7 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
     flags = {
         "max_tokens": dict(type=int, help=f"most tokens to generate (default: {d.max_tokens})"),
         "block_size": dict(
-            type=_block_size_arg,
+            type=block_size_arg,
             help="tokens verified per cycle: a whole number, or 'auto' to pick each cycle's "
             "verify width from measured acceptance and cost, up to the draft's block size "
             f"(default: {block_default})",
