@@ -22,6 +22,25 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+import mlx.core as mx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+from starlette.exceptions import HTTPException
+
+from dflash_mlx import load, load_draft
+from dflash_mlx.cli import ArgumentParser, CLIError, check_sources
+from dflash_mlx.cli import main as cli_main
+from dflash_mlx.draft import DraftMismatchError
+from dflash_mlx.generate import encode_prompt, stream_generate, tau
+from dflash_mlx.loading import apply_chat_template
+from dflash_mlx.options import parse_block_size
+from dflash_mlx.packaged import DEFAULT_MODEL, draft_label, is_packaged
+from dflash_mlx.prompt_cache import make_prompt_cache
+from dflash_mlx.target import Target
+
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 SCHEDULING = "one request at a time, first come first served, from a bounded queue"
 
@@ -253,14 +272,7 @@ class Worker:
     """Runs the engine for one job at a time, in its own thread, with one prompt cache."""
 
     def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
-                 block_size="auto", max_tokens: int = 512, queue_size: int = 16, max_snapshots: int = 4,
-                 chat_template: bool = True):
-        import mlx.core as mx
-        from mlx_lm.tokenizer_utils import TokenizerWrapper
-
-        from dflash_mlx.prompt_cache import make_prompt_cache
-        from dflash_mlx.target import Target
-
+                 block_size="auto", max_tokens: int = 512, queue_size: int = 16, max_snapshots: int = 4):
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         self.model, self.draft = model, draft
@@ -270,7 +282,6 @@ class Worker:
         self.block_size = block_size
         self.default_max_tokens = max_tokens
         self.queue_size = queue_size
-        self.chat_template = chat_template
         # MLX streams belong to the thread that made them: an array still lazy here
         # (weights loaded lazily, a draft's vocabulary ids) could not be evaluated
         # by the worker thread, so everything is evaluated now.
@@ -293,13 +304,9 @@ class Worker:
     # -- prompts
 
     def encode_text(self, text: str) -> List[int]:
-        from dflash_mlx.generate import encode_prompt
-
         return encode_prompt(self.tokenizer, text)
 
     def encode_chat(self, messages) -> List[int]:
-        from dflash_mlx.loading import apply_chat_template
-
         return self.encode_text(apply_chat_template(self.tokenizer, messages))
 
     # -- scheduling
@@ -375,15 +382,11 @@ class Worker:
         mlx-lm's BPE detokenizer starts every answer without it, right for a chat
         answer but not for a completion, whose text continues the prompt.
         """
-        from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
-
         if not isinstance(self.tokenizer.detokenizer, BPEStreamingDetokenizer):
             return ""
         return " " if self.tokenizer.decode([token]).startswith(" ") else ""
 
     def _generate(self, job: Job):
-        from dflash_mlx.generate import stream_generate, tau
-
         req = job.request
         started = time.perf_counter()
         matcher = StopMatcher(req.stop)
@@ -396,7 +399,7 @@ class Worker:
                 block_size=self.block_size, temperature=req.temperature, top_p=req.top_p,
                 seed=req.seed, prompt_cache=self.cache, baseline=self.draft is None,
             )
-            first, last, finish, widths = True, None, None, {}
+            first, last, finish, widths, stop_matched = True, None, None, {}, False
             lead = ""
             for r in stream:
                 job.cycles += 1
@@ -413,10 +416,10 @@ class Worker:
                 if lead and text:
                     text = text if text.startswith(lead) else lead + text
                     lead = ""
-                text, stopped = matcher.feed(text)
+                text, stop_matched = matcher.feed(text)
                 if text:
                     job.emit("text", text)
-                if stopped:
+                if stop_matched:
                     finish = "stop"
                     break
                 if r.finish_reason is not None:
@@ -432,7 +435,7 @@ class Worker:
             self.cycles_after_cancel.append(job.cycles - job.cancel_cycle)
             job.emit(*(("error", _shutting_down()) if self.stopping else ("done", None)))
             return
-        tail = matcher.flush() if finish != "stop" or not req.stop else ""
+        tail = "" if stop_matched else matcher.flush()  # held back for a stop string that never came
         if tail:
             job.emit("text", tail)
         self.counts["served"] += 1
@@ -470,18 +473,11 @@ def _shutting_down() -> RequestError:
 
 
 def _error_response(err: RequestError):
-    from fastapi.responses import JSONResponse
-
     return JSONResponse(err.body(), status_code=err.status)
 
 
 def create_app(worker: Worker):
     """The FastAPI app serving `worker`; stopping the app stops the worker."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
-    from starlette.exceptions import HTTPException
-
     @asynccontextmanager
     async def lifespan(app):
         yield
@@ -548,8 +544,6 @@ async def _watch_disconnect(request, job: Job):
 
 
 async def _complete(request, job: Job, kind, rid, created, model):
-    from fastapi.responses import JSONResponse
-
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     pieces = []
     try:
@@ -626,8 +620,6 @@ async def _sse(job: Job, kind, rid, created, model):
 
 
 def _block_size(text: str):
-    from dflash_mlx.options import parse_block_size
-
     try:
         return parse_block_size(text)
     except ValueError as e:
@@ -645,9 +637,6 @@ def _positive(text: str) -> int:
 
 
 def build_parser():
-    from dflash_mlx.cli import ArgumentParser
-    from dflash_mlx.packaged import DEFAULT_MODEL
-
     p = ArgumentParser(
         prog="dflash-mlx serve",
         description="OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; "
@@ -674,11 +663,6 @@ def build_parser():
 
 
 def load_worker(args) -> Worker:
-    from dflash_mlx import load, load_draft
-    from dflash_mlx.cli import CLIError, check_sources
-    from dflash_mlx.draft import DraftMismatchError
-    from dflash_mlx.packaged import draft_label, is_packaged
-
     check_sources(args.model)
     draft_name = None
     if not args.baseline:
@@ -705,8 +689,6 @@ def load_worker(args) -> Worker:
 
 def main(argv=None) -> int:
     """Errors are one line, through `dflash_mlx.cli.main`."""
-    import uvicorn
-
     args = build_parser().parse_args(argv)
     worker = load_worker(args)
     print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {args.block_size}, "
@@ -718,8 +700,6 @@ def main(argv=None) -> int:
 
 
 def _serve(config, worker: Worker):
-    import uvicorn
-
     class Server(uvicorn.Server):
         """On Ctrl-C / SIGTERM the worker stops first, so open streams end (with an
         error event) at their next cycle instead of waiting out the grace period."""
@@ -732,6 +712,4 @@ def _serve(config, worker: Worker):
 
 
 if __name__ == "__main__":
-    from dflash_mlx.cli import main as cli_main
-
     sys.exit(cli_main(["serve", *sys.argv[1:]]))

@@ -510,3 +510,23 @@ def test_completion_keeps_the_first_tokens_leading_space():
         chunks = s.client.completions.create(model=MODEL, prompt="b", max_tokens=4, stream=True)
         assert "".join(c.choices[0].text for c in chunks) == " cda"
         assert s.client.completions.create(model=MODEL, prompt="a", max_tokens=3).choices[0].text == "b c"
+
+
+def test_text_held_back_for_a_stop_string_is_sent_when_the_answer_ends():
+    import mlx.core as mx
+    import numpy as np
+
+    model, tok = chain_target("abcd")
+    head = np.array(model.lm_head.weight)
+    head[EOS_ID] = 2 * head[tok.encode("d", add_special_tokens=False)[0]]  # after "c" comes EOS
+    model.lm_head.weight = mx.array(head)
+    ids = tok.encode("a")
+    assert greedy_reference(model, ids, 5)[:3] == tok.encode("bc", add_special_tokens=False) + [EOS_ID]
+    with serving(model, random_draft(model, block_size=4), tok) as s:
+        for stream in (False, True):
+            args = dict(model=MODEL, prompt="a", max_tokens=5, stop=["cX"])
+            if stream:
+                text = "".join(c.choices[0].text for c in s.client.completions.create(stream=True, **args))
+            else:
+                text = s.client.completions.create(**args).choices[0].text
+            assert text == "bc"  # "c" waited to see whether "X" followed; EOS came instead
