@@ -7,7 +7,7 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, load_model_and_draft, usage_error
+from dflash_mlx.cli import EXIT_USAGE, SUBCOMMANDS, ArgumentParser, CLIError, load_model_and_draft, usage_error
 from dflash_mlx.options import GenerationOptions, add_generation_args
 
 
@@ -18,8 +18,9 @@ def build_parser():
         prog="dflash-mlx",
         description=(
             "Answer one prompt with DFlash speculative decoding and print tokens/s and tau "
-            "(mean tokens committed per target forward). Subcommands: chat, bench, train, "
-            "doctor, export (dflash-mlx SUBCOMMAND --help)."
+            "(mean tokens committed per target forward). Subcommands: "
+            + "; ".join(f"{name}: {what}" for name, (_, what) in SUBCOMMANDS.items())
+            + " (dflash-mlx SUBCOMMAND --help)."
         ),
     )
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")

@@ -210,6 +210,10 @@ def test_help_lists_every_option(capsys):
                 "--top-k", "--min-p", "--seed", "--draft-sampling", "--system", "--no-chat-template",
                 "--baseline", "--json", "--debug"):
         assert opt in out
+    from dflash_mlx.cli import SUBCOMMANDS
+
+    for name in SUBCOMMANDS:
+        assert f"{name}: " in out
 
 
 def test_entry_point_error_has_no_traceback(tmp_path):
