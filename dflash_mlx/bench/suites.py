@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from dflash_mlx.loading import apply_chat_template
+
 # benchmarks/data in a source checkout (the CLI is meant to run from a clone);
 # the shared project copy is a fallback for developer machines.
 DATA_DIRS = (
@@ -182,14 +184,4 @@ def load_suite(name: str, limit: Optional[int] = None, seed: int = 0,
 
 def format_prompt(tokenizer, prompt: Prompt) -> str:
     """The prompt as the model sees it: chat template when the tokenizer has one."""
-    try:
-        from dflash_mlx.loading import apply_chat_template
-    except ImportError:
-        apply_chat_template = None
-    if apply_chat_template is not None:
-        return apply_chat_template(tokenizer, prompt.messages)
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            prompt.messages, tokenize=False, add_generation_prompt=True
-        )
-    return prompt.text
+    return apply_chat_template(tokenizer, prompt.messages)
