@@ -44,24 +44,19 @@ def machine() -> dict:
     from dflash_mlx import blas  # importing dflash_mlx already ran blas.enable()
 
     import mlx.core as mx
+    import mlx_lm
 
     device = mx.default_device()
     if device.type == mx.DeviceType.gpu:
         backend = "metal" if mx.metal.is_available() else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "gpu"
     else:
         backend = "cpu"
-    try:
-        import mlx_lm
-
-        mlx_lm_version = mlx_lm.__version__
-    except Exception:
-        mlx_lm_version = "not installed"
     state = blas.active_blas()
     return {
         "python": platform.python_version(),
         "platform": f"{platform.system()} {platform.machine()}",
         "mlx": mx.__version__,
-        "mlx_lm": mlx_lm_version,
+        "mlx_lm": mlx_lm.__version__,
         "backend": backend,
         "device": str(device),
         "cpu": _cpu_model(),
