@@ -375,3 +375,21 @@ def test_neutral_dflash2_is_dflash(tmp_path, target):
     b = v2.propose_logits(last, feats, v2.make_cache(), 8)
     assert mx.array_equal(a, b)
     assert v2.select_tokens(b).tolist() == mx.argmax(a, axis=-1).tolist()
+
+
+def test_library_never_imports_the_reference():
+    """z-lab's `dflash` package is a test oracle only: importing every module of the
+    library (in a fresh process) must not pull it in."""
+    import subprocess
+    import sys
+
+    script = (
+        "import importlib, pkgutil, sys\n"
+        "import dflash_mlx\n"
+        "for m in pkgutil.walk_packages(dflash_mlx.__path__, 'dflash_mlx.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(sorted(n for n in sys.modules if n == 'dflash' or n.startswith('dflash.')))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "[]"
