@@ -21,8 +21,9 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-# Optional extra stored next to a checkpoint: the reduced draft vocabulary.
-# A plain z-lab loader ignores it; we use it to score only these token ids.
+# Optional extra stored next to a checkpoint: the reduced draft vocabulary; we use it
+# to score only these token ids. Not invisible to every z-lab loader: the reference's
+# MLX loader reads all *.safetensors as weights and rejects its `token_ids` tensor.
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 DFLASH2_ARCH = "DFlash2DraftModel"
