@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -31,12 +31,12 @@ from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from starlette.exceptions import HTTPException
 
 from dflash_mlx import load, load_draft
-from dflash_mlx.cli import ArgumentParser, CLIError, check_sources
+from dflash_mlx.cli import ArgumentParser, CLIError, check_sources, usage_error
 from dflash_mlx.cli import main as cli_main
 from dflash_mlx.draft import DraftMismatchError
 from dflash_mlx.generate import encode_prompt, stream_generate, tau
 from dflash_mlx.loading import apply_chat_template
-from dflash_mlx.options import parse_block_size
+from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.packaged import DEFAULT_MODEL, draft_label, is_packaged
 from dflash_mlx.prompt_cache import make_prompt_cache
 from dflash_mlx.target import Target
@@ -63,10 +63,7 @@ class RequestError(Exception):
 class GenerationRequest:
     kind: str  # "chat" | "completion"
     prompt_ids: List[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: Optional[int] = None
+    options: GenerationOptions  # the engine's arguments: the server's block size, the request's sampling
     stop: List[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -173,7 +170,7 @@ def parse_request(raw: bytes, kind: str, worker: "Worker") -> GenerationRequest:
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", default=None)
     if max_tokens is None:
-        max_tokens = worker.default_max_tokens
+        max_tokens = worker.options.max_tokens
     elif max_tokens < 1:
         raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
 
@@ -184,15 +181,24 @@ def parse_request(raw: bytes, kind: str, worker: "Worker") -> GenerationRequest:
             "shorten it", param="messages" if kind == "chat" else "prompt", code="context_length_exceeded",
         )
 
-    temperature = _field(body, "temperature", (int, float), "a number in [0, 2]", default=None)
-    temperature = 0.0 if temperature is None else float(temperature)
-    if not 0 <= temperature <= 2:
-        raise RequestError(f"'temperature' must be in [0, 2], got {temperature}", param="temperature")
-    top_p = _field(body, "top_p", (int, float), "a number in (0, 1]", default=None)
-    top_p = 1.0 if top_p is None else float(top_p)
-    if not 0 < top_p <= 1:
-        raise RequestError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
-    seed = _field(body, "seed", (int,), "an integer", default=None)
+    sampling = {}
+    for name, types, what, ok in (
+        ("temperature", (int, float), "a number in [0, 2]", lambda v: 0 <= v <= 2),
+        ("top_p", (int, float), "a number in (0, 1]", lambda v: 0 < v <= 1),
+        ("top_k", (int,), "a whole number >= 0", lambda v: v >= 0),  # mlx-lm's server takes these two too
+        ("min_p", (int, float), "a number in [0, 1]", lambda v: 0 <= v <= 1),
+        ("seed", (int,), "an integer", lambda v: True),
+    ):
+        value = _field(body, name, types, what, default=None)
+        if value is not None:
+            if not ok(value):
+                raise RequestError(f"'{name}' must be {what}, got {value}", param=name)
+            sampling[name] = value
+    options = replace(worker.options, max_tokens=max_tokens, **sampling)
+    try:
+        options.check()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
 
     stop = _field(body, "stop", (str, list), "a string or a list of strings", default=None)
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
@@ -200,13 +206,11 @@ def parse_request(raw: bytes, kind: str, worker: "Worker") -> GenerationRequest:
         raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
 
     stream = _field(body, "stream", (bool,), "true or false", default=False)
-    options = _field(body, "stream_options", (dict,), "an object", default=None) or {}
-    include_usage = options.get("include_usage", False)
+    stream_options = _field(body, "stream_options", (dict,), "an object", default=None) or {}
+    include_usage = stream_options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("'stream_options.include_usage' must be true or false", param="stream_options")
-    return GenerationRequest(
-        kind, prompt_ids, max_tokens, temperature, top_p, seed, list(stop), bool(stream), include_usage
-    )
+    return GenerationRequest(kind, prompt_ids, options, list(stop), bool(stream), include_usage)
 
 
 # -- stop strings ---------------------------------------------------------------
@@ -272,15 +276,16 @@ class Worker:
     """Runs the engine for one job at a time, in its own thread, with one prompt cache."""
 
     def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
-                 block_size="auto", max_tokens: int = 512, queue_size: int = 16, max_snapshots: int = 4):
+                 options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4):
+        """`options`: the server's block size and draft sampling, and the defaults of the
+        request fields (max_tokens and sampling)."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         self.model, self.draft = model, draft
         self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
         self.model_name, self.draft_name = model_name, draft_name
         self.model_ids = {model_name}
-        self.block_size = block_size
-        self.default_max_tokens = max_tokens
+        self.options = (options or GenerationOptions(max_tokens=512)).check()
         self.queue_size = queue_size
         # MLX streams belong to the thread that made them: an array still lazy here
         # (weights loaded lazily, a draft's vocabulary ids) could not be evaluated
@@ -328,7 +333,7 @@ class Worker:
             "status": "ok",
             "model": self.model_name,
             "draft": self.draft_name,
-            "block_size": self.block_size,
+            "block_size": self.options.block_size,
             "scheduling": SCHEDULING,
             "busy": self.current is not None,
             "queued": self.jobs.qsize(),
@@ -390,14 +395,13 @@ class Worker:
         req = job.request
         started = time.perf_counter()
         matcher = StopMatcher(req.stop)
-        max_tokens = req.max_tokens
+        options = req.options
         if self.context_window:
-            max_tokens = min(max_tokens, self.context_window - len(req.prompt_ids))
+            options = replace(options, max_tokens=min(options.max_tokens, self.context_window - len(req.prompt_ids)))
         try:
             stream = stream_generate(
-                self.model, self.draft, self.tokenizer, req.prompt_ids, max_tokens=max_tokens,
-                block_size=self.block_size, temperature=req.temperature, top_p=req.top_p,
-                seed=req.seed, prompt_cache=self.cache, baseline=self.draft is None,
+                self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
+                baseline=self.draft is None, **options.generate_kwargs(),
             )
             first, last, finish, widths, stop_matched = True, None, None, {}, False
             lead = ""
@@ -457,7 +461,7 @@ class Worker:
                 "tokens_per_second": last.generation_tps,
                 "queue_seconds": started - job.queued_at,
                 "seconds": time.perf_counter() - started,
-                "block_size": self.block_size,
+                "block_size": req.options.block_size,
                 "draft": self.draft_name,
             },
         }
@@ -619,13 +623,6 @@ async def _sse(job: Job, kind, rid, created, model):
 # -- command line ---------------------------------------------------------------
 
 
-def _block_size(text: str):
-    try:
-        return parse_block_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -648,10 +645,8 @@ def build_parser():
                    "(default: the packaged draft of a packaged --model)")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
-    p.add_argument("--block-size", type=_block_size, default="auto",
-                   help="draft block size, or 'auto' (default): each cycle's verify width from measured cost")
-    p.add_argument("--max-tokens", type=_positive, default=512,
-                   help="completion tokens when a request gives no max_tokens (default: 512)")
+    # --max-tokens and the sampling flags are the defaults of a request's own fields
+    add_generation_args(p, GenerationOptions(max_tokens=512))
     p.add_argument("--queue-size", type=_positive, default=16,
                    help="requests that may wait while one runs; more get 429 (default: 16)")
     p.add_argument("--snapshots", type=int, default=4,
@@ -663,6 +658,10 @@ def build_parser():
 
 
 def load_worker(args) -> Worker:
+    try:
+        options = GenerationOptions.from_args(args).check()
+    except ValueError as e:
+        raise usage_error(e) from None
     check_sources(args.model)
     draft_name = None
     if not args.baseline:
@@ -683,15 +682,14 @@ def load_worker(args) -> Worker:
             raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
     return Worker(model, draft, tokenizer, model_name=args.model,
                   draft_name=draft_label(draft_name) if draft_name else None,
-                  block_size=args.block_size, max_tokens=args.max_tokens, queue_size=args.queue_size,
-                  max_snapshots=args.snapshots)
+                  options=options, queue_size=args.queue_size, max_snapshots=args.snapshots)
 
 
 def main(argv=None) -> int:
     """Errors are one line, through `dflash_mlx.cli.main`."""
     args = build_parser().parse_args(argv)
     worker = load_worker(args)
-    print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {args.block_size}, "
+    print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {worker.options.block_size}, "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)

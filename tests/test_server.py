@@ -29,7 +29,7 @@ from dflash_mlx.cli import CLIError
 from dflash_mlx.draft import random_draft
 from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.prompt_cache import common_prefix
-from dflash_mlx.server import StopMatcher, Worker, build_parser, create_app
+from dflash_mlx.server import StopMatcher, Worker, build_parser, create_app, load_worker
 from dflash_mlx.testing import EOS_ID, chain_target, greedy_reference, tiny_target
 
 TEMPLATE = (
@@ -162,7 +162,8 @@ def test_raw_stream_ends_with_done_and_usage_before_it(attn):
 def test_sampling_request_reaches_the_engine(attn):
     # Seeds do not make sampled text repeat under block size "auto": the verify
     # widths follow measured times, and each width draws a different number of randoms.
-    r = attn.client.completions.create(model=MODEL, prompt="dice", max_tokens=12, temperature=0.9, top_p=0.95, seed=11)
+    r = attn.client.completions.create(model=MODEL, prompt="dice", max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
+                                       extra_body={"top_k": 20, "min_p": 0.05})
     assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
 
 
@@ -393,6 +394,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, 400, "top_p", "(0, 1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k", ">= 0"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, 400, "seed", "integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream", "true or false"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop", "string"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "must be 1"),
@@ -431,9 +434,11 @@ def test_serve_options_are_checked():
     p = build_parser()
     args = p.parse_args(["--block-size", "auto", "--port", "9000", "--queue-size", "3"])
     assert (args.block_size, args.port, args.queue_size, args.host) == ("auto", 9000, 3, "127.0.0.1")
-    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--max-tokens", "-1"]):
+    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"]):
         with pytest.raises(CLIError, match=bad[0]):
             p.parse_args(bad)
+    with pytest.raises(CLIError, match="max tokens"):
+        load_worker(p.parse_args(["--max-tokens", "0"]))  # checked before anything loads
 
 
 def test_lazily_loaded_weights_are_served_from_the_worker_thread():
