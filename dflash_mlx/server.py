@@ -633,6 +633,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return value
+
+
 def build_parser():
     p = ArgumentParser(
         prog="dflash-mlx serve",
@@ -649,7 +659,7 @@ def build_parser():
     add_generation_args(p, GenerationOptions(max_tokens=512))
     p.add_argument("--queue-size", type=_positive, default=16,
                    help="requests that may wait while one runs; more get 429 (default: 16)")
-    p.add_argument("--snapshots", type=int, default=4,
+    p.add_argument("--snapshots", type=_count, default=4,
                    help="prompt-cache snapshots kept for prefix reuse across requests (default: 4)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")

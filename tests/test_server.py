@@ -434,7 +434,7 @@ def test_serve_options_are_checked():
     p = build_parser()
     args = p.parse_args(["--block-size", "auto", "--port", "9000", "--queue-size", "3"])
     assert (args.block_size, args.port, args.queue_size, args.host) == ("auto", 9000, 3, "127.0.0.1")
-    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"]):
+    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--snapshots", "-1"]):
         with pytest.raises(CLIError, match=bad[0]):
             p.parse_args(bad)
     with pytest.raises(CLIError, match="max tokens"):
