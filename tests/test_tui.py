@@ -347,21 +347,25 @@ def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
         shown = field.value
         refused = await try_values(app, pilot, field, ("1.5", "0", "most"))
         field.value = "0.9"
+        proposals = app.screen.query_one("#draft_sampling")
+        bad_proposals = (await try_values(app, pilot, proposals, ("beam",)))["beam"]
+        proposals.value = "sample"
         app.screen.query_one("#temperature").value = "0.7"
         app.screen.query_one("#seed").value = "5"
         await pilot.press("enter")
         await pilot.pause(0.05)
-        return shown, refused, isinstance(app.screen, SettingsScreen)
+        return shown, refused, bad_proposals, isinstance(app.screen, SettingsScreen)
 
-    shown, refused, still_open = run(app, script)
+    shown, refused, bad_proposals, still_open = run(app, script)
     assert shown == "1"
     for text, (was_open, notes) in refused.items():
         assert was_open, text
         assert len(notes) == 1 and notes[0][1] == "error" and "top-p" in notes[0][0], (text, notes)
     assert "(0, 1]" in refused["1.5"][1][0][0] and "takes a number, got 'most'" in refused["most"][1][0][0]
+    assert bad_proposals[0] and "draft sampling must be one of argmax, sample" in bad_proposals[1][0][0]
     assert not still_open
     s = app.session.settings
-    assert (s.top_p, s.temperature, s.seed, s.max_tokens) == (0.9, 0.7, 5, MAX)
+    assert (s.top_p, s.temperature, s.seed, s.max_tokens, s.draft_sampling) == (0.9, 0.7, 5, MAX, "sample")
 
 
 def test_engine_error_shows_a_notification_and_the_app_goes_on(tiny):

@@ -143,6 +143,7 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         ("top_k", "top-k", int),
         ("min_p", "min-p", float),
         ("seed", "seed", int),
+        ("draft_sampling", "proposals", str),
     )
 
     def __init__(self, settings: Settings, draft_block_size: int):
@@ -153,15 +154,13 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
     def compose(self) -> ComposeResult:
         s = self.settings
         placeholders = {"block_size": f"auto, a number, or empty: draft's {self.draft_block_size}",
-                        "seed": "empty: none"}
+                        "seed": "empty: none", "draft_sampling": "argmax or sample"}
         with Grid():
             for name, label, _ in self.FIELDS:
                 value = getattr(s, name)
                 yield Label(label)
                 yield Input("" if value is None else f"{value:g}" if isinstance(value, float) else str(value),
                             placeholder=placeholders.get(name, ""), id=name)
-            yield Static()  # the seed row's other half: the system prompt takes a row of its own
-            yield Static()
             yield Label("system prompt")
             yield Input(s.system, placeholder="(the template's default)", id="system")
             yield Button("Save", variant="primary", id="save")
@@ -172,8 +171,11 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         values = {}
         for name, label, kind in self.FIELDS:
             text = self.query_one(f"#{name}", Input).value.strip()
-            if kind is str or (not text and name in ("seed",)):
-                values[name] = text or None
+            if kind is str:
+                values[name] = text  # block size and draft sampling: Settings.check reads the text
+                continue
+            if not text and name == "seed":
+                values[name] = None
                 continue
             try:
                 values[name] = kind(text)
@@ -181,7 +183,6 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
                 what = "a whole number" if kind is int else "a number"
                 raise ValueError(f"{label} takes {what}, got {text!r}") from None
         values["system"] = self.query_one("#system", Input).value
-        # draft sampling, set on the command line, carries over
         return dataclasses.replace(self.settings, **values).check()
 
     def _save(self) -> None:
