@@ -27,6 +27,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
 
 DFLASH2_ARCH = "DFlash2DraftModel"
+DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # in dflash_config
 
 
 class DraftMismatchError(ValueError):
@@ -83,9 +84,9 @@ class DraftConfig:
             self._check_dflash2()
 
     def _check_dflash2(self):
-        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        for key in DFLASH2_KEYS:
             value = getattr(self, key)
-            if not (isinstance(value, int) and value > 0):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise DraftMismatchError(
                     f"DFlash 2 draft config: dflash_config.{key} must be a positive integer, got "
                     f"{value!r}; the checkpoint's config.json is incomplete"
@@ -118,10 +119,7 @@ class DraftConfig:
             num_layers = cfg["num_hidden_layers"]
             heads = cfg["num_attention_heads"]
             version = 2 if DFLASH2_ARCH in (cfg.get("architectures") or []) else 1
-            v2 = {
-                key: _int_or_raw(dflash.get(key, 0))
-                for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-            } if version == 2 else {}
+            v2 = {key: _int_or_raw(dflash.get(key, 0)) for key in DFLASH2_KEYS} if version == 2 else {}
             return cls(
                 hidden_size=cfg["hidden_size"],
                 num_hidden_layers=num_layers,
@@ -189,7 +187,7 @@ class DraftConfig:
         if self.output_multiplier != 1.0:
             cfg["dflash_config"]["output_multiplier"] = self.output_multiplier
         if self.version == 2:
-            for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            for key in DFLASH2_KEYS:
                 cfg["dflash_config"][key] = getattr(self, key)
         cfg.update(self.extra)
         return cfg
