@@ -312,7 +312,11 @@ class Worker:
         return encode_prompt(self.tokenizer, text)
 
     def encode_chat(self, messages) -> List[int]:
-        return self.encode_text(apply_chat_template(self.tokenizer, messages))
+        try:
+            text = apply_chat_template(self.tokenizer, messages)
+        except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
+            raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
+        return self.encode_text(text)
 
     # -- scheduling
 
@@ -494,6 +498,11 @@ def create_app(worker: Worker):
         err = RequestError(str(exc.detail), status=exc.status_code,
                            type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
         return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, exc):
+        return _error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                                            type="server_error"))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, exc):

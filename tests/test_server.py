@@ -33,7 +33,8 @@ from dflash_mlx.server import StopMatcher, Worker, build_parser, create_app, loa
 from dflash_mlx.testing import EOS_ID, chain_target, greedy_reference, tiny_target
 
 TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
 )
 MODEL = "tiny"
@@ -390,6 +391,7 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "required"),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "must be"),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0]", "role"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "unknown role robot"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens", "integer"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "at least 1"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", "number"),
