@@ -146,7 +146,7 @@ def parse_request(raw: bytes, kind: str, worker: "Worker") -> GenerationRequest:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise RequestError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-            chat.append({"role": m["role"], "content": _message_text(m.get("content", ""), i)})
+            chat.append({"role": m["role"], "content": _message_text(m.get("content") or "", i)})
         prompt_ids = worker.encode_chat(chat)
     else:
         prompt = _field(body, "prompt", (str, list), "a string or a list of token ids")
