@@ -34,7 +34,7 @@ from dflash_mlx import load, load_draft
 from dflash_mlx.cli import ArgumentParser, CLIError, check_sources, usage_error
 from dflash_mlx.cli import main as cli_main
 from dflash_mlx.draft import DraftMismatchError
-from dflash_mlx.generate import encode_prompt, stream_generate, tau
+from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.packaged import DEFAULT_MODEL, draft_label, is_packaged
@@ -455,7 +455,7 @@ class Worker:
             "total_tokens": last.prompt_tokens + last.generation_tokens,
             "prompt_tokens_details": {"cached_tokens": reused},
             "dflash": {
-                "tau": tau(accepts),
+                "tau": last.tau,
                 "mean_accept_length": sum(accepts) / len(accepts) if accepts else 0.0,
                 "cycles": len(accepts),
                 "verify_widths": {str(k): v for k, v in sorted(widths.items())},
