@@ -4,12 +4,14 @@ import pytest
 
 from dflash_mlx.bench import metrics
 from dflash_mlx.bench.metrics import Trace
+from dflash_mlx.generate import tau
+from dflash_mlx.progress import eta_seconds
 
 
 def test_tau_counts_the_bonus_token_per_cycle():
     # cycles accepting 0, 3 and 15 drafted tokens commit 1, 4 and 16 tokens
-    assert metrics.tau([0, 3, 15]) == pytest.approx(21 / 3)
-    assert metrics.tau([]) == 0.0
+    assert tau([0, 3, 15]) == pytest.approx(21 / 3)
+    assert tau([]) == 0.0
 
 
 def test_accept_histogram_has_one_bin_per_possible_accept_length():
@@ -80,5 +82,5 @@ def test_aggregate_pools_tokens_and_time_rather_than_averaging_ratios():
 
 
 def test_eta_extrapolates_mean_time_per_unit():
-    assert metrics.eta_seconds(0, 10, 5.0) is None
-    assert metrics.eta_seconds(2, 10, 30.0) == pytest.approx(120.0)
+    assert eta_seconds(0, 10, 5.0) is None
+    assert eta_seconds(2, 10, 30.0) == pytest.approx(120.0)

@@ -1,4 +1,4 @@
-"""Benchmark arithmetic on generation traces; no model runs here.
+"""Benchmark arithmetic on generation traces; no model runs here (tau is `dflash_mlx.generate.tau`).
 
 Definitions used everywhere in the reports:
 
@@ -20,8 +20,6 @@ Definitions used everywhere in the reports:
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence
 
-from dflash_mlx.generate import tau  # noqa: F401  (re-exported: the one definition)
-from dflash_mlx.progress import eta_seconds  # noqa: F401  (re-exported)
 
 PHASES = ("draft", "verify", "rollback", "other")
 

@@ -25,8 +25,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import mlx.core as mx
 
-from dflash_mlx.generate import encode_prompt, stop_ids
-from dflash_mlx.progress import format_duration
+from dflash_mlx.generate import encode_prompt, stop_ids, tau
+from dflash_mlx.progress import eta_seconds, format_duration
 
 from . import metrics
 from .suites import Prompt, format_prompt, load_suite
@@ -224,7 +224,7 @@ def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: Union[int, 
                    profiled: Optional[metrics.Trace], max_block: Optional[int] = None) -> dict:
     max_block = block if isinstance(block, int) else max_block
     d_tps, b_tps = metrics.generation_tps(trace), metrics.generation_tps(base)
-    t = metrics.tau(trace.accept_lengths)
+    t = tau(trace.accept_lengths)
     s = metrics.speedup(d_tps, b_tps)
     mismatch = metrics.first_mismatch(trace.tokens, base.tokens, stops) if greedy else None
     rec = {
@@ -385,7 +385,7 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
         log(f"[{i + 1:>3}/{len(prompts)}] {p.id:<24} B={blocks[0]} "
             f"tau {first['tau']:.2f}  {first['tps']:.1f} vs {row['baseline']['tps']:.1f} tok/s "
             f"({first['speedup']:.2f}x){flag}  elapsed {format_duration(elapsed)}  "
-            f"ETA {format_duration(metrics.eta_seconds(i + 1, len(prompts), elapsed))}")
+            f"ETA {format_duration(eta_seconds(i + 1, len(prompts), elapsed))}")
     doc["wall_s"] = time.perf_counter() - start
     doc["loadavg_end"] = _loadavg()
     return doc
