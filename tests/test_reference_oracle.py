@@ -119,6 +119,21 @@ def test_draft_variants_equal_reference(tmp_path, reference_loader, variant, ver
     _check(model, tmp_path / "d", reference_loader, expect_choices=version == 2)
 
 
+def test_rope_parameters_config_equals_reference(tmp_path, reference_loader):
+    """Gemma-4-style drafts keep the RoPE base in `rope_parameters` (no top-level rope_theta)."""
+    import json
+
+    model, _ = tiny_target("gemma4_text", seed=3)
+    save_draft(random_draft(model, num_layers=2, seed=3), tmp_path / "d")
+    cfg_file = tmp_path / "d" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("rope_theta")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 5000.0}
+    cfg_file.write_text(json.dumps(cfg))
+    assert load_draft(tmp_path / "d", model).config.rope_theta == 5000.0
+    _check(model, tmp_path / "d", reference_loader, expect_choices=False)
+
+
 def test_dflash2_selector_is_tested_where_it_matters(tmp_path, reference_loader):
     """Guard for the tests above: on these random drafts the selector's choice differs
     from the draft's argmax, so equal choices say something about the selector."""
