@@ -97,7 +97,6 @@ class PlainDecoding:
 
     draft = None
     layer_ids: List[int] = []
-    max_width = 1
 
     def absorb(self, features):
         pass
@@ -121,7 +120,6 @@ class DraftContext:
         self.draft = draft
         self.state = state
         self.layer_ids = list(draft.config.target_layer_ids)
-        self.max_width = draft.block_size
 
     def absorb(self, features: Optional[mx.array]):
         """Inject features now (prefill), after whatever was waiting."""

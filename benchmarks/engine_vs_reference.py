@@ -1,0 +1,205 @@
+"""Engine benchmarks, interleaved in one process (the machine may be shared: only ratios count).
+
+    python benchmarks/engine_vs_reference.py reference   # ours vs z-lab's engine, block 16
+    python benchmarks/engine_vs_reference.py auto        # block_size="auto" vs plain decoding
+    python benchmarks/engine_vs_reference.py widths      # "auto" vs fixed widths, shipped draft
+
+Every part runs the packaged SmolLM2-135M-Instruct target (float32) on the same
+prompts from the benchmark suites, greedy, and checks that every configuration
+commits exactly the tokens of the first one. For each prompt the configurations
+run back to back in an order that rotates from prompt to prompt, so load drift
+on the machine hits all of them alike. Speed is decode speed: tokens after the
+first over the time from the first token to the last, summed over prompts.
+
+`reference` needs z-lab's engine (`pip install --no-deps dflash==0.1.0`). It has
+no reduced draft vocabulary, so ours runs twice: as shipped (reduced vocabulary)
+and over the full vocabulary (then both engines propose the same tokens); `ours
+auto` is what the CLI runs by default.
+Results: JSON and a Markdown table under benchmarks/results/<date>-engine-<part>/.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
+import mlx.core as mx
+
+from dflash_mlx import load, load_draft, stream_generate
+from dflash_mlx.bench.suites import format_prompt, load_suite
+from dflash_mlx.draft import random_draft
+from dflash_mlx.generate import encode_prompt, tau
+
+SUITES = ("gsm8k", "humaneval", "mtbench")
+
+
+def prompts_from_suites(tokenizer, per_suite: int):
+    out = []
+    for suite in SUITES:
+        for p in load_suite(suite, limit=per_suite):
+            out.append((f"{suite}/{p.id}", encode_prompt(tokenizer, format_prompt(tokenizer, p))))
+    return out
+
+
+def timed(stream):
+    """(tokens, decode seconds, accept lengths) of one generation, from its stream of responses."""
+    tokens, first_at, accepts = [], None, []
+    for r in stream:
+        tokens += r.tokens
+        if first_at is None and tokens:
+            first_at = time.perf_counter()
+        accepts = getattr(r, "accept_lengths", accepts)
+    return tokens, time.perf_counter() - first_at, accepts
+
+
+def ours(model, draft, tokenizer, block_size, baseline=False):
+    def run(prompt, max_tokens):
+        return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
+                                     block_size=block_size, baseline=baseline))
+    return run
+
+
+def reference_engine(tokenizer):
+    """z-lab's `stream_generate` with its own copy of the target (it wraps the model's
+    layers for good) and the shipped draft loaded by its own loader."""
+    import dflash.model_mlx as ref
+
+    from dflash_mlx import packaged
+    from dflash_mlx.draft import DRAFT_VOCAB_FILE
+
+    folder = packaged.packaged_draft_dir("smollm2-135m")
+    copy = Path(tempfile.mkdtemp(prefix="dflash-ref-draft-"))
+    # its loader reads every *.safetensors as weights: leave our vocabulary file out
+    for f in folder.iterdir():
+        if f.name == "config.json" or (f.suffix == ".safetensors" and f.name != DRAFT_VOCAB_FILE):
+            shutil.copy(f, copy / f.name)
+    ref.snapshot_download = lambda repo, **kw: repo  # a local folder, not a hub id
+    their_model, _ = load("smollm2-135m", quiet=True)
+    theirs = ref.load_draft(str(copy))
+    theirs.set_dtype(mx.float32)
+    theirs.bind(their_model)
+
+    def run(prompt, max_tokens):
+        tokens, seconds, _ = timed(ref.stream_generate(their_model, theirs, tokenizer, prompt,
+                                                       block_size=16, max_tokens=max_tokens))
+        return tokens, seconds, None
+
+    return run
+
+
+def compare(configs, prompts, max_tokens, warmup=True):
+    names = list(configs)
+    if warmup:
+        for name in names:
+            configs[name](prompts[0][1][:32], 8)
+    rows = {n: {"tokens": 0, "seconds": 0.0, "accepts": []} for n in names}
+    mismatches = []
+    for i, (pid, prompt) in enumerate(prompts):
+        order = names[i % len(names):] + names[: i % len(names)]
+        outputs = {}
+        for name in order:
+            tokens, seconds, accepts = configs[name](prompt, max_tokens)
+            outputs[name] = tokens
+            rows[name]["tokens"] += len(tokens) - 1
+            rows[name]["seconds"] += seconds
+            rows[name]["accepts"] += accepts or []
+            print(f"  {pid:24s} {name:22s} {(len(tokens) - 1) / seconds:6.2f} tok/s", flush=True)
+        for name in names[1:]:
+            if outputs[name] != outputs[names[0]]:
+                mismatches.append((pid, name))
+    for r in rows.values():
+        r["tok_s"] = r["tokens"] / r["seconds"]
+        r["tau"] = tau(r.pop("accepts")) or None
+    return rows, mismatches
+
+
+def environment():
+    from dflash_mlx import blas
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores",
+        "mlx": mx.__version__,
+        "blas": str(blas.active_blas()),
+        "load_average": os.getloadavg(),
+        "OPENBLAS_NUM_THREADS": os.environ.get("OPENBLAS_NUM_THREADS"),
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("part", choices=["reference", "auto", "widths"])
+    p.add_argument("--per-suite", type=int, default=2, help="prompts per suite (gsm8k, humaneval, mtbench)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    model, tokenizer = load("smollm2-135m", quiet=True)
+    shipped = load_draft("smollm2-135m", model, quiet=True)
+    prompts = prompts_from_suites(tokenizer, args.per_suite)
+    if args.part == "reference":
+        full = load_draft("smollm2-135m", model, quiet=True)
+        full.set_vocab(None)
+        configs = {
+            "z-lab block 16": reference_engine(tokenizer),
+            "ours block 16": ours(model, shipped, tokenizer, 16),
+            "ours block 16 full vocab": ours(model, full, tokenizer, 16),
+            "ours auto": ours(model, shipped, tokenizer, "auto"),
+        }
+        base = "z-lab block 16"
+    elif args.part == "auto":
+        rand = random_draft(model, num_layers=2, seed=0)
+        configs = {
+            "plain decoding": ours(model, None, tokenizer, None, baseline=True),
+            "auto, shipped draft": ours(model, shipped, tokenizer, "auto"),
+            "auto, random draft": ours(model, rand, tokenizer, "auto"),
+        }
+        base = "plain decoding"
+    else:
+        configs = {"auto": ours(model, shipped, tokenizer, "auto")}
+        for w in (2, 3, 4, 8, 16):
+            configs[f"block {w}"] = ours(model, shipped, tokenizer, w)
+        base = "auto"
+
+    t0 = time.perf_counter()
+    env = environment()
+    rows, mismatches = compare(configs, prompts, args.max_tokens)
+    env["load_average_end"] = os.getloadavg()
+    env["wall_seconds"] = round(time.perf_counter() - t0, 1)
+    for r in rows.values():
+        r["vs_" + base.replace(" ", "_").replace(",", "")] = r["tok_s"] / rows[base]["tok_s"]
+
+    lines = [f"# Engine benchmark: {args.part}", "",
+             f"{len(prompts)} prompts ({', '.join(SUITES)}, {args.per_suite} each), {args.max_tokens} tokens, "
+             f"greedy, SmolLM2-135M-Instruct f32, interleaved in one process. Identical tokens: "
+             f"{'yes' if not mismatches else 'NO ' + str(mismatches)}.", "",
+             f"| configuration | decode tok/s | vs {base} | tau |", "|---|---|---|---|"]
+    for name, r in rows.items():
+        t = f"{r['tau']:.2f}" if r["tau"] else "-"
+        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / rows[base]['tok_s']:.3f}x | {t} |")
+    lines += ["", f"Machine: {env['machine']}, MLX {env['mlx']}, BLAS {env['blas']}, load average "
+              f"{env['load_average'][0]:.1f} at start, {env['load_average_end'][0]:.1f} at end, "
+              f"{env['wall_seconds']} s."]
+    report = "\n".join(lines) + "\n"
+    print(report)
+
+    day = datetime.date.today().strftime("%Y%m%d")
+    out = Path(args.out or Path(__file__).parent / "results" / f"{day}-engine-{args.part}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {"part": args.part, "prompts": [pid for pid, _ in prompts], "max_tokens": args.max_tokens,
+         "configs": rows, "identical_tokens": not mismatches, "mismatches": mismatches,
+         "environment": env}, indent=2))
+    (out / "README.md").write_text(report)
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
