@@ -370,7 +370,9 @@ class Worker:
                 return
             self.current = job
             try:
-                if job.cancelled.is_set():
+                if self.stopping:  # taken between stop()'s drain and its cancel
+                    job.emit("error", _shutting_down())
+                elif job.cancelled.is_set():
                     self.counts["cancelled"] += 1
                     self.cycles_after_cancel.append(0)
                     job.emit("done", None)
