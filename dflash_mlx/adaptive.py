@@ -18,7 +18,7 @@ draft that gets better is picked up again. The output never
 depends on the width: every width is exact, only the speed changes.
 """
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 
 class FixedWidth:
@@ -61,7 +61,6 @@ class BlockSizer:
         self.hits: List[float] = [0.0] * n  # hits[k]: draft token k+1 accepted (decayed count)
         self.trials: List[float] = [0.0] * n  # trials[k]: draft token k+1 was reached
         self.times: Dict[int, float] = {}  # width -> moving average of seconds per cycle
-        self.cycle = 0
         self.min_probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.probe_every = probe_every
@@ -88,7 +87,7 @@ class BlockSizer:
             total += survive
         return total
 
-    def cycle_time(self, width: int) -> float:
+    def cycle_time(self, width: int) -> Optional[float]:
         """Measured seconds at `width`; else interpolated between the nearest measured
         widths above 1 (a draft forward runs at every width above 1), or the nearest
         one outside their range. None before anything above 1 was measured."""
@@ -121,7 +120,6 @@ class BlockSizer:
 
     def choose(self, remaining: int) -> int:
         limit = min(self.max_block, remaining)
-        self.cycle += 1
         self.probing = False
         if limit <= 1:
             return 1
