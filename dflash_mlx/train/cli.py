@@ -81,6 +81,9 @@ def build_parser():
     g.add_argument("--eval-every", type=int, default=100)
     g.add_argument("--log-every", type=int, default=10)
     g.add_argument("--resume", action="store_true", help="continue from the run folder's checkpoint")
+    g.add_argument("--follow-data", type=int, default=0, metavar="STEPS",
+                   help="every STEPS steps, add the responses another process appended meanwhile "
+                        "(train while data generation runs)")
     g.add_argument("--export-only", action="store_true", help="no training: export the run's checkpoint")
     g = p.add_argument_group("evaluation (engine tau, greedy, on benchmark prompts never trained on)")
     g.add_argument("--tau-suites", default="gsm8k,humaneval,mtbench")
@@ -238,6 +241,15 @@ def main(argv=None):
     n_resp = sum(len(r["response"]) for r in records)
     log(f"{len(train)} training / {len(held)} held-out records, {n_resp} response tokens; "
         f"{trainer.seqs_per_step} sequences x {tcfg.blocks_per_seq} blocks per step")
+    if args.follow_data:
+        known = {r["id"] for r in records}
+
+        def refresh():
+            fresh = [r for r in D.read_records(responses) if r["id"] not in known and len(r["response"]) >= 2]
+            known.update(r["id"] for r in fresh)
+            return split_by_hash(fresh, 0.03)[0]
+
+        trainer.refresh, trainer.refresh_every = refresh, args.follow_data
     deadline = time.time() + 60 * args.minutes if args.minutes else None
     import signal
 

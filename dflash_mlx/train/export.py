@@ -85,6 +85,10 @@ def model_card(info: dict) -> str:
         f"loss weights exp(-(k-1)/{cfg.get('gamma')}), seed {cfg.get('seed')}",
         f"- compute: {info.get('compute') or ''} {info.get('train_seconds', 0) / 60:.0f} min of training",
     ]
+    if info.get("init") == "target":
+        lines.append("- initialised from the target (`dflash_mlx/train/init.py`): its last layers copied into "
+                     "the draft layers, `fc` passing the feeding tap through, q/k norms at the target's q/k "
+                     "RMS; features preconditioned per dimension in training, folded into `fc` here")
     evals = thin(st.get("evals") or [], 30)
     if evals:
         lines += ["", "## Held-out curve (estimate from the training forward)", "",
@@ -92,6 +96,13 @@ def model_card(info: dict) -> str:
         for e in evals:
             lines.append(f"| {e['step']} | {e['tokens']} | {e['val_loss']:.3f} | {e['val_acc']:.3f} | "
                          f"{e['val_tau_hat']:.2f} |")
+    last = (st.get("evals") or [{}])[-1]
+    if last.get("val_pos_acc"):
+        pa = last["val_pos_acc"]
+        lines += ["", f"## Held-out top-1 accuracy per block position (step {last['step']})", "",
+                  "| position | " + " | ".join(str(k) for k in range(1, len(pa) + 1)) + " |",
+                  "|---|" + "---|" * len(pa),
+                  "| top-1 | " + " | ".join(f"{a:.3f}" for a in pa) + " |"]
     tau = info.get("tau")
     if tau:
         lines += ["", f"## Measured tau (engine, greedy, block size {dcfg.get('block_size', '?')})", "",

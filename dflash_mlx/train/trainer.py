@@ -244,6 +244,10 @@ class Trainer:
         self._loss_and_grad = nn.value_and_grad(draft, self._loss)
         # Set from a signal handler: the loop stops between steps, checkpoints, returns.
         self.stop_requested = False
+        # Data still being generated beside training: called every `refresh_every`
+        # steps, returns new training records (the data order then follows the new set).
+        self.refresh: Optional[Callable[[], List[dict]]] = None
+        self.refresh_every = 0
 
     # -- data order ---------------------------------------------------------
 
@@ -410,6 +414,11 @@ class Trainer:
             if self.stop_requested:
                 self.log(f"stop requested at step {self.step}")
                 break
+            if self.refresh is not None and self.refresh_every and self.step % self.refresh_every == 0:
+                new = self.refresh()
+                if new:
+                    self.train_records.extend(new)
+                    self.log(f"step {self.step}: +{len(new)} new records ({len(self.train_records)} in all)")
             m = self.train_step(self.batch(self.step))
             self.step += 1
             self.tokens += m["supervised"]
