@@ -10,7 +10,6 @@ from the run's checkpoint. The defaults (45 min of generation, then at most
 faster machine raise --gen-minutes/--minutes/--steps and --batch-tokens.
 """
 
-import argparse
 import json
 import sys
 import time
@@ -20,7 +19,9 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="dflash-mlx train", description=__doc__.split("\n\n")[0])
+    from dflash_mlx.cli import ArgumentParser  # a bad flag is one line, as in every subcommand
+
+    p = ArgumentParser(prog="dflash-mlx train", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="packaged name, mlx-lm folder, .gguf file or hub id")
     p.add_argument("--out", required=True, help="folder for the exported draft")
     p.add_argument("--run-dir", help="working folder (default: <out>.run)")
