@@ -292,6 +292,8 @@ BAD_SOURCES = {
     "export": (["export", "no-such-model", "{tmp}/out"], None),
     "doctor": (["doctor", "--no-such-flag"], None),
 }
+# and a flag each subcommand does not know is one line too
+BAD_FLAG = ["--no-such-flag"]
 
 
 def dflash_mlx_cli(argv, tmp_path, timeout=120):
@@ -326,6 +328,20 @@ def test_bad_model_or_draft_is_one_line(case, tmp_path):
     expected = {"doctor": "unrecognized arguments: --no-such-flag"}.get(
         name, "no such file or folder for the draft" if i == 1 else "unknown model 'no-such-model'")
     assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("name", ["run", "chat", "bench", "serve", "train", "doctor", "export"])
+def test_bad_flag_is_one_line_in_every_subcommand(name, capsys):
+    from dflash_mlx.cli import SUBCOMMANDS, main
+
+    if name != "run" and name not in SUBCOMMANDS:
+        pytest.skip(f"no '{name}' subcommand in this checkout")
+    required = {"train": ["--target", "m", "--out", "o"], "export": ["m", "o"]}.get(name, [])
+    argv = BAD_FLAG if name == "run" else [name, *required, *BAD_FLAG]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    prog = "dflash-mlx" if name == "run" else f"dflash-mlx {name}"
+    assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and "--no-such-flag" in err, err
 
 
 def test_debug_shows_the_traceback(tmp_path):
