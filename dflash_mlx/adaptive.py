@@ -47,8 +47,10 @@ class BlockSizer:
         probe_every: int = 8,
         max_probe_every: int = 32,
         margin: float = 0.15,
+        min_drafted_gain: float = 0.2,
     ):
         self.margin = margin
+        self.min_drafted_gain = min_drafted_gain
         self.max_block = max_block
         self.first_width = first_width
         # Widths tried: dense where acceptance changes most, sparse deep in the
@@ -144,11 +146,14 @@ class BlockSizer:
         if best > 1:
             self.since_probe = 0
             return best
-        # Near a tie keep drafting (at the best width already measured): a drafted
-        # cycle is what keeps acceptance measured; width 1 learns nothing.
+        # Near a tie keep drafting (at the best width already measured) if the
+        # draft gets something right: a drafted cycle is what keeps acceptance
+        # measured, width 1 learns nothing. A draft that is almost never right is
+        # no tie, however cheap its cycle.
         measured = [w for w in candidates if w > 1 and w in self.times]
         drafted = max(measured, key=self.rate) if measured else None
-        if drafted and self.rate(drafted) * (1 + self.margin) >= self.rate(1):
+        if (drafted and self.rate(drafted) * (1 + self.margin) >= self.rate(1)
+                and self.expected_tokens(drafted) - 1 >= self.min_drafted_gain):
             self.since_probe = 0
             return drafted
         self.since_probe += 1
