@@ -93,17 +93,21 @@ class CandidateSelector(nn.Module):
         k = min(self.top_k, logits.shape[-1])
         candidates = mx.argpartition(logits, -k, axis=-1)[..., -k:]  # [B, n, k], in no particular order
         unary = mx.take_along_axis(logits, candidates, axis=-1)
+        cand_ids = to_target_ids(candidates)
         # The hidden-state factor does not depend on the path: fold it into the successors once.
-        successors = self.successor_codebook[to_target_ids(candidates)] * self.hidden_projection(hidden)[:, :, None]
-        previous = anchor
-        chosen = []
-        for i in range(n):
-            edges = (successors[:, i] @ self.predecessor_codebook[previous][:, :, None])[..., 0]  # [B, k]
-            pick = mx.argmax(unary[:, i] + edges.astype(unary.dtype), axis=-1)
-            ids = mx.take_along_axis(candidates[:, i], pick[:, None], axis=-1)[:, 0]
-            chosen.append(ids)
-            previous = to_target_ids(ids)
-        return mx.stack(chosen, axis=1).astype(mx.int32)
+        successors = self.successor_codebook[cand_ids] * self.hidden_projection(hidden)[:, :, None]
+        # Every edge score at once: from the anchor to position 0's candidates, and from each
+        # candidate of position i-1 to each of position i. The left-to-right choice then only
+        # reads rows of these tables.
+        first = (successors[:, 0] @ self.predecessor_codebook[anchor][:, :, None])[..., 0]  # [B, k]
+        rest = self.predecessor_codebook[cand_ids[:, :-1]] @ successors[:, 1:].swapaxes(-1, -2)  # [B, n-1, k, k]
+        pick = mx.argmax(unary[:, 0] + first.astype(unary.dtype), axis=-1)  # [B]: index into position 0's candidates
+        picks = [pick]
+        for i in range(1, n):
+            row = mx.take_along_axis(rest[:, i - 1], pick[:, None, None], axis=1)[:, 0]  # [B, k]
+            pick = mx.argmax(unary[:, i] + row.astype(unary.dtype), axis=-1)
+            picks.append(pick)
+        return mx.take_along_axis(candidates, mx.stack(picks, axis=1)[..., None], axis=-1)[..., 0].astype(mx.int32)
 
 
 class DFlash2DraftModel(DFlashDraftModel):
