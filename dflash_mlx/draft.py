@@ -22,9 +22,10 @@ from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
 # Optional extra stored next to a checkpoint: the reduced draft vocabulary; we use it
-# to score only these token ids. Not invisible to every z-lab loader: the reference's
-# MLX loader reads all *.safetensors as weights and rejects its `token_ids` tensor.
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+# to score only these token ids. A .npy file, not .safetensors: z-lab's MLX loader reads
+# every *.safetensors in the folder as weights, so the folder stays loadable there.
+DRAFT_VOCAB_FILE = "draft_vocab.npy"
+LEGACY_DRAFT_VOCAB_FILE = "draft_vocab.safetensors"  # read from drafts written before
 
 DFLASH2_ARCH = "DFlash2DraftModel"
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # in dflash_config
@@ -507,7 +508,7 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDra
     except json.JSONDecodeError as e:
         raise DraftMismatchError(f"draft config {cfg_file} is not valid JSON: {e}") from None
     config = DraftConfig.from_dict(cfg)
-    files = sorted(f for f in path.glob("*.safetensors") if f.name != DRAFT_VOCAB_FILE)
+    files = sorted(f for f in path.glob("*.safetensors") if f.name != LEGACY_DRAFT_VOCAB_FILE)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in draft folder {path}")
     weights = {}
@@ -518,15 +519,31 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDra
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     model.load_weights(list(weights.items()))
-    vocab_file = path / DRAFT_VOCAB_FILE
-    if vocab_file.is_file():
-        ids = _read_safetensors(vocab_file).get("token_ids")
-        if ids is None:
-            raise DraftMismatchError(f"{vocab_file} has no 'token_ids' tensor")
-        model.set_vocab(ids.astype(mx.int32))
+    ids = _read_draft_vocab(path)
+    if ids is not None:
+        model.set_vocab(ids)
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+def _read_draft_vocab(path: Path) -> Optional[mx.array]:
+    """The reduced draft vocabulary stored beside the weights, or None."""
+    vocab_file = path / DRAFT_VOCAB_FILE
+    if vocab_file.is_file():
+        try:
+            ids = mx.load(str(vocab_file))
+        except (RuntimeError, ValueError) as e:
+            raise DraftMismatchError(f"draft vocabulary {vocab_file} cannot be read ({e}): re-export the draft") from None
+    elif (path / LEGACY_DRAFT_VOCAB_FILE).is_file():
+        ids = _read_safetensors(path / LEGACY_DRAFT_VOCAB_FILE).get("token_ids")
+        if ids is None:
+            raise DraftMismatchError(f"{path / LEGACY_DRAFT_VOCAB_FILE} has no 'token_ids' tensor")
+    else:
+        return None
+    if ids.ndim != 1:
+        raise DraftMismatchError(f"draft vocabulary in {path} has shape {ids.shape}, expected a list of token ids")
+    return ids.astype(mx.int32)
 
 
 def check_weights(weights: Dict[str, mx.array], config: DraftConfig):
@@ -565,7 +582,7 @@ def save_draft(model: DFlashDraftModel, path, metadata: Optional[Dict[str, str]]
         flat = dict(nn.utils.tree_flatten(model.parameters()))
         mx.save_safetensors(str(tmp / "model.safetensors"), flat, metadata=metadata or {})
         if model.vocab_ids is not None:
-            mx.save_safetensors(str(tmp / DRAFT_VOCAB_FILE), {"token_ids": model.vocab_ids})
+            mx.save(str(tmp / DRAFT_VOCAB_FILE), model.vocab_ids.astype(mx.int32))
         if path.exists():
             old = path.with_name(path.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

@@ -188,29 +188,21 @@ def smollm2():
 
 
 @pytest.fixture(scope="module")
-def shipped_draft_for_reference(tmp_path_factory):
-    """The shipped draft's config and weights without draft_vocab.safetensors: the
-    reference loads every *.safetensors in the folder as weights and fails on its
-    `token_ids` tensor (our extra file is not invisible to z-lab's loader)."""
-    import shutil
-
+def shipped_draft_for_reference():
+    """The shipped draft folder exactly as it ships: the reference's loader reads it
+    unchanged (its reduced vocabulary is a .npy file, which that loader skips)."""
     from dflash_mlx import packaged
-    from dflash_mlx.draft import DRAFT_VOCAB_FILE
 
     folder = packaged.packaged_draft_dir("smollm2-135m")
     if folder is None:
         pytest.skip("no draft shipped for smollm2-135m")
-    copy = tmp_path_factory.mktemp("shipped")
-    for f in folder.iterdir():
-        if f.name == "config.json" or (f.suffix == ".safetensors" and f.name != DRAFT_VOCAB_FILE):
-            shutil.copy(f, copy / f.name)
-    return copy
+    return folder
 
 
 @pytest.mark.slow
 def test_shipped_draft_logits_equal_reference(smollm2, reference_loader, shipped_draft_for_reference):
     """Also over the reduced draft vocabulary: ours scores only `vocab_ids`, the reference
-    (which ignores draft_vocab.safetensors) everything; the shared columns agree."""
+    (which ignores draft_vocab.npy) everything; the shared columns agree."""
     model, _, prompts = smollm2
     ours = load_draft("smollm2-135m", model)
     theirs = reference_loader(shipped_draft_for_reference, model)

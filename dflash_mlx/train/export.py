@@ -2,7 +2,7 @@
 
 config.json + model.safetensors (via `dflash_mlx.draft.save_draft`, loadable by
 any z-lab-format loader), plus the optional reduced vocabulary
-(`draft_vocab.safetensors`), README.md and the training curve.
+(`draft_vocab.npy`), README.md and the training curve.
 """
 
 import shutil
@@ -64,7 +64,7 @@ def model_card(info: dict) -> str:
         f"# DFlash draft for {info.get('target', '?')}",
         "",
         "A block-diffusion draft in z-lab's DFlash format (`config.json` + `model.safetensors`), "
-        "trained with `dflash-mlx train`. `draft_vocab.safetensors` (optional) holds the reduced "
+        "trained with `dflash-mlx train`. `draft_vocab.npy` (optional) holds the reduced "
         "draft vocabulary; a plain z-lab loader ignores it and scores the full vocabulary.",
         "",
         "## Architecture",
