@@ -63,6 +63,7 @@ class BlockSizer:
         self.hits: List[float] = [0.0] * n  # hits[k]: draft token k+1 accepted (decayed count)
         self.trials: List[float] = [0.0] * n  # trials[k]: draft token k+1 was reached
         self.times: Dict[int, float] = {}  # width -> moving average of seconds per cycle
+        self.samples: Dict[int, int] = {}  # width -> cycles timed
         self.min_probe_every = probe_every
         self.max_probe_every = max_probe_every
         self.probe_every = probe_every
@@ -130,7 +131,9 @@ class BlockSizer:
         # (a plain decode step): the two ends every choice is judged between.
         if not any(w > 1 for w in self.times):
             return min(self.first_width, limit)
-        if 1 not in self.times:
+        if self.samples.get(1, 0) < 2:
+            # Twice: every choice is judged against it, and it is not timed again
+            # while drafting wins, so one disturbed cycle must not set it.
             return 1
         candidates = [w for w in self.widths if w <= limit] + ([limit] if limit not in self.widths else [])
         best = max(candidates, key=self.rate)
@@ -177,7 +180,16 @@ class BlockSizer:
                 self.hits[k] = self.hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
                 self.trials[k] = self.trials[k] * d + (1.0 if k < reached else 0.0)
         old = self.times.get(width)
-        self.times[width] = seconds if old is None else 0.7 * old + 0.3 * seconds
+        n = self.samples.get(width, 0)
+        # The first cycle at a width can include one-off work (MLX's CPU backend
+        # compiles kernels for new shapes): the better of the first two stands.
+        if old is None:
+            self.times[width] = seconds
+        elif n == 1:
+            self.times[width] = min(old, seconds)
+        else:
+            self.times[width] = 0.7 * old + 0.3 * seconds
+        self.samples[width] = n + 1
         if self.probing:
             # A probe that found nothing: wait twice as long for the next one.
             found = accept_length > 0
