@@ -45,6 +45,17 @@ def usage_error(e: Exception) -> CLIError:
     return CLIError(str(e), EXIT_USAGE)
 
 
+def checked_options(args, cls=None, **extra):
+    """The generation options in flags from `add_generation_args` (plus `extra` fields
+    of a subclass `cls`), checked: a bad value is a usage error."""
+    from dflash_mlx.options import GenerationOptions
+
+    try:
+        return (cls or GenerationOptions)(**vars(GenerationOptions.from_args(args)), **extra).check()
+    except ValueError as e:
+        raise usage_error(e) from None
+
+
 def check_sources(model: str, draft=None) -> None:
     """Fail on a model or draft name that cannot be anything, before loading either."""
     from dflash_mlx.loading import ModelLoadError, resolve_source

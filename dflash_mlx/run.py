@@ -7,8 +7,8 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli import EXIT_USAGE, SUBCOMMANDS, ArgumentParser, CLIError, load_model_and_draft, usage_error
-from dflash_mlx.options import GenerationOptions, add_generation_args
+from dflash_mlx.cli import EXIT_USAGE, SUBCOMMANDS, ArgumentParser, CLIError, checked_options, load_model_and_draft
+from dflash_mlx.options import add_generation_args
 
 
 def build_parser():
@@ -66,10 +66,7 @@ def _read_prompt(args) -> str:
 
 
 def run(args) -> int:
-    try:
-        options = GenerationOptions.from_args(args).check()
-    except ValueError as e:
-        raise usage_error(e) from None
+    options = checked_options(args)
     prompt = _read_prompt(args)
     model, tokenizer, draft, draft_label = load_model_and_draft(
         args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json)

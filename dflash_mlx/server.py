@@ -30,14 +30,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from starlette.exceptions import HTTPException
 
-from dflash_mlx import load, load_draft
-from dflash_mlx.cli import ArgumentParser, CLIError, check_sources, usage_error
+from dflash_mlx.cli import ArgumentParser, checked_options, load_model_and_draft
 from dflash_mlx.cli import main as cli_main
-from dflash_mlx.draft import DraftMismatchError
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions, add_generation_args
-from dflash_mlx.packaged import DEFAULT_MODEL, draft_label, is_packaged
+from dflash_mlx.packaged import DEFAULT_MODEL
 from dflash_mlx.prompt_cache import make_prompt_cache
 from dflash_mlx.target import Target
 
@@ -679,30 +677,10 @@ def build_parser():
 
 
 def load_worker(args) -> Worker:
-    try:
-        options = GenerationOptions.from_args(args).check()
-    except ValueError as e:
-        raise usage_error(e) from None
-    check_sources(args.model)
-    draft_name = None
-    if not args.baseline:
-        draft_name = args.draft or (args.model if is_packaged(args.model) else None)
-        if draft_name is None:
-            raise CLIError(f"no DFlash draft for {args.model!r}: pass --draft (folder or hub id), "
-                           "or --baseline to serve the target alone")
-    if draft_name is not None:
-        check_sources(args.model, draft_name)
-    model, tokenizer = load(args.model, dtype=args.dtype)
-    draft = None
-    if draft_name is not None:
-        try:
-            draft = load_draft(draft_name, model)
-        except DraftMismatchError as e:
-            raise CLIError(f"draft {draft_name!r} does not fit model {args.model!r}: {e}") from None
-        except (FileNotFoundError, ValueError) as e:
-            raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
-    return Worker(model, draft, tokenizer, model_name=args.model,
-                  draft_name=draft_label(draft_name) if draft_name else None,
+    options = checked_options(args)
+    model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
+                                                               dtype=args.dtype)
+    return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots)
 
 

@@ -19,7 +19,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from dflash_mlx.options import GenerationOptions, add_generation_args
+from dflash_mlx.options import add_generation_args
 from dflash_mlx.tui.session import ChatSession, Settings, Turn
 from dflash_mlx.tui.stats import panel_lines
 from dflash_mlx.tui.template import Template
@@ -336,12 +336,9 @@ def build_parser():
 
 def settings_from_args(args) -> Settings:
     """The chat's settings from its flags; CLIError (a usage error) naming a bad one."""
-    from dflash_mlx.cli import usage_error
+    from dflash_mlx.cli import checked_options
 
-    try:
-        return Settings(**{**vars(GenerationOptions.from_args(args)), "system": args.system}).check()
-    except ValueError as e:
-        raise usage_error(e) from None
+    return checked_options(args, Settings, system=args.system)
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli import EXIT_USAGE, ArgumentParser, CLIError, draft_for, load_model_and_draft, usage_error
+from dflash_mlx.cli import (EXIT_USAGE, ArgumentParser, CLIError, checked_options, draft_for,
+                            load_model_and_draft, usage_error)
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.packaged import DEFAULT_MODEL
 
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         return rerender(Path(args.from_json), with_plots=not args.no_plots)
+    options = checked_options(args)
     try:
-        options = GenerationOptions.from_args(args).check()
         suites = parse_suites(args.suite)
     except ValueError as e:
         raise usage_error(e) from None
