@@ -355,13 +355,21 @@ def test_ctrl_c_while_loading_exits_130_quietly(tmp_path):
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                XDG_CACHE_HOME=str(tmp_path / "cache"))
+    # Ctrl-C as at a terminal: a pytest started in the background (SIGINT ignored) must not
+    # pass that on, or Python in the child never raises KeyboardInterrupt
     p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "bench", "--limit", "1",
-                          "--out", str(tmp_path / "bench")], stderr=subprocess.PIPE, text=True, env=env)
-    first = p.stderr.readline()  # printed inside cli.main, just before the model loads
-    assert first.startswith("loading smollm2-135m"), first
-    p.send_signal(signal.SIGINT)
-    rest = p.stderr.read()
-    assert p.wait(timeout=120) == 130
+                          "--max-tokens", "8", "--out", str(tmp_path / "bench")],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        first = p.stderr.readline()  # printed inside cli.main, just before the model loads
+        assert first.startswith("loading smollm2-135m"), first
+        p.send_signal(signal.SIGINT)
+        _, rest = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, rest
     assert rest.strip() == "dflash-mlx bench: interrupted" and "Traceback" not in rest
 
 
