@@ -126,6 +126,7 @@ def main(argv=None):
 
     out = Path(args.out)
     run = Path(args.run_dir or str(out) + ".run")
+    model, tokenizer = load_target(args.target)  # a bad target fails before anything is written
     run.mkdir(parents=True, exist_ok=True)
     log_file = (run / "train.log").open("a")
 
@@ -134,7 +135,6 @@ def main(argv=None):
         log_file.write(s + "\n")
         log_file.flush()
 
-    model, tokenizer = load_target(args.target)
     target = Target(model)
     responses = run / "responses.jsonl"
     feat_dir = None if args.no_feature_cache else run / "features"
