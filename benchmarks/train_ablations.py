@@ -36,19 +36,13 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
 
     from dflash_mlx.train import init as I
     from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer
-    from dflash_mlx.train.cli import _layer_ids
+    from dflash_mlx.draft import default_target_layer_ids
 
     o = dict(base, **opts)
     copy = o.get("copy_layers")
     n_layers = o["layers"]
-    if o["init"] == "target":
-        from dflash_mlx.train.init import default_copy_layers
-
-        taps = _layer_ids(None, target.num_layers, n_layers)
-        first = (copy or default_copy_layers(target.num_layers, n_layers))[0]
-        taps = sorted(set(taps[:-1] + [first - 1])) if first - 1 not in taps else taps
-    else:
-        taps = _layer_ids(None, target.num_layers, n_layers)
+    # a target-initialised config adds the tap feeding the first copied layer itself
+    taps = default_target_layer_ids(target.num_layers, max(n_layers, 4))
     cfg = I.make_draft_config(target, tokenizer, train, n_layers, o["block_size"], o["init"], taps, copy,
                               o["mask_token_id"])
     feats = FeatureSource(target, cfg.target_layer_ids, feature_dir)

@@ -139,16 +139,16 @@ def main(argv=None):
     responses = run / "responses.jsonl"
     feat_dir = None if args.no_feature_cache else run / "features"
     copy_layers = [int(x) for x in args.copy_layers.split(",")] if args.copy_layers else None
+    layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
     if args.init == "target":
-        layer_ids = _target_init_layer_ids(args, target, copy_layers)
-    else:
-        layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
+        layer_ids = I.target_init_layer_ids(target.num_layers, args.layers, copy_layers, layer_ids)
 
     if args.data:
         _merge_packed(args.data, responses, tokenizer, log)
     if args.pack:
-        n = D.pack_responses(D.read_records(responses), args.pack)
-        log(f"packed {len(D.read_records(responses))} records into {args.pack} ({n / 1e6:.1f} MB)")
+        packed = D.read_records(responses)
+        n = D.pack_responses(packed, args.pack)
+        log(f"packed {len(packed)} records into {args.pack} ({n / 1e6:.1f} MB)")
         return 0
     if not args.skip_gen and not args.overfit:
         prompts = D.default_prompts(args.gsm8k, args.sharegpt, seed=args.seed)
@@ -302,18 +302,6 @@ def _merge_packed(packed, responses: Path, tokenizer, log):
         for r in new:
             f.write(json.dumps(r, separators=(",", ":")) + "\n")
     log(f"merged {len(new)} records from {packed}")
-
-
-def _target_init_layer_ids(args, target, copy_layers):
-    """Taps for a target-initialised draft: the defaults (or --target-layers) plus the
-    layer feeding the first copied layer, which fc passes through at step 0."""
-    from dflash_mlx.train.init import default_copy_layers
-
-    taps = _layer_ids(args.target_layers, target.num_layers, args.layers)
-    first = (copy_layers or default_copy_layers(target.num_layers, args.layers))[0]
-    if first - 1 >= 0 and first - 1 not in taps:
-        taps = taps[:-1] + [first - 1]
-    return sorted(set(taps))
 
 
 def overfit_report(n_records: int, steps: int, before: dict, after: dict) -> str:

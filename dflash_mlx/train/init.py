@@ -48,6 +48,19 @@ def default_copy_layers(num_target_layers: int, num_draft_layers: int) -> List[i
     return list(range(num_target_layers - num_draft_layers, num_target_layers))
 
 
+def target_init_layer_ids(num_target_layers: int, num_draft_layers: int, copy_layers=None,
+                          target_layer_ids=None) -> List[int]:
+    """Taps of a target-initialised draft: the given ones (default: 4 spread taps), with
+    the last replaced by the layer feeding the first copied layer when it is missing
+    (fc passes that tap through at step 0)."""
+    copy_layers = list(copy_layers or default_copy_layers(num_target_layers, num_draft_layers))
+    taps = list(target_layer_ids or default_target_layer_ids(num_target_layers, max(num_draft_layers, 4)))
+    feed = copy_layers[0] - 1
+    if feed >= 0 and feed not in taps:
+        taps = taps[:-1] + [feed]
+    return sorted(set(taps))  # small targets make the default spread repeat layers
+
+
 def draft_config_from_target(
     target,
     num_layers: int,
@@ -60,12 +73,7 @@ def draft_config_from_target(
     """A draft config with the target's head layout, MLP width and RoPE, so its layers
     can be copied. The tap feeding the first copied layer is always included."""
     heads, kv, head_dim, inter = _target_attention_layout(target)
-    copy_layers = list(copy_layers or default_copy_layers(target.num_layers, num_layers))
-    taps = list(target_layer_ids or default_target_layer_ids(target.num_layers, max(num_layers, 4)))
-    feed = copy_layers[0] - 1
-    if feed >= 0 and feed not in taps:
-        taps = taps[:-1] + [feed]
-    taps = sorted(set(taps))  # small targets make the default spread repeat layers
+    taps = target_init_layer_ids(target.num_layers, num_layers, copy_layers, target_layer_ids)
     a = target.args
     cfg = dict(
         hidden_size=target.hidden_size,
@@ -112,7 +120,7 @@ def choose_mask_token(tokenizer, records: Sequence[dict], vocab_size: int) -> in
     raise ValueError("every token id occurs in the training data: no free mask token")
 
 
-def feature_scale(features: Sequence[np.ndarray], eps: float = 1e-3) -> np.ndarray:
+def measure_feature_scale(features: Sequence[np.ndarray], eps: float = 1e-3) -> np.ndarray:
     """Per-dimension 1/RMS of tapped features [S, n_tl*H], skipping position 0
     (the first token carries massive activations in most LLMs)."""
     sq = np.zeros(features[0].shape[1], dtype=np.float64)
@@ -212,9 +220,7 @@ def init_from_target(
         if type(norm) is nn.RMSNorm:
             draft.hidden_norm.weight = mx.array(norm.weight).astype(mx.float32)
         done["passthrough_tap"] = feed
-    final = getattr(target.text_model, "norm", None)
-    if type(final) is nn.RMSNorm and final.weight.shape == draft.norm.weight.shape:
-        draft.norm.weight = mx.array(final.weight).astype(mx.float32)
+    init_final_norm(draft, target)
     mx.eval(draft.parameters())
     return done
 
@@ -265,7 +271,7 @@ def make_draft(config: DraftConfig, target, records, features, init: str = "targ
     record's tapped features (to measure the feature scale on up to 32 records).
     Returns (draft, feature scale or None, what init_from_target did)."""
     if feature_scale and scale is None:
-        scale = globals()["feature_scale"]([features(r) for r in records[:32]])
+        scale = measure_feature_scale([features(r) for r in records[:32]])
     elif not feature_scale:
         scale = None
     draft = DFlashDraftModel(config)
