@@ -16,8 +16,16 @@ changes regime). When width 1 wins, a cheap probe (width 2) runs now and then,
 ever more rarely while it finds nothing, so a poor draft costs little and a
 draft that gets better is picked up again. The output never
 depends on the width: every width is exact, only the speed changes.
+
+What a `BlockSizer` learns belongs to the target/draft pair and the machine,
+not to one prompt, so `sizer_for` keeps one per pair for the life of the
+process: a chat, a server or a benchmark pays the exploration once, and later
+calls start from what earlier ones measured (acceptance still fades with every
+drafted cycle, so a change of subject is followed as before).
 """
 
+import threading
+import weakref
 from typing import Dict, List, Optional
 
 
@@ -196,3 +204,29 @@ class BlockSizer:
             self.probe_every = (
                 self.min_probe_every if found else min(self.max_probe_every, 2 * self.probe_every)
             )
+
+
+# (id(model), id(draft)) -> (weakref to model, weakref to draft, sizer). The
+# weak references tell a live pair from a new one that reuses a dead pair's ids.
+_SIZERS: Dict[tuple, tuple] = {}
+_SIZERS_LOCK = threading.Lock()
+
+
+def sizer_for(model, draft) -> BlockSizer:
+    """The process's `BlockSizer` for this target/draft pair (made on first use)."""
+    key = (id(model), id(draft))
+    with _SIZERS_LOCK:
+        entry = _SIZERS.get(key)
+        if entry is not None and entry[0]() is model and entry[1]() is draft:
+            return entry[2]
+        for k in [k for k, (m, d, _) in _SIZERS.items() if m() is None or d() is None]:
+            del _SIZERS[k]
+        sizer = BlockSizer(draft.block_size)
+        _SIZERS[key] = (weakref.ref(model), weakref.ref(draft), sizer)
+        return sizer
+
+
+def forget_sizers():
+    """Drop every learned width policy (the next "auto" call explores from scratch)."""
+    with _SIZERS_LOCK:
+        _SIZERS.clear()

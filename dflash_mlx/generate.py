@@ -15,7 +15,7 @@ from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.accept import Proposal, make_acceptor
-from dflash_mlx.adaptive import BlockSizer, FixedWidth
+from dflash_mlx.adaptive import FixedWidth, sizer_for
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
 from dflash_mlx.target import Target
 
@@ -306,7 +306,7 @@ def stream_generate(
     use_draft = draft is not None and not baseline
     target = _target_for(model, draft)
     if block_size == "auto":
-        widths = BlockSizer(draft.block_size) if use_draft else FixedWidth(1)
+        widths = sizer_for(model, draft) if use_draft else FixedWidth(1)
     else:
         block = draft.block_size if (use_draft and block_size is None) else block_size
         try:

@@ -224,11 +224,11 @@ class Target:
         reference path is exactly the layer's own `mx.quantized_matmul`.
         """
         layer = self._lm_head if self._lm_head is not None else self.text_model.embed_tokens
-        if "scales" in layer:  # quantized: take the rows, keep the packing
-            w, scales, biases = layer["weight"], layer["scales"], layer.get("biases")
-            if vocab_ids is not None:
-                w, scales = w[vocab_ids], scales[vocab_ids]
-                biases = biases[vocab_ids] if biases is not None else None
+        if vocab_ids is not None:
+            w, scales, biases, bias = self._head_rows(layer, vocab_ids)
+        else:
+            w, scales, biases, bias = layer["weight"], layer.get("scales"), layer.get("biases"), layer.get("bias")
+        if scales is not None:  # quantized: the rows keep their packing
             if getattr(layer, "mode", "affine") == "affine":
                 out = kernels.qmm_small_m(h, w, scales, biases, layer.group_size, layer.bits)
             else:
@@ -237,10 +237,25 @@ class Target:
         elif vocab_ids is None:
             return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
         else:
-            out = h @ layer["weight"][vocab_ids].T
-        if "bias" in layer:
-            out = out + (layer["bias"] if vocab_ids is None else layer["bias"][vocab_ids])
+            out = h @ w.T
+        if bias is not None:
+            out = out + bias
         return out
+
+    def _head_rows(self, layer, vocab_ids: mx.array):
+        """The head's rows for a reduced draft vocabulary, gathered once per vocabulary.
+
+        The draft scores its vocabulary every cycle; gathering the rows each time
+        would read and copy them twice per cycle. Costs one copy of those rows.
+        """
+        cached = self.__dict__.get("_rows_cache")
+        if cached is not None and cached[0] is vocab_ids and cached[1] is layer["weight"]:
+            return cached[2]
+        take = lambda name: layer[name][vocab_ids] if name in layer else None  # noqa: E731
+        rows = (take("weight"), take("scales"), take("biases"), take("bias"))
+        mx.eval([r for r in rows if r is not None])
+        self._rows_cache = (vocab_ids, layer["weight"], rows)
+        return rows
 
     def logits(self, h: mx.array) -> mx.array:
         """Exactly the logits mlx-lm's `Model.__call__` produces from final hidden states."""

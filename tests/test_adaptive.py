@@ -145,3 +145,73 @@ def test_objective_and_remaining_budget():
     assert 1 < sizer.choose(100) < 6
     assert sizer.choose(1) == 1
     assert FixedWidth(8).choose(3) == 3
+
+
+# -- one learned policy per target/draft pair, across calls ------------------------
+
+
+class _Pair:
+    def __init__(self, block_size=MAX):
+        self.block_size = block_size
+
+
+def test_sizer_for_keeps_one_policy_per_pair():
+    from dflash_mlx.adaptive import forget_sizers, sizer_for
+
+    model, draft, other = _Pair(), _Pair(), _Pair(8)
+    first = sizer_for(model, draft)
+    assert sizer_for(model, draft) is first
+    assert sizer_for(model, other) is not first and sizer_for(model, other).max_block == 8
+    forget_sizers()
+    assert sizer_for(model, draft) is not first
+
+
+def test_sizer_for_does_not_hand_a_dead_pairs_policy_to_a_new_one():
+    import gc
+
+    from dflash_mlx.adaptive import sizer_for
+
+    model = _Pair()
+    draft = _Pair()
+    learned = sizer_for(model, draft)
+    learned.times[1] = 123.0
+    del draft
+    gc.collect()
+    # a new draft may well get the dead one's id: it must still start fresh
+    for _ in range(20):
+        fresh = _Pair()
+        assert 1 not in sizer_for(model, fresh).times
+
+
+def test_second_auto_call_starts_from_what_the_first_learned():
+    """A poor draft: the first call explores (a moderate width, then width 1 timed twice);
+    the next call with the same pair goes straight to plain decoding steps."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.adaptive import forget_sizers, sizer_for
+    from dflash_mlx.target import Target
+    from dflash_mlx.testing import ScriptedDraft, clean_case, tiny_target
+
+    forget_sizers()
+    model, tok = tiny_target("llama", seed=1)
+    prompt, ref = clean_case(model, 20, 40, seed=3)
+    wrong = ScriptedDraft(Target(model), prompt + ref, lambda c: 0, block_size=MAX)
+
+    def widths():
+        out, seen = [], []
+        for r in stream_generate(model, wrong, tok, prompt, max_tokens=40, block_size="auto",
+                                 stop_token_ids=[]):
+            out += r.tokens
+            if r.verify_width is not None:
+                seen.append(r.verify_width)
+        assert out == ref  # exact at whatever widths
+        return seen
+
+    first = widths()
+    assert first[0] > 1 and first[1:3] == [1, 1]  # the exploration start
+    sizer = sizer_for(model, wrong)
+    assert sum(sizer.samples.values()) == len(first)
+    second = widths()
+    # the same policy went on learning (every cycle of both calls is in it), and
+    # the second call did not start over with the exploring drafted cycle
+    assert sum(sizer.samples.values()) == len(first) + len(second)
+    assert second[:3] != first[:3]
