@@ -27,6 +27,10 @@ VARIANTS = {
     "lr 3e-3": {"lr": 3e-3},
     "gamma 4": {"gamma": 4.0},
     "block size 8": {"block_size": 8},
+    "self-distillation 0.5 (top-32 of the target's distribution)": {"distill": 0.5},
+    "self-distillation 1.0": {"distill": 1.0},
+    "MLP 1024 (target's 1536)": {"intermediate_size": 1024},
+    "1024 block tokens per step": {"batch_tokens": 1024},
 }
 
 
@@ -43,15 +47,18 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
     n_layers = o["layers"]
     # a target-initialised config adds the tap feeding the first copied layer itself
     taps = default_target_layer_ids(target.num_layers, max(n_layers, 4))
+    extra = {"intermediate_size": o["intermediate_size"]} if "intermediate_size" in o else {}
     cfg = I.make_draft_config(target, tokenizer, train, n_layers, o["block_size"], o["init"], taps, copy,
-                              o["mask_token_id"])
-    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir)
+                              o["mask_token_id"], **extra)
+    # a distilling variant computes the target's top-k once per record and keeps it
+    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir, save_missing=o.get("distill", 0) > 0)
     mx.random.seed(0)
     draft, scale, _ = I.make_draft(cfg, target, train, feats, init=o["init"], copy_layers=copy,
                                    feature_scale=o.get("feature_scale", True), qk_norm=o.get("qk_norm", True),
                                    vocab=o["vocab"])
     tc = TrainConfig(steps=steps, batch_tokens=o["batch_tokens"], blocks_per_seq=16, lr=o["lr"],
-                     gamma=o["gamma"], eval_every=0, log_every=10**9, checkpoint_every=10**9)
+                     gamma=o["gamma"], distill=o.get("distill", 0.0), eval_every=0, log_every=10**9,
+                     checkpoint_every=10**9)
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -218,3 +218,63 @@ def test_overfit_check_on_smollm2_separates_the_recipes():
     assert new["val_acc"] >= 0.10
     assert old["val_acc"] < 0.10
     assert new["val_loss"] < old["val_loss"]
+
+
+# -- self-distillation: the target's top-k distribution as soft labels ---------------
+
+
+def test_teacher_top_k_is_the_targets_distribution_and_is_cached(setup, tmp_path):
+    model, tok, target, recs = setup
+    src = FeatureSource(target, [1, 2], tmp_path, save_missing=True)
+    rec = recs[0]
+    ids, logp = src.teacher(rec, 8)
+    seq = rec["prompt"] + rec["response"]
+    assert ids.shape == logp.shape == (len(seq) - 1, 8)
+    # greedy data: the teacher's most likely token at row j is the token at j+1
+    P = len(rec["prompt"])
+    best = ids[np.arange(len(ids)), np.argmax(logp, axis=-1)]
+    assert list(best[P - 1 :]) == seq[P:]
+    # log-probabilities of the full softmax (not renormalised over the top-k)
+    logits = np.array(target.logits(target.forward(mx.array([seq[:-1]]), None)[0])[0], np.float32)
+    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(logp.astype(np.float32), np.take_along_axis(ref, ids, -1), atol=2e-2)
+    assert (np.exp(logp.astype(np.float32)).sum(-1) <= 1.0 + 1e-2).all()
+    again = FeatureSource(target, [1, 2], tmp_path).teacher(rec, 8)  # from the cache now
+    np.testing.assert_array_equal(again[0], ids)
+    assert any(p.name.endswith(".top8.npz") for p in tmp_path.iterdir())
+
+
+def test_soft_labels_in_the_batch_and_the_loss(setup):
+    from dflash_mlx.train.loss import block_loss
+
+    _, tok, target, recs = setup
+    src = FeatureSource(target, [1, 2])
+    vocab = index_map(None, target.vocab_size)
+    b = make_batch(recs[:2], src, np.random.default_rng(0), 8, 4, 299, vocab, teacher=lambda r: src.teacher(r, 8))
+    sums = np.array(b.soft_probs.sum(-1))
+    exists = np.array(b.exists)
+    np.testing.assert_allclose(sums[exists], 1.0, atol=1e-5)  # renormalised over the top-k
+    assert (sums[~exists] == 0).all()
+    logits = mx.random.normal((*b.labels.shape, target.vocab_size))
+    hard, _ = block_loss(logits, b.labels, b.valid, 7.0)
+    # one-hot soft labels at the targets' tokens: the soft cross-entropy is the hard one
+    one_hot_ids = b.labels[..., None]
+    same, _ = block_loss(logits, b.labels, b.valid, 7.0, one_hot_ids, mx.ones(one_hot_ids.shape), 1.0)
+    assert abs(hard.item() - same.item()) < 1e-4
+    soft, _ = block_loss(logits, b.labels, b.valid, 7.0, b.soft_ids, b.soft_probs, 1.0)
+    assert soft.item() != hard.item()
+
+
+def test_overfit_with_self_distillation(setup, tmp_path):
+    _, tok, target, recs = setup
+    cfg = I.make_draft_config(target, tok, recs, 2, 8, "target")
+    feats = FeatureSource(target, cfg.target_layer_ids)
+    mx.random.seed(0)
+    draft, scale, _ = I.make_draft(cfg, target, recs, feats, init="target")
+    tc = TrainConfig(steps=150, batch_tokens=256, blocks_per_seq=8, lr=3e-3, eval_every=0, log_every=10**6,
+                     distill=0.5, teacher_topk=16)
+    tr = Trainer(draft, recs, recs, feats, tc, tmp_path, log=lambda s: None, feature_scale=scale)
+    tr.train()
+    after = tr.evaluate()
+    # half the loss on the (here nearly flat: random weights) distribution, half on its argmax
+    assert after["val_acc"] >= 0.9, after

@@ -71,6 +71,11 @@ def build_parser():
     g.add_argument("--gamma", type=float, default=7.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--weight-decay", type=float, default=0.01, help="on weight matrices only")
+    g.add_argument("--distill", type=float, default=0.0, metavar="LAMBDA",
+                   help="self-distillation: weight of the cross-entropy against the target's top-k "
+                        "distribution (0: the target's tokens alone; 1: its distribution alone)")
+    g.add_argument("--teacher-topk", type=int, default=32,
+                   help="how many of the target's most likely tokens the distillation keeps per position")
     g.add_argument("--overfit", type=int, default=0, metavar="N",
                    help="overfit check: train on N sequences, print per-position accuracy on those "
                         "same sequences and exit (no export); a recipe that cannot fit N sequences is broken")
@@ -217,7 +222,8 @@ def main(argv=None):
     tcfg = TrainConfig(
         steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
         warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
-        weight_decay=args.weight_decay, checkpoint_every=args.checkpoint_every,
+        weight_decay=args.weight_decay, distill=args.distill, teacher_topk=args.teacher_topk,
+        checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every, eval_every=0 if args.overfit else args.eval_every,
         log_every=args.log_every,
     )

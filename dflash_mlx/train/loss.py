@@ -16,15 +16,24 @@ def position_weights(block_size: int, gamma: float) -> mx.array:
     return mx.exp(-(k - 1) / gamma)
 
 
-def block_loss(logits: mx.array, labels: mx.array, valid: mx.array, gamma: float):
+def block_loss(logits: mx.array, labels: mx.array, valid: mx.array, gamma: float,
+               soft_ids=None, soft_probs=None, distill: float = 0.0):
     """Weighted cross-entropy over mask positions.
 
     logits: [N, K, B-1, V] (draft vocabulary); labels: [N, K, B-1] indices into it;
     valid: [N, K, B-1] bool (label exists and is in the draft vocabulary).
+    With `distill` > 0, soft_ids/soft_probs [N, K, B-1, k] (the target's top-k
+    distribution over draft-vocabulary indices) add the cross-entropy against it:
+    ce = (1 - distill) * CE(label) + distill * CE(soft), whose gradient is that
+    of the KL divergence from the target's distribution.
     Returns (loss, sum of weights) with loss = sum(w * ce * valid) / sum(w * valid).
     """
     w = position_weights(logits.shape[2] + 1, gamma)[None, None, :] * valid
     ce = nn.losses.cross_entropy(logits, mx.where(valid, labels, 0), reduction="none")
+    if distill and soft_ids is not None:
+        logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        soft = -(soft_probs * mx.take_along_axis(logq, soft_ids, axis=-1)).sum(-1)
+        ce = (1.0 - distill) * ce + distill * soft
     wsum = w.sum()
     return (ce * w).sum() / mx.maximum(wsum, 1e-6), wsum
 

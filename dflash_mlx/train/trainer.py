@@ -51,6 +51,10 @@ class TrainConfig:
     weight_decay: float = 0.01  # matrices only: decaying norm weights pulls them toward 0, not 1
     grad_clip: float = 1.0
     gamma: float = 7.0
+    # Self-distillation: loss = (1 - distill) * CE(target's token) + distill * CE(target's
+    # top-k distribution); 0 trains on the target's tokens alone.
+    distill: float = 0.0
+    teacher_topk: int = 32
     seed: int = 0
     max_seq_len: int = 512
     checkpoint_every: float = 180.0  # seconds between checkpoints
@@ -126,16 +130,52 @@ class FeatureSource:
                 # a cache written for other taps has another width: recompute instead
                 if f.shape[0] >= n and f.shape[1] == len(self.stored) * self.target.hidden_size:
                     return self._select(f[:n])
+        return self._select(self._run_target(rec)[0])
+
+    def teacher(self, rec: dict, k: int):
+        """The target's top-k next-token distribution at every position 0..len-2:
+        (ids [len-1, k] int32, log-probs [len-1, k] float16), cached beside the features."""
+        n = len(rec["prompt"]) + len(rec["response"]) - 1
+        if self.feature_dir is not None:
+            path = teacher_file(self.feature_dir, rec["id"], k)
+            if path.exists():
+                with np.load(path) as z:
+                    if z["ids"].shape[0] >= n:
+                        return z["ids"][:n], z["logp"][:n]
+        _, ids, logp = self._run_target(rec, k)
+        return ids, logp
+
+    def _run_target(self, rec: dict, k: int = 0):
+        """One target forward over the record: features (and, with k, its top-k
+        next-token log-probs), saved to the cache when it keeps what it computes."""
         seq = rec["prompt"] + rec["response"][:-1]
-        _, feats, _ = self.target.forward(mx.array([seq]), None, self.stored)
+        h, feats, _ = self.target.forward(mx.array([seq]), None, self.stored)
         f = np.array(feats[0].astype(mx.float16))
+        ids = logp = None
+        if k:
+            logits = self.target.logits(h[0]).astype(mx.float32)
+            top = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
+            lp = mx.take_along_axis(logits, top, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
+            ids, logp = np.array(top.astype(mx.int32)), np.array(lp.astype(mx.float16))
         if self.save_missing:
             path = feature_file(self.feature_dir, rec["id"])
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp.npy")
-            np.save(tmp, f)
-            tmp.replace(path)
-        return self._select(f)
+            if not path.exists():
+                tmp = path.with_suffix(".tmp.npy")
+                np.save(tmp, f)
+                tmp.replace(path)
+            if k:
+                tpath = teacher_file(self.feature_dir, rec["id"], k)
+                tmp = tpath.with_name(tpath.stem + ".tmp.npz")
+                np.savez(tmp, ids=ids, logp=logp)
+                tmp.replace(tpath)
+        return f, ids, logp
+
+
+def teacher_file(feature_dir, record_id: str, k: int) -> Path:
+    """Where a record's cached top-k teacher distribution lives (beside its features)."""
+    f = feature_file(feature_dir, record_id)
+    return f.with_name(f"{f.stem}.top{k}.npz")
 
 
 @dataclass
@@ -146,6 +186,11 @@ class Batch:
     labels: mx.array  # [N, K, B-1] draft-vocabulary indices
     valid: mx.array  # [N, K, B-1] label exists and is in the draft vocabulary
     exists: mx.array  # [N, K, B-1] label exists
+    # The target's distribution at each label (distillation): its top-k tokens as
+    # draft-vocabulary indices and their probabilities, renormalised over the top-k
+    # tokens the draft vocabulary has (0 elsewhere). None without a teacher.
+    soft_ids: Optional[mx.array] = None  # [N, K, B-1, k]
+    soft_probs: Optional[mx.array] = None  # [N, K, B-1, k]
 
     @property
     def supervised(self) -> int:
@@ -162,11 +207,14 @@ def make_batch(
     vocab_index: np.ndarray,
     max_seq_len: int = 512,
     feature_scale: Optional[np.ndarray] = None,
+    teacher: Optional[Callable[[dict], tuple]] = None,
 ) -> Batch:
     """K random anchors in each record's response; blocks past the end are masked.
-    `feature_scale` [n_tl*H] preconditions the features (folded into fc at export)."""
+    `feature_scale` [n_tl*H] preconditions the features (folded into fc at export).
+    `teacher(rec)` -> (ids [len-1, k], log-probs [len-1, k]): soft labels as well."""
     B, K = block_size, blocks_per_seq
     feats, blocks, anchors, labels, valid, exists = [], [], [], [], [], []
+    soft_ids, soft_probs = [], []
     for rec in records:
         seq = (rec["prompt"] + rec["response"])[:max_seq_len]
         T = len(seq)
@@ -190,6 +238,15 @@ def make_batch(
         labels.append(np.maximum(lab, 0))
         valid.append(va)
         exists.append(ex)
+        if teacher is not None:
+            # row j of the teacher is the target's distribution of token j+1
+            t_ids, t_logp = teacher(rec)
+            rows = np.minimum(pos - 1, len(t_ids) - 1)
+            ids = vocab_index[np.asarray(t_ids)[rows]]  # [K, B-1, k], -1: not in the draft vocabulary
+            p = np.exp(np.asarray(t_logp, np.float32)[rows]) * (ids >= 0) * ex[..., None]
+            p /= np.maximum(p.sum(-1, keepdims=True), 1e-9)
+            soft_ids.append(np.maximum(ids, 0))
+            soft_probs.append(p)
     S = max(f.shape[0] for f in feats)
     F = np.zeros((len(feats), S, feats[0].shape[1]), dtype=np.float32)
     for i, f in enumerate(feats):
@@ -203,6 +260,8 @@ def make_batch(
         mx.array(np.stack(labels).astype(np.int32)),
         mx.array(np.stack(valid)),
         mx.array(np.stack(exists)),
+        mx.array(np.stack(soft_ids).astype(np.int32)) if teacher is not None else None,
+        mx.array(np.stack(soft_probs)) if teacher is not None else None,
     )
 
 
@@ -267,14 +326,21 @@ class Trainer:
         c = self.draft.config
         return make_batch(
             self.batch_records(step), self.features, rng, c.block_size, self.cfg.blocks_per_seq,
-            c.mask_token_id, self.vocab_index, self.cfg.max_seq_len, self.feature_scale,
+            c.mask_token_id, self.vocab_index, self.cfg.max_seq_len, self.feature_scale, self._teacher(),
         )
+
+    def _teacher(self):
+        if not self.cfg.distill:
+            return None
+        k = self.cfg.teacher_topk
+        return lambda rec: self.features.teacher(rec, k)
 
     # -- one step -------------------------------------------------------------
 
     def _loss(self, model, batch: Batch):
         logits = training_logits(model, batch.features, batch.block_ids, batch.anchors)
-        loss, _ = block_loss(logits, batch.labels, batch.valid, self.cfg.gamma)
+        loss, _ = block_loss(logits, batch.labels, batch.valid, self.cfg.gamma,
+                             batch.soft_ids, batch.soft_probs, self.cfg.distill)
         return loss, logits
 
     def train_step(self, batch: Batch):
