@@ -50,8 +50,12 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
     extra = {"intermediate_size": o["intermediate_size"]} if "intermediate_size" in o else {}
     cfg = I.make_draft_config(target, tokenizer, train, n_layers, o["block_size"], o["init"], taps, copy,
                               o["mask_token_id"], **extra)
-    # a distilling variant computes the target's top-k once per record and keeps it
-    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir, save_missing=o.get("distill", 0) > 0)
+    # What a variant computes (features, the target's top-k) is kept for the next ones,
+    # unless its taps are not among the cache's layers (it would leave narrower files).
+    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir, save_missing=True)
+    layers_file = Path(feature_dir).parent / "feature_layers.json"
+    if layers_file.exists() and feats.stored != json.loads(layers_file.read_text()):
+        feats.save_missing = False
     mx.random.seed(0)
     draft, scale, _ = I.make_draft(cfg, target, train, feats, init=o["init"], copy_layers=copy,
                                    feature_scale=o.get("feature_scale", True), qk_norm=o.get("qk_norm", True),

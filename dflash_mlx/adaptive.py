@@ -8,7 +8,8 @@ decoding. `BlockSizer` maximises tokens committed per second:
     E(w) / t(w),   E(w) = 1 + sum_{k<w} prod_{j<=k} alpha_j
 
 alpha_j: measured probability that draft position j is accepted given that the
-positions before it were. t(w): measured seconds per cycle at width w. Width 1
+positions before it were, from a long memory of drafted cycles (steady), or from
+a short one while the two disagree (the draft got better or worse). t(w): measured seconds per cycle at width w. Width 1
 is what it is, a plain decode step with no draft forward, timed on its own;
 other widths are timed where they ran and interpolated between measured widths
 elsewhere (never a line through all of them: cost jumps where the hardware
@@ -49,6 +50,8 @@ class BlockSizer:
         self,
         max_block: int,
         decay: float = 0.85,
+        slow_decay: float = 0.95,
+        change: float = 0.2,
         prior: float = 0.5,
         prior_strength: float = 1.0,
         first_width: int = 4,
@@ -64,7 +67,15 @@ class BlockSizer:
         # Widths tried: dense where acceptance changes most, sparse deep in the
         # block (a rate is flat near its best, and each width costs a cycle to learn).
         self.widths = sorted({w for w in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) if w < max_block} | {max_block})
-        self.decay = decay  # acceptance drifts with the text: old cycles fade
+        # Acceptance drifts with the text, so old cycles fade. Two memories: a long
+        # one (steady estimates: a short memory's noise alone costs a few percent
+        # against the best fixed width) and a short one that takes over while the
+        # two disagree on the first draft position (the draft got better or worse).
+        self.decay = decay
+        self.slow_decay = slow_decay
+        self.change = change
+        self.slow_hits: List[float] = [0.0] * max(max_block - 1, 0)
+        self.slow_trials: List[float] = [0.0] * max(max_block - 1, 0)
         self.prior = prior
         self.prior_strength = prior_strength
         n = max(max_block - 1, 0)
@@ -84,12 +95,19 @@ class BlockSizer:
         """Acceptance rate per depth. A depth seen rarely leans on the depth above it
         (a draft right at depth k is usually about as right at k+1), so untried
         depths look neither perfect nor hopeless, and one observation moves them."""
+        hits, trials = self.hits, self.trials
+        if self.hits and abs(self._rate(self.hits, self.trials) - self._rate(self.slow_hits, self.slow_trials)) <= self.change:
+            hits, trials = self.slow_hits, self.slow_trials
         out, above = [], self.prior
         s = self.prior_strength
-        for h, t in zip(self.hits, self.trials):
+        for h, t in zip(hits, trials):
             above = (h + s * above) / (t + s)
             out.append(above)
         return out
+
+    def _rate(self, hits, trials) -> float:
+        """First-position acceptance of one memory (the prior when it saw nothing)."""
+        return (hits[0] + self.prior_strength * self.prior) / (trials[0] + self.prior_strength)
 
     def expected_tokens(self, width: int) -> float:
         total, survive = 1.0, 1.0
@@ -182,11 +200,12 @@ class BlockSizer:
             # accepted. Evidence fades with drafted cycles only (width-1 cycles say
             # nothing about the draft), and at every depth, reached or not: what
             # deep positions did while the draft was good must not outlive it.
-            d = self.decay
             reached = min(width - 1, accept_length + 1)
-            for k in range(len(self.hits)):
-                self.hits[k] = self.hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
-                self.trials[k] = self.trials[k] * d + (1.0 if k < reached else 0.0)
+            for hits, trials, d in ((self.hits, self.trials, self.decay),
+                                    (self.slow_hits, self.slow_trials, self.slow_decay)):
+                for k in range(len(hits)):
+                    hits[k] = hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
+                    trials[k] = trials[k] * d + (1.0 if k < reached else 0.0)
         old = self.times.get(width)
         n = self.samples.get(width, 0)
         # The first cycle at a width can include one-off work (MLX's CPU backend
