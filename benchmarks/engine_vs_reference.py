@@ -70,7 +70,7 @@ def ours(model, draft, tokenizer, block_size, baseline=False):
     return run
 
 
-def reference_engine(tokenizer):
+def reference_engine(tokenizer, draft_dir=None):
     """z-lab's `stream_generate` with its own copy of the target (it wraps the model's
     layers for good) and the shipped draft loaded by its own loader."""
     import dflash.model_mlx as ref
@@ -78,7 +78,7 @@ def reference_engine(tokenizer):
     from dflash_mlx import packaged
     from dflash_mlx.draft import DRAFT_VOCAB_FILE
 
-    folder = packaged.packaged_draft_dir("smollm2-135m")
+    folder = Path(draft_dir) if draft_dir else packaged.packaged_draft_dir("smollm2-135m")
     copy = Path(tempfile.mkdtemp(prefix="dflash-ref-draft-"))
     # its loader reads every *.safetensors as weights: leave our vocabulary file out
     for f in folder.iterdir():
@@ -146,16 +146,17 @@ def main(argv=None):
     p.add_argument("--per-suite", type=int, default=2, help="prompts per suite (gsm8k, humaneval, mtbench)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
+    p.add_argument("--draft", default="smollm2-135m", help="draft to compare (default: the shipped one)")
     args = p.parse_args(argv)
 
     model, tokenizer = load("smollm2-135m", quiet=True)
-    shipped = load_draft("smollm2-135m", model, quiet=True)
+    shipped = load_draft(args.draft, model, quiet=True)
     prompts = prompts_from_suites(tokenizer, args.per_suite)
     if args.part == "reference":
-        full = load_draft("smollm2-135m", model, quiet=True)
+        full = load_draft(args.draft, model, quiet=True)
         full.set_vocab(None)
         configs = {
-            "z-lab block 16": reference_engine(tokenizer),
+            "z-lab block 16": reference_engine(tokenizer, None if args.draft == "smollm2-135m" else args.draft),
             "ours block 16": ours(model, shipped, tokenizer, 16),
             "ours block 16 full vocab": ours(model, full, tokenizer, 16),
             "ours auto": ours(model, shipped, tokenizer, "auto"),

@@ -31,6 +31,8 @@ VARIANTS = {
     "self-distillation 1.0": {"distill": 1.0},
     "MLP 1024 (target's 1536)": {"intermediate_size": 1024},
     "1024 block tokens per step": {"batch_tokens": 1024},
+    "32 anchors per sequence (1024 block tokens)": {"blocks_per_seq": 32, "batch_tokens": 1024},
+    "RoPE base 1e4 (target's 1e5)": {"rope_theta": 10000.0},
 }
 
 
@@ -47,7 +49,7 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
     n_layers = o["layers"]
     # a target-initialised config adds the tap feeding the first copied layer itself
     taps = default_target_layer_ids(target.num_layers, max(n_layers, 4))
-    extra = {"intermediate_size": o["intermediate_size"]} if "intermediate_size" in o else {}
+    extra = {k: o[k] for k in ("intermediate_size", "rope_theta") if k in o}
     cfg = I.make_draft_config(target, tokenizer, train, n_layers, o["block_size"], o["init"], taps, copy,
                               o["mask_token_id"], **extra)
     # What a variant computes (features, the target's top-k) is kept for the next ones,
@@ -60,7 +62,7 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
     draft, scale, _ = I.make_draft(cfg, target, train, feats, init=o["init"], copy_layers=copy,
                                    feature_scale=o.get("feature_scale", True), qk_norm=o.get("qk_norm", True),
                                    vocab=o["vocab"])
-    tc = TrainConfig(steps=steps, batch_tokens=o["batch_tokens"], blocks_per_seq=16, lr=o["lr"],
+    tc = TrainConfig(steps=steps, batch_tokens=o["batch_tokens"], blocks_per_seq=o.get("blocks_per_seq", 16), lr=o["lr"],
                      gamma=o["gamma"], distill=o.get("distill", 0.0), eval_every=0, log_every=10**9,
                      checkpoint_every=10**9)
     import tempfile
