@@ -140,3 +140,16 @@ def test_tau_trend_recovers_a_log_linear_curve(tmp_path):
     assert tokens_for_tau({"per_doubling": -0.01, "intercept": 1.0}, 2.0) == float("inf")
     plot_curves({"history": [], "evals": []}, tmp_path / "curve.png", pts)
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+
+
+def test_tau_prompts_per_suite():
+    from dflash_mlx.train import cli
+
+    parse = lambda *a: cli.build_parser().parse_args(["--target", "t", "--out", "o", *a]).tau_prompts  # noqa: E731
+    assert parse() == {"*": 4}
+    assert parse("--tau-prompts", "0") == {"*": 0}
+    assert parse("--tau-prompts", "gsm8k=20,humaneval=6") == {"gsm8k": 20, "humaneval": 6}
+    from dflash_mlx.cli import CLIError
+
+    with pytest.raises(CLIError, match="suite=number"):
+        parse("--tau-prompts", "gsm8k=many")

@@ -93,7 +93,9 @@ def build_parser():
     g.add_argument("--export-only", action="store_true", help="no training: export the run's checkpoint")
     g = p.add_argument_group("evaluation (engine tau, greedy, on benchmark prompts never trained on)")
     g.add_argument("--tau-suites", default="gsm8k,humaneval,mtbench")
-    g.add_argument("--tau-prompts", type=int, default=4, help="prompts per suite (0: skip)")
+    g.add_argument("--tau-prompts", type=_tau_prompts, default={"*": 4},
+                   help="prompts per suite: a number for every suite, or per suite as "
+                        "gsm8k=20,humaneval=6 (0: skip)")
     g.add_argument("--tau-max-tokens", type=int, default=128)
     g.add_argument("--compute", default="", help="free text for the model card (machine, load)")
     g.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
@@ -284,17 +286,33 @@ def main(argv=None):
     export_draft(draft, out, dtype=getattr(mx, args.dtype), card=model_card(info),
                  curve=run / "training_curve.png", feature_scale=scale)
     log(f"exported draft to {out}")
-    if args.tau_prompts > 0:
+    suites = [x for x in args.tau_suites.split(",") if x]
+    limits = {s: args.tau_prompts.get(s, args.tau_prompts.get("*", 0)) for s in suites}
+    if any(limits.values()):
         from dflash_mlx.draft import load_draft
         from dflash_mlx.train.evaluate import measure_tau
 
         shipped = load_draft(out, model)  # exactly what users get (exported dtype, vocabulary)
-        suites = [x for x in args.tau_suites.split(",") if x]
-        info["tau"] = measure_tau(model, tokenizer, shipped, suites, limit=args.tau_prompts,
-                                  max_tokens=args.tau_max_tokens, log=log)
+        info["tau"] = {}
+        for suite, n in limits.items():
+            if n > 0:
+                info["tau"].update(measure_tau(model, tokenizer, shipped, [suite], limit=n,
+                                               max_tokens=args.tau_max_tokens, log=log))
         (run / "tau_final.json").write_text(json.dumps(info["tau"], indent=2))
         (out / "README.md").write_text(model_card(info))
     return 0
+
+
+def _tau_prompts(text: str) -> dict:
+    """'4' -> {'*': 4}; 'gsm8k=20,humaneval=6' -> {'gsm8k': 20, 'humaneval': 6}."""
+    import argparse
+
+    try:
+        if "=" not in text:
+            return {"*": int(text)}
+        return {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(",") if part.strip())}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or suite=number,... (e.g. gsm8k=20,humaneval=6), got {text!r}")
 
 
 def _merge_packed(packed, responses: Path, tokenizer, log):
