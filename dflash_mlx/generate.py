@@ -6,6 +6,7 @@ benchmarks use) checks arguments and turns steps into text and statistics.
 Plain decoding is the same loop with the null drafter (`PlainDecoding`) at width 1.
 """
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -307,6 +308,9 @@ def stream_generate(
     target = _target_for(model, draft)
     if block_size == "auto":
         widths = sizer_for(model, draft) if use_draft else FixedWidth(1)
+        if profile and use_draft:
+            # profiling syncs at every phase: its cycle times must not teach the shared policy
+            widths = copy.deepcopy(widths)
     else:
         block = draft.block_size if (use_draft and block_size is None) else block_size
         try:

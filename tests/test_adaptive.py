@@ -241,3 +241,24 @@ def test_second_auto_call_starts_from_what_the_first_learned():
     # the second call did not start over with the exploring drafted cycle
     assert sum(sizer.samples.values()) == len(first) + len(second)
     assert second[:3] != first[:3]
+
+
+def test_a_profiled_call_does_not_teach_the_shared_policy():
+    """Profiling syncs at every phase, so its cycles are slower than users' cycles."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.adaptive import forget_sizers, sizer_for
+    from dflash_mlx.draft import random_draft
+    from dflash_mlx.testing import tiny_target
+
+    forget_sizers()
+    model, tok = tiny_target("qwen3", seed=2)
+    draft = random_draft(model, num_layers=1, block_size=8)
+    shared = sizer_for(model, draft)
+    for r in stream_generate(model, draft, tok, [1, 2, 3, 4], max_tokens=12, block_size="auto",
+                             stop_token_ids=[], profile=True):
+        pass
+    assert r.cycle_times is not None and shared.samples == {}
+    for r in stream_generate(model, draft, tok, [1, 2, 3, 4], max_tokens=12, block_size="auto",
+                             stop_token_ids=[]):
+        pass
+    assert sum(shared.samples.values()) == len(r.accept_lengths)
