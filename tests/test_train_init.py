@@ -63,6 +63,41 @@ def test_overfit_check_reports_a_recipe_that_cannot_learn(setup, tmp_path):
     assert after["val_acc"] < 0.3
 
 
+class _MassiveActivations:
+    """Tapped features with the pathology measured on SmolLM2: one dimension per tap carries
+    a huge near-constant value (mean |x| 432 there against a per-position RMS of 26), and the
+    first position is far larger than the rest (RMS ~1000 there)."""
+
+    def __init__(self, source, hidden_size, magnitude=400.0):
+        self.source, self.H, self.magnitude = source, hidden_size, magnitude
+
+    def __call__(self, rec):
+        f = np.array(self.source(rec), np.float32)
+        f[:, 5 :: self.H] += self.magnitude
+        f[0] *= 30
+        return f
+
+
+@pytest.mark.parametrize("feature_scale,fits", [(False, False), (True, True)])
+def test_overfit_check_fails_raw_badly_conditioned_features(setup, tmp_path, feature_scale, fits):
+    """The old recipe (fresh layers, raw features) cannot fit 6 sequences in 150 steps when
+    the features are conditioned like a real LLM's; per-dimension preconditioning (folded
+    into fc at export) can. Fresh layers on both sides: target-initialised layers take the
+    target's own input path, which a random tiny target was never trained to read with
+    such features (a real target's layers are), so they would not isolate the features."""
+    _, tok, target, recs = setup
+    cfg = I.make_draft_config(target, tok, recs, 2, 8, "random", None, None, target.vocab_size - 1)
+    feats = _MassiveActivations(FeatureSource(target, cfg.target_layer_ids), target.hidden_size)
+    mx.random.seed(0)
+    draft, scale, _ = I.make_draft(cfg, target, recs, feats, init="random", feature_scale=feature_scale)
+    tc = TrainConfig(steps=150, batch_tokens=256, blocks_per_seq=8, lr=3e-3, eval_every=0, log_every=10**6)
+    tr = Trainer(draft, recs, recs, feats, tc, tmp_path, log=lambda s: None, feature_scale=scale)
+    tr.train()
+    acc = tr.evaluate()["val_acc"]
+    # measured here: raw 0.13, preconditioned 0.91
+    assert (acc >= 0.8) if fits else (acc < 0.4), acc
+
+
 def test_init_copies_target_layers_and_passes_the_feeding_tap(setup):
     model, tok, target, recs = setup
     L = target.num_layers
