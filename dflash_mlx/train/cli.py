@@ -269,6 +269,8 @@ def main(argv=None):
     if not args.export_only:
         trainer.train(deadline=deadline)
     state = trainer.state_dict()
+    if args.export_only and trainer.resumed_config:
+        state["config"] = trainer.resumed_config  # the card describes how it was trained, not this call's flags
     tau_curve = read_tau_curve(run / "tau_curve.jsonl")
     plot_curves(state, run / "training_curve.png", tau_curve)
     info = {

@@ -300,6 +300,7 @@ class Trainer:
         self.elapsed = 0.0  # training seconds, summed over resumed runs
         self.history: List[Dict] = []
         self.evals: List[Dict] = []
+        self.resumed_config: Optional[Dict] = None
         self._loss_and_grad = nn.value_and_grad(draft, self._loss)
         # Set from a signal handler: the loop stops between steps, checkpoints, returns.
         self.stop_requested = False
@@ -460,6 +461,7 @@ class Trainer:
         self.step, self.tokens = state["step"], state["tokens"]
         self.elapsed = state.get("elapsed", 0.0)
         self.history, self.evals = state["history"], state["evals"]
+        self.resumed_config = state.get("config")  # what the checkpoint was trained with
         mx.eval(self.draft.parameters(), self.optimizer.state)
         return True
 
