@@ -66,7 +66,7 @@ def build_parser():
     g.add_argument("--steps", type=int, default=1000)
     g.add_argument("--batch-tokens", type=int, default=1024, help="block tokens per step")
     g.add_argument("--blocks-per-seq", type=int, default=16)
-    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--warmup", type=float, default=0.04)
     g.add_argument("--gamma", type=float, default=7.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
