@@ -54,7 +54,8 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
                               o["mask_token_id"], **extra)
     # What a variant computes (features, the target's top-k) is kept for the next ones,
     # unless its taps are not among the cache's layers (it would leave narrower files).
-    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir, save_missing=True)
+    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir, save_missing=True,
+                          teacher_topk=32 if o.get("distill") else 0)
     layers_file = Path(feature_dir).parent / "feature_layers.json"
     if layers_file.exists() and feats.stored != json.loads(layers_file.read_text()):
         feats.save_missing = False

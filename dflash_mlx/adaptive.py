@@ -9,7 +9,8 @@ decoding. `BlockSizer` maximises tokens committed per second:
 
 alpha_j: measured probability that draft position j is accepted given that the
 positions before it were, from a long memory of drafted cycles (steady), or from
-a short one while the two disagree (the draft got better or worse). t(w): measured seconds per cycle at width w. Width 1
+a short one while the two disagree (the draft got better or worse). t(w):
+measured seconds per cycle at width w. Width 1
 is what it is, a plain decode step with no draft forward, timed on its own;
 other widths are timed where they ran and interpolated between measured widths
 elsewhere (never a line through all of them: cost jumps where the hardware
@@ -74,13 +75,13 @@ class BlockSizer:
         self.decay = decay
         self.slow_decay = slow_decay
         self.change = change
-        self.slow_hits: List[float] = [0.0] * max(max_block - 1, 0)
-        self.slow_trials: List[float] = [0.0] * max(max_block - 1, 0)
         self.prior = prior
         self.prior_strength = prior_strength
         n = max(max_block - 1, 0)
         self.hits: List[float] = [0.0] * n  # hits[k]: draft token k+1 accepted (decayed count)
         self.trials: List[float] = [0.0] * n  # trials[k]: draft token k+1 was reached
+        self.slow_hits: List[float] = [0.0] * n  # the same, long memory
+        self.slow_trials: List[float] = [0.0] * n
         self.times: Dict[int, float] = {}  # width -> moving average of seconds per cycle
         self.samples: Dict[int, int] = {}  # width -> cycles timed
         self.min_probe_every = probe_every
@@ -96,8 +97,10 @@ class BlockSizer:
         (a draft right at depth k is usually about as right at k+1), so untried
         depths look neither perfect nor hopeless, and one observation moves them."""
         hits, trials = self.hits, self.trials
-        if self.hits and abs(self._rate(self.hits, self.trials) - self._rate(self.slow_hits, self.slow_trials)) <= self.change:
-            hits, trials = self.slow_hits, self.slow_trials
+        if hits:
+            drift = self._rate(hits, trials) - self._rate(self.slow_hits, self.slow_trials)
+            if abs(drift) <= self.change:
+                hits, trials = self.slow_hits, self.slow_trials
         out, above = [], self.prior
         s = self.prior_strength
         for h, t in zip(hits, trials):

@@ -203,6 +203,8 @@ class Target:
                     raise UnsupportedTargetError(
                         f"layer {i}: linear mixer {type(mixer).__name__} is not Qwen3.5's GatedDeltaNet"
                     )
+        # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
+        self._rows_cache = None
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
         self._quantized = [x for layer in self.text_model.layers for x in _quantized_linears(layer)]
 
@@ -250,7 +252,7 @@ class Target:
         Dense rows are kept transposed, [H, V_draft] contiguous: the CPU's GEMM
         runs a skinny product 25-40% faster that way than on the transposed view.
         """
-        cached = self.__dict__.get("_rows_cache")
+        cached = self._rows_cache
         if cached is not None and cached[0] is vocab_ids and cached[1] is layer["weight"]:
             return cached[2]
         take = lambda name: layer[name][vocab_ids] if name in layer else None  # noqa: E731

@@ -260,9 +260,9 @@ def test_overfit_check_on_smollm2_separates_the_recipes():
 
 def test_teacher_top_k_is_the_targets_distribution_and_is_cached(setup, tmp_path):
     model, tok, target, recs = setup
-    src = FeatureSource(target, [1, 2], tmp_path, save_missing=True)
+    src = FeatureSource(target, [1, 2], tmp_path, save_missing=True, teacher_topk=8)
     rec = recs[0]
-    ids, logp = src.teacher(rec, 8)
+    ids, logp = src.teacher(rec)
     seq = rec["prompt"] + rec["response"]
     assert ids.shape == logp.shape == (len(seq) - 1, 8)
     # greedy data: the teacher's most likely token at row j is the token at j+1
@@ -274,7 +274,7 @@ def test_teacher_top_k_is_the_targets_distribution_and_is_cached(setup, tmp_path
     ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
     np.testing.assert_allclose(logp.astype(np.float32), np.take_along_axis(ref, ids, -1), atol=2e-2)
     assert (np.exp(logp.astype(np.float32)).sum(-1) <= 1.0 + 1e-2).all()
-    again = FeatureSource(target, [1, 2], tmp_path).teacher(rec, 8)  # from the cache now
+    again = FeatureSource(target, [1, 2], tmp_path, teacher_topk=8).teacher(rec)  # from the cache now
     np.testing.assert_array_equal(again[0], ids)
     assert any(p.name.endswith(".top8.npz") for p in tmp_path.iterdir())
 
@@ -283,9 +283,9 @@ def test_soft_labels_in_the_batch_and_the_loss(setup):
     from dflash_mlx.train.loss import block_loss
 
     _, tok, target, recs = setup
-    src = FeatureSource(target, [1, 2])
+    src = FeatureSource(target, [1, 2], teacher_topk=8)
     vocab = index_map(None, target.vocab_size)
-    b = make_batch(recs[:2], src, np.random.default_rng(0), 8, 4, 299, vocab, teacher=lambda r: src.teacher(r, 8))
+    b = make_batch(recs[:2], src, np.random.default_rng(0), 8, 4, 299, vocab, teacher=src.teacher)
     sums = np.array(b.soft_probs.sum(-1))
     exists = np.array(b.exists)
     np.testing.assert_allclose(sums[exists], 1.0, atol=1e-5)  # renormalised over the top-k
@@ -303,13 +303,24 @@ def test_soft_labels_in_the_batch_and_the_loss(setup):
 def test_overfit_with_self_distillation(setup, tmp_path):
     _, tok, target, recs = setup
     cfg = I.make_draft_config(target, tok, recs, 2, 8, "target")
-    feats = FeatureSource(target, cfg.target_layer_ids)
+    feats = FeatureSource(target, cfg.target_layer_ids, teacher_topk=16)
     mx.random.seed(0)
     draft, scale, _ = I.make_draft(cfg, target, recs, feats, init="target")
     tc = TrainConfig(steps=150, batch_tokens=256, blocks_per_seq=8, lr=3e-3, eval_every=0, log_every=10**6,
-                     distill=0.5, teacher_topk=16)
+                     distill=0.5)
     tr = Trainer(draft, recs, recs, feats, tc, tmp_path, log=lambda s: None, feature_scale=scale)
     tr.train()
     after = tr.evaluate()
     # half the loss on the (here nearly flat: random weights) distribution, half on its argmax
     assert after["val_acc"] >= 0.9, after
+
+
+def test_features_and_teacher_come_from_one_target_forward(setup, monkeypatch):
+    _, tok, target, recs = setup
+    calls = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    src = FeatureSource(target, [1, 2], teacher_topk=8)  # no cache: nothing to read back
+    make_batch(recs[:2], src, np.random.default_rng(0), 8, 4, 299, index_map(None, target.vocab_size),
+               teacher=src.teacher)
+    assert len(calls) == 2

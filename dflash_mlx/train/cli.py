@@ -196,7 +196,8 @@ def main(argv=None):
                                    layer_ids, copy_layers, mask, **extra)
         if not args.overfit:
             cfg_path.write_text(json.dumps(dcfg.to_dict(), indent=2))
-    feats = FeatureSource(target, dcfg.target_layer_ids, feat_dir, save_missing=feat_dir is not None)
+    feats = FeatureSource(target, dcfg.target_layer_ids, feat_dir, save_missing=feat_dir is not None,
+                          teacher_topk=args.teacher_topk if args.distill else 0)
     scale = np.load(scale_path) if resumed and scale_path.exists() else None
     vocab = None
     if args.draft_vocab and args.draft_vocab < target.vocab_size:
@@ -224,7 +225,7 @@ def main(argv=None):
     tcfg = TrainConfig(
         steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
         warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
-        weight_decay=args.weight_decay, distill=args.distill, teacher_topk=args.teacher_topk,
+        weight_decay=args.weight_decay, distill=args.distill,
         checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every, eval_every=0 if args.overfit else args.eval_every,
         log_every=args.log_every,

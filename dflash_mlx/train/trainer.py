@@ -53,8 +53,7 @@ class TrainConfig:
     gamma: float = 7.0
     # Self-distillation: loss = (1 - distill) * CE(target's token) + distill * CE(target's
     # top-k distribution); 0 trains on the target's tokens alone.
-    distill: float = 0.0
-    teacher_topk: int = 32
+    distill: float = 0.0  # the teacher's top-k: FeatureSource(teacher_topk=...)
     seed: int = 0
     max_seq_len: int = 512
     checkpoint_every: float = 180.0  # seconds between checkpoints
@@ -98,13 +97,22 @@ def split_by_hash(records: Sequence[dict], frac: float):
 
 
 class FeatureSource:
-    """Target features of a record: the fp16 cache when present, else the frozen target."""
+    """Target features of a record: the fp16 cache when present, else the frozen target.
 
-    def __init__(self, target, layer_ids: Sequence[int], feature_dir=None, save_missing: bool = False):
+    With `teacher_topk` > 0 it also gives the target's top-k next-token distribution
+    (`teacher`, for self-distillation), from the same target forward as the features.
+    """
+
+    def __init__(self, target, layer_ids: Sequence[int], feature_dir=None, save_missing: bool = False,
+                 teacher_topk: int = 0):
         self.target = target
         self.layer_ids = list(layer_ids)
         self.feature_dir = Path(feature_dir) if feature_dir else None
         self.save_missing = save_missing and self.feature_dir is not None
+        self.teacher_topk = teacher_topk
+        # The teacher of the record whose features were just computed: make_batch asks
+        # for features then teacher, and without a cache that would be two forwards.
+        self._last_teacher = None
         # A cache may hold more layers than this draft taps (`feature_layers.json`,
         # written by data generation): then this draft reads its columns of them.
         self.stored = self.layer_ids
@@ -130,46 +138,53 @@ class FeatureSource:
                 # a cache written for other taps has another width: recompute instead
                 if f.shape[0] >= n and f.shape[1] == len(self.stored) * self.target.hidden_size:
                     return self._select(f[:n])
-        return self._select(self._run_target(rec)[0])
+        return self._select(self._run_target(rec, save_features=True))
 
-    def teacher(self, rec: dict, k: int):
+    def teacher(self, rec: dict):
         """The target's top-k next-token distribution at every position 0..len-2:
         (ids [len-1, k] int32, log-probs [len-1, k] float16), cached beside the features."""
+        if not self.teacher_topk:
+            raise ValueError("this FeatureSource was made without teacher_topk: no teacher distribution")
         n = len(rec["prompt"]) + len(rec["response"]) - 1
+        if self._last_teacher is not None and self._last_teacher[0] == rec["id"]:
+            return self._last_teacher[1]
         if self.feature_dir is not None:
-            path = teacher_file(self.feature_dir, rec["id"], k)
+            path = teacher_file(self.feature_dir, rec["id"], self.teacher_topk)
             if path.exists():
                 with np.load(path) as z:
                     if z["ids"].shape[0] >= n:
                         return z["ids"][:n], z["logp"][:n]
-        _, ids, logp = self._run_target(rec, k)
-        return ids, logp
+        cached = self.feature_dir is not None and feature_file(self.feature_dir, rec["id"]).exists()
+        self._run_target(rec, save_features=not cached)
+        return self._last_teacher[1]
 
-    def _run_target(self, rec: dict, k: int = 0):
-        """One target forward over the record: features (and, with k, its top-k
-        next-token log-probs), saved to the cache when it keeps what it computes."""
+    def _run_target(self, rec: dict, save_features: bool) -> np.ndarray:
+        """One target forward over the record: its features (returned) and, with a
+        teacher, its top-k next-token log-probs; saved when the source keeps what it computes."""
         seq = rec["prompt"] + rec["response"][:-1]
         h, feats, _ = self.target.forward(mx.array([seq]), None, self.stored)
         f = np.array(feats[0].astype(mx.float16))
-        ids = logp = None
+        k = self.teacher_topk
         if k:
             logits = self.target.logits(h[0]).astype(mx.float32)
             top = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
             lp = mx.take_along_axis(logits, top, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
             ids, logp = np.array(top.astype(mx.int32)), np.array(lp.astype(mx.float16))
+            self._last_teacher = (rec["id"], (ids, logp))
         if self.save_missing:
-            path = feature_file(self.feature_dir, rec["id"])
-            path.parent.mkdir(parents=True, exist_ok=True)
-            if not path.exists():
+            if save_features:
+                path = feature_file(self.feature_dir, rec["id"])
+                path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp.npy")
                 np.save(tmp, f)
                 tmp.replace(path)
             if k:
                 tpath = teacher_file(self.feature_dir, rec["id"], k)
+                tpath.parent.mkdir(parents=True, exist_ok=True)
                 tmp = tpath.with_name(tpath.stem + ".tmp.npz")
                 np.savez(tmp, ids=ids, logp=logp)
                 tmp.replace(tpath)
-        return f, ids, logp
+        return f
 
 
 def teacher_file(feature_dir, record_id: str, k: int) -> Path:
@@ -331,10 +346,7 @@ class Trainer:
         )
 
     def _teacher(self):
-        if not self.cfg.distill:
-            return None
-        k = self.cfg.teacher_topk
-        return lambda rec: self.features.teacher(rec, k)
+        return self.features.teacher if self.cfg.distill else None
 
     # -- one step -------------------------------------------------------------
 
