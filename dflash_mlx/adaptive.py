@@ -10,11 +10,14 @@ decoding. `BlockSizer` maximises tokens committed per second:
 alpha_j: measured probability that draft position j is accepted given that the
 positions before it were, from a long memory of drafted cycles (steady), or from
 a short one while the two disagree (the draft got better or worse). t(w):
-measured seconds per cycle at width w. Width 1
-is what it is, a plain decode step with no draft forward, timed on its own;
-other widths are timed where they ran and interpolated between measured widths
-elsewhere (never a line through all of them: cost jumps where the hardware
-changes regime). When width 1 wins, a cheap probe (width 2) runs now and then,
+measured seconds per cycle at width w (the median of its recent cycles: a job
+on another core only adds time, now and then a lot). Width 1 is what it is, a
+plain decode step with no draft forward, timed on its own; other widths are
+timed where they ran and interpolated between measured widths elsewhere (never
+a line through all of them: cost jumps where the hardware changes regime, and
+on some BLAS it is not even monotonic). Only the width that runs is timed, so
+a close rival of the best width is timed again now and then, ever more rarely
+while it keeps losing. When width 1 wins, a cheap probe (width 2) runs now and then,
 ever more rarely while it finds nothing, so a poor draft costs little and a
 draft that gets better is picked up again. The output never
 depends on the width: every width is exact, only the speed changes.
@@ -26,6 +29,7 @@ calls start from what earlier ones measured (acceptance still fades with every
 drafted cycle, so a change of subject is followed as before).
 """
 
+import statistics
 import threading
 import weakref
 from typing import Dict, List, Optional
@@ -60,8 +64,20 @@ class BlockSizer:
         max_probe_every: int = 32,
         margin: float = 0.15,
         min_drafted_gain: float = 0.2,
+        min_hoped_gain: float = 0.02,
+        recent_cycles: int = 9,
+        recheck_every: int = 16,
+        max_recheck_gap: int = 256,
+        recheck_within: float = 0.2,
     ):
+        self.recheck_every = recheck_every
+        self.max_recheck_gap = max_recheck_gap
+        self.recheck_within = recheck_within
+        self.cycle = 0  # cycles updated so far
+        self.last_run: Dict[int, int] = {}  # width -> the cycle it last ran in
+        self.recheck_gap: Dict[int, int] = {}  # width -> cycles to wait before timing it again
         self.margin = margin
+        self.min_hoped_gain = min_hoped_gain
         self.min_drafted_gain = min_drafted_gain
         self.max_block = max_block
         self.first_width = first_width
@@ -82,7 +98,9 @@ class BlockSizer:
         self.trials: List[float] = [0.0] * n  # trials[k]: draft token k+1 was reached
         self.slow_hits: List[float] = [0.0] * n  # the same, long memory
         self.slow_trials: List[float] = [0.0] * n
-        self.times: Dict[int, float] = {}  # width -> moving average of seconds per cycle
+        self.times: Dict[int, float] = {}  # width -> seconds per cycle (median of recent cycles)
+        self._recent: Dict[int, List[float]] = {}  # width -> its last `recent_cycles` cycle times
+        self.recent_cycles = recent_cycles
         self.samples: Dict[int, int] = {}  # width -> cycles timed
         self.min_probe_every = probe_every
         self.max_probe_every = max_probe_every
@@ -125,28 +143,32 @@ class BlockSizer:
         one outside their range. None before anything above 1 was measured."""
         if width in self.times:
             return self.times[width]
-        drafted = sorted((w, t) for w, t in self.times.items() if w > 1)
-        if width == 1 or not drafted:
+        if width == 1:
             return None
-        below = [(w, t) for w, t in drafted if w < width]
-        above = [(w, t) for w, t in drafted if w > width]
-        if not below:
-            return above[0][1]  # cost grows with width: an upper bound
-        if not above:
-            if len(below) == 1:
-                return below[-1][1]
-            (w0, t0), (w1, t1) = below[-2], below[-1]
-            return t1 + max(0.0, (t1 - t0) / (w1 - w0)) * (width - w1)
-        (w0, t0), (w1, t1) = below[-1], above[0]
-        return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+        return _interpolate(width, {w: t for w, t in self.times.items() if w > 1})
 
     def rate(self, width: int) -> float:
         t = self.cycle_time(width)
         return self.expected_tokens(width) / t if t else 0.0
 
-    def optimistic_rate(self, width: int) -> float:
-        below = max(w for w in self.times if w < width)
-        return self.expected_tokens(width) / self.times[below]
+    def trusted(self, width: int) -> bool:
+        """Timed at least twice: one cycle can carry one-off work (the first cycle of a
+        process, a kernel built for a new shape), so one sample alone decides nothing."""
+        return self.samples.get(width, 0) >= 2
+
+    def hoped_rate(self, width: int) -> float:
+        """What running `width` (again) could find. Never run: its cost might be as low
+        as the nearest measured width below it (cost is flat up to a regime change,
+        then jumps). Timed once: what the trusted widths around it predict, when its
+        one sample sits well above that (a disturbed cycle); else its sample stands."""
+        if width not in self.times:
+            below = max(w for w in self.times if w < width)
+            return self.expected_tokens(width) / self.times[below]
+        trusted = {w: t for w, t in self.times.items() if w > 1 and w != width and self.trusted(w)}
+        predicted = _interpolate(width, trusted)
+        if predicted is None or self.times[width] <= 1.1 * predicted:
+            return self.rate(width)
+        return self.expected_tokens(width) / predicted
 
     # -- policy -------------------------------------------------------------------
 
@@ -166,18 +188,19 @@ class BlockSizer:
             return 1
         candidates = [w for w in self.widths if w <= limit] + ([limit] if limit not in self.widths else [])
         best = max(candidates, key=self.rate)
-        # A width never run may be cheaper than interpolation says (cost is flat up
-        # to a regime change, then jumps): try it once if even at the cost of the
-        # nearest measured width below it (a lower bound) it could beat `best`.
-        untried = [w for w in candidates if w not in self.times]
+        # A width not yet trusted may be cheaper than interpolation (or its one
+        # sample) says; on some BLAS cost is not even monotonic (3 rows can cost
+        # more than 4). Run it if what it could find clearly beats `best`.
+        untried = [w for w in candidates if w > 1 and not self.trusted(w)]
         if untried:
-            hopeful = max(untried, key=self.optimistic_rate)
-            if self.optimistic_rate(hopeful) > self.rate(best):
+            hopeful = max(untried, key=self.hoped_rate)
+            if self.hoped_rate(hopeful) > self.rate(best) * (1 + self.min_hoped_gain):
                 self.since_probe = 0
                 return hopeful
         if best > 1:
             self.since_probe = 0
-            return best
+            self.recheck_gap[best] = self.recheck_every
+            return self._stale_rival(candidates, best) or best
         # Near a tie keep drafting (at the best width already measured) if the
         # draft gets something right: a drafted cycle is what keeps acceptance
         # measured, width 1 learns nothing. A draft that is almost never right is
@@ -197,7 +220,23 @@ class BlockSizer:
         self.probing = True
         return 2
 
+    def _stale_rival(self, candidates: List[int], best: int) -> Optional[int]:
+        """A drafted width close behind `best` whose time was last measured long ago, or
+        None. Only the width that runs is timed, so one slow cycle could otherwise keep
+        a better width out for good; each recheck that does not win waits twice as long."""
+        floor = self.rate(best) * (1 - self.recheck_within)
+        rivals = [w for w in candidates if w > 1 and w != best and w in self.times
+                  and self.rate(w) >= floor
+                  and self.cycle - self.last_run.get(w, 0) >= self.recheck_gap.get(w, self.recheck_every)]
+        if not rivals:
+            return None
+        rival = max(rivals, key=self.rate)
+        self.recheck_gap[rival] = min(self.max_recheck_gap, 2 * self.recheck_gap.get(rival, self.recheck_every))
+        return rival
+
     def update(self, width: int, accept_length: int, seconds: float):
+        self.cycle += 1
+        self.last_run[width] = self.cycle
         if width > 1:
             # Depth k (draft token k+1) was reached when every token before it was
             # accepted. Evidence fades with drafted cycles only (width-1 cycles say
@@ -209,17 +248,20 @@ class BlockSizer:
                 for k in range(len(hits)):
                     hits[k] = hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
                     trials[k] = trials[k] * d + (1.0 if k < reached else 0.0)
-        old = self.times.get(width)
-        n = self.samples.get(width, 0)
-        # The first cycle at a width can include one-off work (MLX's CPU backend
-        # compiles kernels for new shapes): the better of the first two stands.
-        if old is None:
-            self.times[width] = seconds
-        elif n == 1:
-            self.times[width] = min(old, seconds)
-        else:
-            self.times[width] = 0.7 * old + 0.3 * seconds
-        self.samples[width] = n + 1
+        # Per width, the median of its recent cycles: a job on another core only
+        # adds time, now and then a lot, and one slow cycle must not price the best
+        # width out for good (it is not timed again while another one wins). The
+        # first cycle at a width can carry one-off work (the process's first cycle,
+        # a kernel built for a new shape): the better of the first two stands.
+        if self.cycle == 1:
+            return  # the policy's first cycle runs cold (first graph, first allocations): untimed
+        recent = self._recent.setdefault(width, [])
+        recent.append(seconds)
+        if self.samples.get(width, 0) == 1:
+            recent[:] = [min(recent)]
+        del recent[: -self.recent_cycles]
+        self.times[width] = statistics.median(recent)
+        self.samples[width] = self.samples.get(width, 0) + 1
         if self.probing:
             # A probe that found nothing: wait twice as long for the next one.
             found = accept_length > 0
@@ -252,3 +294,23 @@ def forget_sizers():
     """Drop every learned width policy (the next "auto" call explores from scratch)."""
     with _SIZERS_LOCK:
         _SIZERS.clear()
+
+
+def _interpolate(width: int, times: Dict[int, float]) -> Optional[float]:
+    """Seconds at `width` from measured (width -> seconds) points: linear between the
+    nearest measured widths, the next one up below their range (cost grows with width:
+    an upper bound), extended along the last two above it (never falling)."""
+    points = sorted(times.items())
+    if not points:
+        return None
+    below = [(w, t) for w, t in points if w < width]
+    above = [(w, t) for w, t in points if w > width]
+    if not below:
+        return above[0][1]
+    if not above:
+        if len(below) == 1:
+            return below[-1][1]
+        (w0, t0), (w1, t1) = below[-2], below[-1]
+        return t1 + max(0.0, (t1 - t0) / (w1 - w0)) * (width - w1)
+    (w0, t0), (w1, t1) = below[-1], above[0]
+    return t0 + (t1 - t0) * (width - w0) / (w1 - w0)

@@ -52,17 +52,17 @@ def oracle(c, w):
 def test_poor_draft_falls_back_to_width_one_and_costs_little(cost):
     widths, tokens, seconds = run(BlockSizer(MAX), random_draft, 200, cost)
     assert max(widths) < MAX  # never pays for a full-width verify
-    assert widths[5:11] == [1] * 6  # plain decoding after a few cheap drafted cycles
-    probes = [w for w in widths[5:] if w > 1]
+    assert widths[6:12] == [1] * 6  # plain decoding after a few cheap drafted cycles
+    probes = [w for w in widths[6:] if w > 1]
     assert set(probes) == {2} and len(probes) <= 8  # cheap and ever rarer
     assert tokens / seconds >= 0.97 * (1 / cost(1))  # vs plain decoding
 
 
 def test_oracle_draft_goes_and_stays_wide():
     widths, tokens, seconds = run(BlockSizer(MAX), oracle, 40)
-    assert widths[0] < MAX  # the first cycle is moderate
-    assert widths[1:3] == [1, 1]  # the plain decode step, timed twice
-    assert widths[3] == MAX and widths[5:] == [MAX] * 35
+    assert widths[:2] == [4, 4]  # moderate; the first (cold) cycle is not timed
+    assert widths[2:4] == [1, 1]  # the plain decode step, timed twice
+    assert widths[4] == MAX and widths[6:].count(MAX) >= 0.9 * len(widths[6:])
     assert tokens / seconds > 0.9 * MAX / cpu_cost(MAX)
 
 
@@ -73,7 +73,7 @@ def test_widens_again_when_the_draft_improves():
     recovered = next(i for i, w in enumerate(widths[switch:]) if w == MAX)
     assert recovered <= 40  # within one maximal probe interval and a few cycles
     settled = widths[switch + recovered + 2 :]
-    assert settled == [MAX] * len(settled)
+    assert settled.count(MAX) >= 0.9 * len(settled)  # now and then a close rival is timed again
 
 
 def test_falls_back_when_the_draft_gets_worse():
@@ -143,7 +143,7 @@ def test_one_disturbed_decode_step_does_not_decide():
         return cheap_draft_cost(w) * (2.0 if first else 1.0)
 
     widths, tokens, seconds = run(BlockSizer(MAX), random_draft, 64, cost)
-    assert widths[5:11] == [1] * 6
+    assert widths[6:12] == [1] * 6
     assert tokens / seconds >= 0.95
 
 
@@ -233,14 +233,14 @@ def test_second_auto_call_starts_from_what_the_first_learned():
         return seen
 
     first = widths()
-    assert first[0] > 1 and first[1:3] == [1, 1]  # the exploration start
+    assert first[0] == first[1] > 1 and first[2:4] == [1, 1]  # the exploration start
     sizer = sizer_for(model, wrong)
-    assert sum(sizer.samples.values()) == len(first)
+    assert sum(sizer.samples.values()) == len(first) - 1  # the policy's first (cold) cycle is untimed
     second = widths()
     # the same policy went on learning (every cycle of both calls is in it), and
     # the second call did not start over with the exploring drafted cycle
-    assert sum(sizer.samples.values()) == len(first) + len(second)
-    assert second[:3] != first[:3]
+    assert sum(sizer.samples.values()) == len(first) + len(second) - 1
+    assert second[:4] != first[:4]
 
 
 def test_a_profiled_call_does_not_teach_the_shared_policy():
@@ -261,4 +261,52 @@ def test_a_profiled_call_does_not_teach_the_shared_policy():
     for r in stream_generate(model, draft, tok, [1, 2, 3, 4], max_tokens=12, block_size="auto",
                              stop_token_ids=[]):
         pass
-    assert sum(shared.samples.values()) == len(r.accept_lengths)
+    assert sum(shared.samples.values()) == len(r.accept_lengths) - 1  # its first cycle untimed
+
+
+# Seconds per cycle as measured for SmolLM2-135M with its shipped draft on this CPU
+# (OpenBLAS, one thread, beside a training job): not monotonic in the width.
+MEASURED_COST = {1: 1.0, 2: 1.13, 3: 1.23, 4: 1.06, 6: 1.15, 8: 1.25, 12: 1.4, 16: 1.6}
+
+
+def measured_cost(width):
+    known = sorted(MEASURED_COST)
+    below = max(w for w in known if w <= width)
+    above = min(w for w in known if w >= width)
+    if below == above:
+        return MEASURED_COST[width]
+    f = (width - below) / (above - below)
+    return MEASURED_COST[below] + f * (MEASURED_COST[above] - MEASURED_COST[below])
+
+
+def test_shared_machine_noise_does_not_trap_the_policy_on_a_worse_width():
+    """Interference only adds time (a job on the other core): most cycles a little
+    slower, one in twenty much slower, and the process's very first cycle twice its
+    cost. One slow sample must not leave the best width (4 here, cheaper than 2 and 3)
+    unused for good: the policy stays within 5% of the best fixed width."""
+    import random
+
+    alphas = (0.31, 0.3, 0.11)
+
+    def drive(sizer, seed, cycles=300):
+        rng = random.Random(seed)
+        tokens, seconds = 0, 0.0
+        for c in range(cycles):
+            w = sizer.choose(10**6)
+            a = 0
+            while a < w - 1 and rng.random() < alphas[min(a, len(alphas) - 1)]:
+                a += 1
+            t = measured_cost(w) * (1 + rng.expovariate(1 / 0.05))
+            if rng.random() < 0.05:
+                t *= 1.6
+            if c == 0:
+                t *= 2.0
+            sizer.update(w, a, t)
+            tokens += a + 1
+            seconds += t
+        return tokens / seconds
+
+    seeds = range(6)
+    fixed = {w: sum(drive(FixedWidth(w), s) for s in seeds) for w in (1, 2, 3, 4, 6, 8, 16)}
+    assert max(fixed, key=fixed.get) == 4
+    assert sum(drive(BlockSizer(MAX), s) for s in seeds) >= 0.95 * fixed[4]
