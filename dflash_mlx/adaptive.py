@@ -62,7 +62,7 @@ class BlockSizer:
         first_width: int = 4,
         probe_every: int = 8,
         max_probe_every: int = 32,
-        margin: float = 0.15,
+        margin: float = 0.05,
         min_drafted_gain: float = 0.2,
         min_hoped_gain: float = 0.02,
         recent_cycles: int = 9,
