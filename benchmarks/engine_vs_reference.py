@@ -1,7 +1,7 @@
 """Engine benchmarks, interleaved in one process (the machine may be shared: only ratios count).
 
     python benchmarks/engine_vs_reference.py reference   # ours vs z-lab's engine, block 16
-    python benchmarks/engine_vs_reference.py auto        # block_size="auto" vs plain decoding
+    python benchmarks/engine_vs_reference.py auto        # block_size="auto" vs plain decoding (ours, mlx-lm's)
     python benchmarks/engine_vs_reference.py widths      # "auto" vs fixed widths, shipped draft
 
 Every part runs the packaged SmolLM2-135M-Instruct target (float32) on the same
@@ -67,6 +67,23 @@ def ours(model, draft, tokenizer, block_size, baseline=False):
     def run(prompt, max_tokens):
         return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
                                      block_size=block_size, baseline=baseline))
+    return run
+
+
+def mlx_lm_plain(model, tokenizer):
+    """mlx-lm's own greedy `stream_generate` (what "plain mlx-lm decoding" means)."""
+    from mlx_lm.generate import stream_generate as lm_stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    class _Tokens:
+        def __init__(self, r):
+            self.tokens = [r.token]
+
+    def run(prompt, max_tokens):
+        stream = lm_stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
+                                    sampler=make_sampler(0.0))
+        return timed(_Tokens(r) for r in stream)
+
     return run
 
 
@@ -166,6 +183,7 @@ def main(argv=None):
         rand = random_draft(model, num_layers=2, seed=0)
         configs = {
             "plain decoding": ours(model, None, tokenizer, None, baseline=True),
+            "mlx-lm plain decoding": mlx_lm_plain(model, tokenizer),
             "auto, shipped draft": ours(model, shipped, tokenizer, "auto"),
             "auto, random draft": ours(model, rand, tokenizer, "auto"),
         }

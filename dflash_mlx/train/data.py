@@ -17,6 +17,7 @@ where it stopped (prompts already answered are skipped).
 import gzip
 import json
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,13 +301,31 @@ def _generate_batch(target, batch, eos, max_tokens, layer_ids):
         yield rec, feats
 
 
-def default_prompts(n_gsm8k: Optional[int] = None, n_sharegpt: Optional[int] = 20000, seed: int = 0) -> List[Prompt]:
-    """GSM8K train + ShareGPT first turns, shuffled together (train data only)."""
+# Programming questions among ShareGPT's first turns (about a sixth of them): code is
+# what the draft sees least of and accepts worst (HumanEval), so they can go first.
+_CODE = re.compile(
+    r"```|\bdef \w+\(|\bpython\b|javascript|typescript|\bSQL\b|C\+\+|\bjava\b|\bregex\b|\bbash\b"
+    r"|\brust\b|\bgolang\b|\bhtml\b|\bcss\b|\breact\b|\bprogramming\b|\bsource code\b|\bcode snippet"
+    r"|\b(?:write|create|implement) (?:a|an|the) (?:function|class|script|program|method)\b", re.I)
+
+
+def is_code_prompt(text: str) -> bool:
+    return bool(_CODE.search(text))
+
+
+def default_prompts(n_gsm8k: Optional[int] = None, n_sharegpt: Optional[int] = 20000, seed: int = 0,
+                    code_first: bool = False) -> List[Prompt]:
+    """GSM8K train + ShareGPT first turns, shuffled together (train data only).
+    `code_first`: ShareGPT's programming questions before the rest (the same prompts,
+    reordered; a run that continues skips what it already answered, whatever the order)."""
     sources, counts = [gsm8k_train_prompts()], [n_gsm8k]
     if n_sharegpt:
         sources.append(sharegpt_prompts())
         counts.append(n_sharegpt)
-    return mix_prompts(sources, counts, seed=seed)
+    prompts = mix_prompts(sources, counts, seed=seed)
+    if code_first:  # a stable sort: ShareGPT's programming questions, then the rest as mixed
+        prompts.sort(key=lambda p: not (p.id.startswith("sharegpt:") and is_code_prompt(p.text)))
+    return prompts
 
 
 # ----------------------------------------------------------------------------- data that lasts
