@@ -7,6 +7,7 @@ and put back in a `finally`. The model's own forward (masks, sliding windows,
 shared KV, embedding scales) runs unchanged.
 """
 
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -18,6 +19,9 @@ from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prom
 from dflash_mlx import kernels
 
 SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text")
+
+# id(head weight) -> (weak reference to it, its [H, V] contiguous copy): Target._transposed_head.
+_TRANSPOSED_HEADS: Dict[int, Tuple[Any, mx.array]] = {}
 
 
 class UnsupportedTargetError(ValueError):
@@ -237,7 +241,10 @@ class Target:
                 out = mx.quantized_matmul(h, w, scales, biases, transpose=True, group_size=layer.group_size,
                                           bits=layer.bits, mode=layer.mode)
         elif vocab_ids is None:
-            return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
+            wt = self._transposed_head(layer)
+            if wt is None:
+                return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
+            out = h @ wt
         else:
             out = h @ w  # w: the rows, transposed once (see _head_rows)
         if bias is not None:
@@ -263,8 +270,36 @@ class Target:
         self._rows_cache = (vocab_ids, layer["weight"], rows)
         return rows
 
+    # A dense head up to this size gets a transposed copy on the CPU (see _transposed_head).
+    MAX_TRANSPOSED_HEAD_BYTES = 1 << 30
+
+    def _transposed_head(self, layer) -> Optional[mx.array]:
+        """The whole dense head as [H, V] contiguous, on the CPU backend only, else None.
+
+        The CPU's GEMM runs the product of a few rows with the [V, H] head 1.5-1.9x
+        faster on a contiguous transposed copy than on the transposed view (measured
+        for SmolLM2's 49152 x 576 head: 34 -> 18 ms for one row, 41 -> 26 ms for 16):
+        the head is a third of a one-token forward there. It costs one copy of the
+        head; a GPU reads the view at full speed, so there it is not made.
+        """
+        w = layer["weight"]
+        if mx.default_device() != mx.cpu or w.nbytes > self.MAX_TRANSPOSED_HEAD_BYTES:
+            return None
+        # Kept per weight array for the process (every Target of the model shares it;
+        # plain decoding makes a Target per call), dropped with the weight.
+        entry = _TRANSPOSED_HEADS.get(id(w))
+        if entry is not None and entry[0]() is w:
+            return entry[1]
+        for k in [k for k, (ref, _) in _TRANSPOSED_HEADS.items() if ref() is None]:
+            del _TRANSPOSED_HEADS[k]
+        wt = mx.contiguous(w.T)
+        mx.eval(wt)
+        _TRANSPOSED_HEADS[id(w)] = (weakref.ref(w), wt)
+        return wt
+
     def logits(self, h: mx.array) -> mx.array:
-        """Exactly the logits mlx-lm's `Model.__call__` produces from final hidden states."""
+        """The logits mlx-lm's `Model.__call__` produces from final hidden states (on the
+        CPU through the transposed head copy: the same products, summed in another order)."""
         out = self.head(h)
         if self.softcap:
             out = mx.tanh(out / self.softcap) * self.softcap

@@ -117,3 +117,33 @@ def test_plain_decoding_runs_no_draft():
         assert [t for r in rs for t in r.tokens] == ref
         assert [r.verify_width for r in rs[1:]] == [1] * 7 and rs[-1].accept_lengths == [0] * 7
     assert draft.cycle == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_cpu_transposed_head_gives_the_models_own_logits(arch):
+    """The CPU's transposed copy of a dense head (tied embedding or lm_head, Gemma's
+    soft-capping after it): the model's own logits to float32 rounding, the same argmax;
+    one copy per weight for every Target of the model, gone with the weight."""
+    import gc
+
+    import mlx.core as mx
+    import numpy as np
+
+    from dflash_mlx import target as target_module
+
+    model, _ = tiny_target(arch, seed=4)
+    target = Target(model)
+    ids = mx.array([[3, 17, 5, 9, 22, 1]])
+    want = model(ids)  # mlx-lm's forward: its own head
+    h, _, _ = target.forward(ids, None)
+    got = target.logits(h)
+    layer = target._lm_head if target._lm_head is not None else target.text_model.embed_tokens
+    assert target._transposed_head(layer) is not None  # the tests run on the CPU backend
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1))
+    assert Target(model)._transposed_head(layer) is target._transposed_head(layer)
+    n = len(target_module._TRANSPOSED_HEADS)
+    del model, target, layer, want, got, h
+    gc.collect()
+    Target(tiny_target("llama", seed=5)[0]).logits(mx.zeros((1, 1, 64)))  # prunes dead entries
+    assert len(target_module._TRANSPOSED_HEADS) <= n
