@@ -21,6 +21,8 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
+from dflash_mlx.layout import relayout_for_cpu
+
 # Optional extra stored next to a checkpoint: the reduced draft vocabulary; we use it
 # to score only these token ids. A .npy file, not .safetensors: z-lab's MLX loader reads
 # every *.safetensors in the folder as weights, so the folder stays loadable there.
@@ -735,6 +737,7 @@ def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet
             )
         return random_draft(target, seed=0, dtype=dtype or mx.float32, num_layers=1)
     draft = load_draft_folder(folder, dtype=dtype)
+    relayout_for_cpu(draft)
     if target is not None:
         validate_for_target(draft.config, target)
         draft.bind(target)

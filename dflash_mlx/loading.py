@@ -140,6 +140,9 @@ def load(name_or_path, dtype=None, quiet: bool = False):
     else:
         model, tokenizer = _load_folder(path, dtype, dt)
     model.name = name
+    from dflash_mlx.layout import relayout_for_cpu
+
+    relayout_for_cpu(model)  # the CPU's GEMM reads W.T faster when it is contiguous
     return model, tokenizer
 
 

@@ -17,6 +17,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx import kernels
+from dflash_mlx.layout import is_relaid
 
 SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text")
 
@@ -285,6 +286,8 @@ class Target:
         w = layer["weight"]
         if mx.default_device() != mx.cpu or w.nbytes > self.MAX_TRANSPOSED_HEAD_BYTES:
             return None
+        if is_relaid(w):  # an untied lm_head laid out at load: its .T is that copy already
+            return w.T
         # Kept per weight array for the process (every Target of the model shares it;
         # plain decoding makes a Target per call), dropped with the weight.
         entry = _TRANSPOSED_HEADS.get(id(w))
