@@ -35,8 +35,8 @@ def relayout_for_cpu(model: nn.Module) -> int:
     for _, module in model.named_modules():
         if type(module) is nn.Linear and not is_relaid(module.weight):
             module.weight = mx.contiguous(module.weight.T).T
+            mx.eval(module.weight)  # one at a time: the old buffer goes before the next is made
             done.append(module.weight)
-    mx.eval(done)
     for k in [k for k, ref in _RELAID.items() if ref() is None]:
         del _RELAID[k]
     for w in done:
