@@ -3,6 +3,7 @@
     python benchmarks/engine_vs_reference.py reference   # ours vs z-lab's engine, block 16
     python benchmarks/engine_vs_reference.py auto        # block_size="auto" vs plain decoding (ours, mlx-lm's)
     python benchmarks/engine_vs_reference.py widths      # "auto" vs fixed widths, shipped draft
+    python benchmarks/engine_vs_reference.py layout      # the CPU weight layout (dflash_mlx.layout) on and off
 
 Every part runs the packaged SmolLM2-135M-Instruct target (float32) on the same
 prompts from the benchmark suites, greedy, and checks that every configuration
@@ -115,6 +116,17 @@ def reference_engine(tokenizer, draft_dir=None):
     return run
 
 
+def standard_layout(module):
+    """Undo `dflash_mlx.layout.relayout_for_cpu`: every dense Linear weight row-major
+    again (what mlx-lm's own loader leaves), the same values."""
+    import mlx.nn as nn
+
+    for _, m in module.named_modules():
+        if type(m) is nn.Linear:
+            m.weight = mx.contiguous(m.weight)
+            mx.eval(m.weight)
+
+
 def compare(configs, prompts, max_tokens, warmup=True):
     names = list(configs)
     if warmup:
@@ -159,7 +171,7 @@ def environment():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", choices=["reference", "auto", "widths"])
+    p.add_argument("part", choices=["reference", "auto", "widths", "layout"])
     p.add_argument("--per-suite", type=int, default=2, help="prompts per suite (gsm8k, humaneval, mtbench)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
@@ -188,6 +200,20 @@ def main(argv=None):
             "auto, random draft": ours(model, rand, tokenizer, "auto"),
         }
         base = "plain decoding"
+    elif args.part == "layout":
+        std_model, _ = load("smollm2-135m", quiet=True)
+        std_draft = load_draft(args.draft, std_model, quiet=True)
+        standard_layout(std_model)
+        standard_layout(std_draft)
+        configs = {
+            "mlx-lm plain, standard layout": mlx_lm_plain(std_model, tokenizer),
+            "mlx-lm plain, CPU layout": mlx_lm_plain(model, tokenizer),
+            "ours plain, standard layout": ours(std_model, None, tokenizer, None, baseline=True),
+            "ours plain, CPU layout": ours(model, None, tokenizer, None, baseline=True),
+            "ours auto, standard layout": ours(std_model, std_draft, tokenizer, "auto"),
+            "ours auto, CPU layout": ours(model, shipped, tokenizer, "auto"),
+        }
+        base = "mlx-lm plain, standard layout"
     else:
         configs = {"auto": ours(model, shipped, tokenizer, "auto")}
         for w in (2, 3, 4, 8, 16):
