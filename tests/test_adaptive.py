@@ -40,6 +40,26 @@ def run(sizer, accepts, cycles, cost=cpu_cost):
     return widths, tokens, seconds
 
 
+def drive_random(sizer, seed, alphas, seconds, cycles):
+    """Drive `sizer` with acceptance drawn at random (seeded): depth k accepted with
+    probability alphas[min(k, last)]; seconds(width, cycle, rng) -> the cycle's time.
+    Returns tokens per second."""
+    import random
+
+    rng = random.Random(seed)
+    tokens, total = 0, 0.0
+    for c in range(cycles):
+        w = sizer.choose(10**6)
+        a = 0
+        while a < w - 1 and rng.random() < alphas[min(a, len(alphas) - 1)]:
+            a += 1
+        t = seconds(w, c, rng)
+        sizer.update(w, a, t)
+        tokens += a + 1
+        total += t
+    return tokens / total
+
+
 def random_draft(c, w):
     return 0
 
@@ -111,21 +131,9 @@ def test_noisy_draft_stays_within_a_few_percent_of_the_best_fixed_width(alphas):
     """Acceptance drawn at random (seeded) at each depth, cycle times with +-10% noise:
     the estimates' own noise must not cost more than 5% against the best fixed width,
     start-up included (one short memory alone lost 7.6% on the third case here)."""
-    import random
 
-    def drive(sizer, seed, cycles=400):
-        rng = random.Random(seed)
-        tokens, seconds = 0, 0.0
-        for _ in range(cycles):
-            w = sizer.choose(10**6)
-            a = 0
-            while a < w - 1 and rng.random() < alphas[min(a, len(alphas) - 1)]:
-                a += 1
-            t = cpu_cost(w) * rng.uniform(0.9, 1.1)
-            sizer.update(w, a, t)
-            tokens += a + 1
-            seconds += t
-        return tokens / seconds
+    def drive(sizer, seed):
+        return drive_random(sizer, seed, alphas, lambda w, c, rng: cpu_cost(w) * rng.uniform(0.9, 1.1), 400)
 
     seeds = range(4)
     best = max(sum(drive(FixedWidth(w), s) for s in seeds) for w in (1, 2, 3, 4, 6, 8, 12, 16))
@@ -284,27 +292,15 @@ def test_shared_machine_noise_does_not_trap_the_policy_on_a_worse_width():
     slower, one in twenty much slower, and the process's very first cycle twice its
     cost. One slow sample must not leave the best width (4 here, cheaper than 2 and 3)
     unused for good: the policy stays within 5% of the best fixed width."""
-    import random
 
-    alphas = (0.31, 0.3, 0.11)
+    def seconds(w, c, rng):
+        t = measured_cost(w) * (1 + rng.expovariate(1 / 0.05))
+        if rng.random() < 0.05:
+            t *= 1.6
+        return 2.0 * t if c == 0 else t
 
-    def drive(sizer, seed, cycles=300):
-        rng = random.Random(seed)
-        tokens, seconds = 0, 0.0
-        for c in range(cycles):
-            w = sizer.choose(10**6)
-            a = 0
-            while a < w - 1 and rng.random() < alphas[min(a, len(alphas) - 1)]:
-                a += 1
-            t = measured_cost(w) * (1 + rng.expovariate(1 / 0.05))
-            if rng.random() < 0.05:
-                t *= 1.6
-            if c == 0:
-                t *= 2.0
-            sizer.update(w, a, t)
-            tokens += a + 1
-            seconds += t
-        return tokens / seconds
+    def drive(sizer, seed):
+        return drive_random(sizer, seed, (0.31, 0.3, 0.11), seconds, 300)
 
     seeds = range(6)
     fixed = {w: sum(drive(FixedWidth(w), s) for s in seeds) for w in (1, 2, 3, 4, 6, 8, 16)}
