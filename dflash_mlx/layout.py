@@ -12,18 +12,44 @@ fair. A GPU reads either order at full speed: there nothing is changed.
 """
 
 import weakref
-from typing import Dict
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
-# id(weight) -> weak reference to it, for weights laid out here (their .T is contiguous).
-_RELAID: Dict[int, weakref.ref] = {}
+# id(weight) -> (weak reference to it, a contiguous copy of its .T or None): None for a
+# weight laid out here (its .T is contiguous already, and holding nothing lets its buffer
+# go with it); a copy for another one, made by `transposed` (a tied embedding, which stays
+# row-major for its lookups).
+_TRANSPOSED: Dict[int, Tuple[weakref.ref, Optional[mx.array]]] = {}
+
+
+def _entry(w: mx.array):
+    entry = _TRANSPOSED.get(id(w))
+    return entry if entry is not None and entry[0]() is w else None
+
+
+def _remember(w: mx.array, copy: Optional[mx.array]):
+    for k in [k for k, (ref, _) in _TRANSPOSED.items() if ref() is None]:
+        del _TRANSPOSED[k]
+    _TRANSPOSED[id(w)] = (weakref.ref(w), copy)
 
 
 def is_relaid(w: mx.array) -> bool:
-    ref = _RELAID.get(id(w))
-    return ref is not None and ref() is w
+    entry = _entry(w)
+    return entry is not None and entry[1] is None
+
+
+def transposed(w: mx.array) -> mx.array:
+    """`w.T`, contiguous: the buffer itself for a weight laid out here, else a copy made
+    once and kept for the life of `w` (one more copy of `w` in memory)."""
+    entry = _entry(w)
+    if entry is None:
+        copy = mx.contiguous(w.T)
+        mx.eval(copy)
+        _remember(w, copy)
+        return copy
+    return w.T if entry[1] is None else entry[1]
 
 
 def relayout_for_cpu(model: nn.Module) -> int:
@@ -31,14 +57,11 @@ def relayout_for_cpu(model: nn.Module) -> int:
     module docstring); a no-op off the CPU backend. Returns how many were laid out."""
     if mx.default_device() != mx.cpu:
         return 0
-    done = []
+    n = 0
     for _, module in model.named_modules():
         if type(module) is nn.Linear and not is_relaid(module.weight):
             module.weight = mx.contiguous(module.weight.T).T
             mx.eval(module.weight)  # one at a time: the old buffer goes before the next is made
-            done.append(module.weight)
-    for k in [k for k, ref in _RELAID.items() if ref() is None]:
-        del _RELAID[k]
-    for w in done:
-        _RELAID[id(w)] = weakref.ref(w)
-    return len(done)
+            _remember(module.weight, None)
+            n += 1
+    return n

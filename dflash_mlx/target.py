@@ -7,7 +7,6 @@ and put back in a `finally`. The model's own forward (masks, sliding windows,
 shared KV, embedding scales) runs unchanged.
 """
 
-import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -17,13 +16,9 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx import kernels
-from dflash_mlx.layout import is_relaid
+from dflash_mlx.layout import transposed
 
 SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text")
-
-# id(head weight) -> (weak reference to it, its [H, V] contiguous copy): Target._transposed_head.
-_TRANSPOSED_HEADS: Dict[int, Tuple[Any, mx.array]] = {}
-
 
 class UnsupportedTargetError(ValueError):
     pass
@@ -286,19 +281,9 @@ class Target:
         w = layer["weight"]
         if mx.default_device() != mx.cpu or w.nbytes > self.MAX_TRANSPOSED_HEAD_BYTES:
             return None
-        if is_relaid(w):  # an untied lm_head laid out at load: its .T is that copy already
-            return w.T
-        # Kept per weight array for the process (every Target of the model shares it;
-        # plain decoding makes a Target per call), dropped with the weight.
-        entry = _TRANSPOSED_HEADS.get(id(w))
-        if entry is not None and entry[0]() is w:
-            return entry[1]
-        for k in [k for k, (ref, _) in _TRANSPOSED_HEADS.items() if ref() is None]:
-            del _TRANSPOSED_HEADS[k]
-        wt = mx.contiguous(w.T)
-        mx.eval(wt)
-        _TRANSPOSED_HEADS[id(w)] = (weakref.ref(w), wt)
-        return wt
+        # Kept per weight for the process (every Target of the model shares it; plain
+        # decoding makes a Target per call); an untied lm_head laid out at load needs no copy.
+        return transposed(w)
 
     def logits(self, h: mx.array) -> mx.array:
         """The logits mlx-lm's `Model.__call__` produces from final hidden states (on the

@@ -129,7 +129,7 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     import mlx.core as mx
     import numpy as np
 
-    from dflash_mlx import target as target_module
+    from dflash_mlx import layout
 
     model, _ = tiny_target(arch, seed=4)
     target = Target(model)
@@ -142,8 +142,8 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1))
     assert Target(model)._transposed_head(layer) is target._transposed_head(layer)
-    n = len(target_module._TRANSPOSED_HEADS)
+    n = len(layout._TRANSPOSED)
     del model, target, layer, want, got, h
     gc.collect()
     Target(tiny_target("llama", seed=5)[0]).logits(mx.zeros((1, 1, 64)))  # prunes dead entries
-    assert len(target_module._TRANSPOSED_HEADS) <= n
+    assert len(layout._TRANSPOSED) <= n
