@@ -64,10 +64,17 @@ def timed(stream):
     return tokens, (time.perf_counter() - first_at[0], time.process_time() - first_at[1]), accepts
 
 
-def ours(model, draft, tokenizer, block_size, baseline=False):
+def ours(model, draft, tokenizer, block_size, baseline=False, split_head=True):
+    """`split_head=False`: the verify's LM head over all rows at once (see generate.HeadRows)."""
+    from dflash_mlx.generate import HeadRows
+
     def run(prompt, max_tokens):
-        return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
-                                     block_size=block_size, baseline=baseline))
+        HeadRows.SPLIT_ON_CPU = split_head
+        try:
+            return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
+                                         block_size=block_size, baseline=baseline))
+        finally:
+            HeadRows.SPLIT_ON_CPU = True
     return run
 
 
@@ -187,6 +194,7 @@ def main(argv=None):
         configs = {
             "z-lab block 16": reference_engine(tokenizer, None if args.draft == "smollm2-135m" else args.draft),
             "ours block 16": ours(model, shipped, tokenizer, 16),
+            "ours block 16, head in one piece": ours(model, shipped, tokenizer, 16, split_head=False),
             "ours block 16 full vocab": ours(model, full, tokenizer, 16),
             "ours auto": ours(model, shipped, tokenizer, "auto"),
         }

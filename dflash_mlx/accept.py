@@ -20,12 +20,14 @@ Proposals are deterministic (q one-hot on the proposed token) unless sampled:
             travels with the proposal for the acceptance test.
 
 Everything stays in the MLX graph; the engine syncs once per cycle to read the
-accept length. Randomness comes from `mx.random`'s global state, so
+accept length. `accept_in_pieces` runs either acceptor with the target's logits
+computed for the first few verify rows only, and for the rest only when every
+draft those rows check was accepted (on a CPU the LM head's cost grows with its rows). Randomness comes from `mx.random`'s global state, so
 `mx.random.seed` makes a run reproducible.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -42,6 +44,11 @@ class Proposal:
     tokens: mx.array
     logq: Optional[mx.array] = None
     draft_ids: Optional[mx.array] = None
+
+    def positions(self, start: int, stop: int) -> "Proposal":
+        """The drafted positions start..stop-1 (along the block axis)."""
+        cut = lambda a: None if a is None else a[:, start:stop]  # noqa: E731
+        return Proposal(self.tokens[:, start:stop], cut(self.logq), cut(self.draft_ids))
 
 
 def deterministic_proposal(draft, draft_logits: mx.array) -> Proposal:
@@ -223,6 +230,37 @@ class SamplingAcceptor:
         committed = mx.concatenate([drafted, bonus[:, None]], axis=1)
         committed = mx.where(mx.arange(n + 1)[None] == idx, bonus[:, None], committed)
         return accept_length, committed
+
+
+def accept_in_pieces(acceptor, proposal: Optional[Proposal], row_logits: Callable[[int, int], mx.array],
+                     first_rows: int, draft=None):
+    """`acceptor.accept` over a verify of [last, d1..dn] whose logits come in two pieces.
+
+    row_logits(start, stop): the target's logits of verify rows start..stop-1,
+    [B, stop - start, V]. Rows 0..first_rows-1 check drafts d1..d(first_rows-1)
+    first; the other rows' logits are computed only when some batch row accepted
+    all of those (one host sync). The second piece starts again at row
+    first_rows - 1, which checks d(first_rows) there. Acceptance walks the rows in
+    order and each row's decision reads only that row's logits and its own draws,
+    so greedy gives what one `accept` over all rows gives and sampling keeps the
+    same distribution; a row's bonus drawn in the first piece and then not used
+    is discarded like any other unused draw.
+
+    Returns (accept_length [B], committed [B, >= accept_length + 1]).
+    """
+    rows = 1 + (0 if proposal is None else proposal.tokens.shape[1])
+    if proposal is None or not 2 <= first_rows < rows:
+        return acceptor.accept(proposal, row_logits(0, rows), draft)
+    checked = first_rows - 1  # drafts the first piece checks
+    head_length, head = acceptor.accept(proposal.positions(0, checked), row_logits(0, first_rows), draft)
+    go_on = head_length == checked
+    if not go_on.any().item():
+        return head_length, head
+    tail_length, tail = acceptor.accept(proposal.positions(checked, rows - 1), row_logits(checked, rows), draft)
+    accept_length = mx.where(go_on, checked + tail_length, head_length)
+    padded = mx.pad(head, [(0, 0), (0, rows - first_rows)])
+    committed = mx.where(go_on[:, None], mx.concatenate([head[:, :checked], tail], axis=1), padded)
+    return accept_length, committed
 
 
 def make_acceptor(temperature: float = 0.0, **sampling):

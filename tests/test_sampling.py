@@ -11,6 +11,7 @@ fail for broken acceptance rules. A smaller end-to-end check goes through
 
 import itertools
 import math
+import sys
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +19,8 @@ import pytest
 
 import importlib
 from dflash_mlx import accept, stream_generate
-from dflash_mlx.accept import GreedyAcceptor, Proposal, SamplingAcceptor, make_acceptor, sampling_logprobs
+from dflash_mlx.accept import (GreedyAcceptor, Proposal, SamplingAcceptor, accept_in_pieces, make_acceptor,
+                               sampling_logprobs)
 from dflash_mlx.draft import random_draft
 from dflash_mlx.testing import greedy_reference, tiny_target
 
@@ -103,8 +105,9 @@ class StubDraft:
         return ids if self.vocab_ids is None else self.vocab_ids[ids]
 
 
-def markov_generate(acceptor, n_rows, reduced=False, k=K, w=W, q=Q, draft=None):
-    """The engine's cycle on the Markov target, for `n_rows` independent rows.
+def markov_generate(acceptor, n_rows, reduced=False, k=K, w=W, q=Q, draft=None, first_rows=None):
+    """The engine's cycle on the Markov target, for `n_rows` independent rows
+    (with the target's rows in two pieces when `first_rows` is set).
 
     Returns the first k tokens of every row [n_rows, k] and all accept lengths."""
     draft = draft or StubDraft(REDUCED if reduced else None)
@@ -119,7 +122,11 @@ def markov_generate(acceptor, n_rows, reduced=False, k=K, w=W, q=Q, draft=None):
     while count.min() < k:
         proposal = acceptor.propose(draft, Qm[last])
         fed = mx.concatenate([last[:, None], proposal.tokens.astype(mx.int32)], axis=1)
-        a, committed = acceptor.accept(proposal, Wm[fed], draft)
+        if first_rows is None:
+            a, committed = acceptor.accept(proposal, Wm[fed], draft)
+        else:
+            row_logits = lambda start, stop: Wm[fed[:, start:stop]]  # noqa: E731
+            a, committed = accept_in_pieces(acceptor, proposal, row_logits, first_rows, draft)
         mx.eval(a, committed)
         a_np, c_np = np.array(a), np.array(committed)
         accepts.append(a_np)
@@ -147,10 +154,10 @@ FILTERS = {
 }
 
 
-def check(mode, filters, reduced=False, seed=0):
+def check(mode, filters, reduced=False, seed=0, first_rows=None):
     mx.random.seed(seed)
     acc = SamplingAcceptor(draft_sampling=mode, **FILTERS[filters])
-    out, accepts = markov_generate(acc, N_ROWS, reduced=reduced)
+    out, accepts = markov_generate(acc, N_ROWS, reduced=reduced, first_rows=first_rows)
     stat, pval = chi_square(encode(out, V), exact_joint(**FILTERS[filters]))
     return stat, pval, accepts
 
@@ -173,6 +180,71 @@ def test_first_tokens_follow_target_distribution(mode, filters, reduced):
     # rejection, partial and all-accepted paths all contribute samples.
     assert set(np.unique(accepts)) == set(range(N_DRAFT + 1)), np.bincount(accepts)
     assert pval > 1e-3, (stat, pval)
+
+
+@pytest.mark.parametrize("mode,filters,reduced,first_rows", [
+    ("argmax", "plain", False, 2),
+    ("sample", "plain", False, 3),
+    ("sample", "filtered", True, 2),
+])
+def test_head_in_pieces_keeps_the_distribution(mode, filters, reduced, first_rows):
+    """The target's rows in two pieces (the second only for rows that accepted the
+    whole first piece): the same exact joint, through every accept length."""
+    stat, pval, accepts = check(mode, filters, reduced, seed=3, first_rows=first_rows)
+    assert set(np.unique(accepts)) == set(range(N_DRAFT + 1)), np.bincount(accepts)
+    assert pval > 1e-3, (stat, pval)
+
+
+def skip_one_draft(acceptor, proposal, row_logits, first_rows, draft=None):
+    """accept_in_pieces with an off-by-one: the second piece starts a row late, so
+    the draft at the seam is taken unchecked."""
+    rows = proposal.tokens.shape[1] + 1
+    checked = first_rows - 1
+    head_length, head = acceptor.accept(proposal.positions(0, checked), row_logits(0, first_rows), draft)
+    go_on = head_length == checked
+    tail_length, tail = acceptor.accept(proposal.positions(first_rows, rows - 1), row_logits(first_rows, rows), draft)
+    accept_length = mx.where(go_on, first_rows + tail_length, head_length)
+    seam = mx.concatenate([head[:, :checked], proposal.tokens[:, checked:first_rows], tail], axis=1)
+    return accept_length, mx.where(go_on[:, None], seam, mx.pad(head, [(0, 0), (0, rows - first_rows)]))
+
+
+def test_head_in_pieces_off_by_one_fails_the_same_test(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "accept_in_pieces", skip_one_draft)
+    stat, pval, _ = check("argmax", "plain", seed=3, first_rows=2)
+    assert pval < 1e-12, (stat, pval)
+
+
+@pytest.mark.parametrize("first_rows", range(2, 10))
+def test_greedy_head_in_pieces_equals_one_accept(first_rows):
+    """Greedy: the same accept lengths and committed tokens as one `accept` over
+    all rows, for accept lengths 0..n in one batch; the rows past the first
+    piece are asked for only when some row accepted the whole first piece."""
+    rng = np.random.default_rng(first_rows)
+    B, n, vocab = 9, 8, 13
+    logits = mx.array(rng.normal(size=(B, n + 1, vocab)).astype(np.float32))
+    choice = np.array(mx.argmax(logits, axis=-1))
+    drafted = choice[:, :-1].copy()
+    for b in range(B - 1):  # row b accepts exactly b drafts; the last row accepts all n
+        drafted[b, b] = (drafted[b, b] + 1) % vocab
+    proposal = Proposal(mx.array(drafted.astype(np.int32)))
+    want_a, want_c = GreedyAcceptor().accept(proposal, logits)
+    asked = []
+
+    def row_logits(start, stop):
+        asked.append((start, stop))
+        return logits[:, start:stop]
+
+    a, committed = accept_in_pieces(GreedyAcceptor(), proposal, row_logits, first_rows)
+    assert np.array(a).tolist() == np.array(want_a).tolist() == list(range(n)) + [n]
+    for b, length in enumerate(np.array(a)):
+        assert np.array(committed[b, : length + 1]).tolist() == np.array(want_c[b, : length + 1]).tolist()
+    assert asked == ([(0, n + 1)] if first_rows >= n + 1 else [(0, first_rows), (first_rows - 1, n + 1)])
+    # A lone row that rejects inside the first piece never asks for the rest.
+    asked.clear()
+    single = Proposal(proposal.tokens[:1])  # row 0 rejects its first draft
+    a, committed = accept_in_pieces(GreedyAcceptor(), single, lambda s, e: row_logits(s, e)[:1], first_rows)
+    assert a.item() == 0 and committed[0, 0].item() == choice[0, 0]
+    assert asked == [(0, min(first_rows, n + 1))]
 
 
 class SelectorDraft(StubDraft):
