@@ -11,7 +11,9 @@ alpha_j: measured probability that draft position j is accepted given that the
 positions before it were, from a long memory of drafted cycles (steady), or from
 a short one while the two disagree (the draft got better or worse). t(w):
 measured seconds per cycle at width w (the median of its recent cycles: a job
-on another core only adds time, now and then a lot). Width 1 is what it is, a
+on another core only adds time, now and then a lot), divided by a load factor
+that follows what slows every width alike (a neighbour job, a longer context),
+so widths timed at different moments stay comparable. Width 1 is what it is, a
 plain decode step with no draft forward, timed on its own; other widths are
 timed where they ran and interpolated between measured widths elsewhere (never
 a line through all of them: cost jumps where the hardware changes regime, and
@@ -69,7 +71,10 @@ class BlockSizer:
         recheck_every: int = 16,
         max_recheck_gap: int = 256,
         recheck_within: float = 0.2,
+        load_follow: float = 0.25,
     ):
+        self.load = 1.0  # how much slower cycles run now than when the times were learned
+        self.load_follow = load_follow
         self.recheck_every = recheck_every
         self.max_recheck_gap = max_recheck_gap
         self.recheck_within = recheck_within
@@ -163,6 +168,9 @@ class BlockSizer:
         one sample sits well above that (a disturbed cycle); else its sample stands."""
         if width not in self.times:
             below = max(w for w in self.times if w < width)
+            if self.expected_tokens(width) < self.expected_tokens(below) * (1 + self.min_hoped_gain):
+                # Even at `below`'s cost it would add next to nothing: not worth a cycle.
+                return self.rate(width)
             return self.expected_tokens(width) / self.times[below]
         trusted = {w: t for w, t in self.times.items() if w > 1 and w != width and self.trusted(w)}
         predicted = _interpolate(width, trusted)
@@ -255,6 +263,16 @@ class BlockSizer:
         # a kernel built for a new shape): the better of the first two stands.
         if self.cycle == 1:
             return  # the policy's first cycle runs cold (first graph, first allocations): untimed
+        # Times are kept in the units of one load. Whatever slows every width alike
+        # (a neighbour job starting, a longer context) shows first in the width that
+        # runs, while the others keep times from before it: a poor draft's width 4
+        # would then look cheap beside a width 1 timed under the new load. A cycle
+        # slower than its width's time moves the load a little; samples are divided by
+        # it. Only a trusted time says what "slower" is (a first sample can be one-off).
+        if self.trusted(width):
+            surprise = seconds / (self.load * self.times[width])
+            self.load *= min(2.0, max(0.5, surprise)) ** self.load_follow
+        seconds = seconds / self.load
         recent = self._recent.setdefault(width, [])
         recent.append(seconds)
         if self.samples.get(width, 0) == 1:

@@ -78,6 +78,24 @@ def test_poor_draft_falls_back_to_width_one_and_costs_little(cost):
     assert tokens / seconds >= 0.97 * (1 / cost(1))  # vs plain decoding
 
 
+def test_poor_draft_stays_at_width_one_when_the_load_changes():
+    """A neighbour job slows every width by 30% from cycle 60 on. Width 1 is timed
+    under the new load, the wider widths were timed before it: on paper a drafted
+    width now looks cheap enough, but a draft that is never right gains nothing."""
+
+    def cost(c, w):
+        return cpu_cost(w) * (1.3 if c >= 60 else 1.0)
+
+    sizer, widths = BlockSizer(MAX), []
+    for c in range(200):
+        w = sizer.choose(10**6)
+        sizer.update(w, 0, cost(c, w))
+        widths.append(w)
+    assert set(widths[12:]) == {1, 2}, widths  # the width-2 probes only
+    # The same when the budget's end brings widths below 16 into play.
+    assert all(sizer.choose(r) in (1, 2) for r in range(16, 1, -1))
+
+
 def test_oracle_draft_goes_and_stays_wide():
     widths, tokens, seconds = run(BlockSizer(MAX), oracle, 40)
     assert widths[:2] == [4, 4]  # moderate; the first (cold) cycle is not timed
