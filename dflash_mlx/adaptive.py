@@ -33,8 +33,9 @@ drafted cycle, so a change of subject is followed as before).
 
 import statistics
 import threading
-import weakref
 from typing import Dict, List, Optional
+
+from dflash_mlx.identity import IdentityMap
 
 
 class FixedWidth:
@@ -288,23 +289,18 @@ class BlockSizer:
             )
 
 
-# (id(model), id(draft)) -> (weakref to model, weakref to draft, sizer). The
-# weak references tell a live pair from a new one that reuses a dead pair's ids.
-_SIZERS: Dict[tuple, tuple] = {}
+# (model, draft) -> its BlockSizer, for as long as both live.
+_SIZERS = IdentityMap()
 _SIZERS_LOCK = threading.Lock()
 
 
 def sizer_for(model, draft) -> BlockSizer:
     """The process's `BlockSizer` for this target/draft pair (made on first use)."""
-    key = (id(model), id(draft))
     with _SIZERS_LOCK:
-        entry = _SIZERS.get(key)
-        if entry is not None and entry[0]() is model and entry[1]() is draft:
-            return entry[2]
-        for k in [k for k, (m, d, _) in _SIZERS.items() if m() is None or d() is None]:
-            del _SIZERS[k]
-        sizer = BlockSizer(draft.block_size)
-        _SIZERS[key] = (weakref.ref(model), weakref.ref(draft), sizer)
+        sizer = _SIZERS.get(model, draft)
+        if sizer is None:
+            sizer = BlockSizer(draft.block_size)
+            _SIZERS.put((model, draft), sizer)
         return sizer
 
 

@@ -11,45 +11,31 @@ plain decoding, the engine) sees the same array, so comparisons between them sta
 fair. A GPU reads either order at full speed: there nothing is changed.
 """
 
-import weakref
-from typing import Dict, Optional, Tuple
-
 import mlx.core as mx
 import mlx.nn as nn
 
-# id(weight) -> (weak reference to it, a contiguous copy of its .T or None): None for a
-# weight laid out here (its .T is contiguous already, and holding nothing lets its buffer
-# go with it); a copy for another one, made by `transposed` (a tied embedding, which stays
-# row-major for its lookups).
-_TRANSPOSED: Dict[int, Tuple[weakref.ref, Optional[mx.array]]] = {}
+from dflash_mlx.identity import IdentityMap
 
-
-def _entry(w: mx.array):
-    entry = _TRANSPOSED.get(id(w))
-    return entry if entry is not None and entry[0]() is w else None
-
-
-def _remember(w: mx.array, copy: Optional[mx.array]):
-    for k in [k for k, (ref, _) in _TRANSPOSED.items() if ref() is None]:
-        del _TRANSPOSED[k]
-    _TRANSPOSED[id(w)] = (weakref.ref(w), copy)
+# weight -> a contiguous copy of its .T, or RELAID for a weight laid out here (its .T is
+# contiguous already, and holding nothing lets its buffer go with it); a copy for another
+# one, made by `transposed` (a tied embedding, which stays row-major for its lookups).
+_TRANSPOSED = IdentityMap()
+RELAID = "relaid"
 
 
 def is_relaid(w: mx.array) -> bool:
-    entry = _entry(w)
-    return entry is not None and entry[1] is None
+    return _TRANSPOSED.get(w) is RELAID
 
 
 def transposed(w: mx.array) -> mx.array:
     """`w.T`, contiguous: the buffer itself for a weight laid out here, else a copy made
     once and kept for the life of `w` (one more copy of `w` in memory)."""
-    entry = _entry(w)
-    if entry is None:
-        copy = mx.contiguous(w.T)
-        mx.eval(copy)
-        _remember(w, copy)
-        return copy
-    return w.T if entry[1] is None else entry[1]
+    known = _TRANSPOSED.get(w)
+    if known is None:
+        known = mx.contiguous(w.T)
+        mx.eval(known)
+        _TRANSPOSED.put((w,), known)
+    return w.T if known is RELAID else known
 
 
 def relayout_for_cpu(model: nn.Module) -> int:
@@ -62,6 +48,6 @@ def relayout_for_cpu(model: nn.Module) -> int:
         if type(module) is nn.Linear and not is_relaid(module.weight):
             module.weight = mx.contiguous(module.weight.T).T
             mx.eval(module.weight)  # one at a time: the old buffer goes before the next is made
-            _remember(module.weight, None)
+            _TRANSPOSED.put((module.weight,), RELAID)
             n += 1
     return n
