@@ -22,8 +22,9 @@ Proposals are deterministic (q one-hot on the proposed token) unless sampled:
 Everything stays in the MLX graph; the engine syncs once per cycle to read the
 accept length. `accept_in_pieces` runs either acceptor with the target's logits
 computed for the first few verify rows only, and for the rest only when every
-draft those rows check was accepted (on a CPU the LM head's cost grows with its rows). Randomness comes from `mx.random`'s global state, so
-`mx.random.seed` makes a run reproducible.
+draft those rows check was accepted (on a CPU the LM head's cost grows with its
+rows). Randomness comes from `mx.random`'s global state, so `mx.random.seed`
+makes a run reproducible.
 """
 
 from dataclasses import dataclass
