@@ -4,6 +4,7 @@
     python benchmarks/engine_vs_reference.py auto        # block_size="auto" vs plain decoding (ours, mlx-lm's)
     python benchmarks/engine_vs_reference.py widths      # "auto" vs fixed widths, shipped draft
     python benchmarks/engine_vs_reference.py layout      # the CPU weight layout (dflash_mlx.layout) on and off
+    python benchmarks/engine_vs_reference.py compile     # the draft's MLPs through mx.compile, or not
 
 Every part runs the packaged SmolLM2-135M-Instruct target (float32) on the same
 prompts from the benchmark suites, greedy, and checks that every configuration
@@ -134,6 +135,18 @@ def standard_layout(module):
             mx.eval(m.weight)
 
 
+def compiled_mlps(draft):
+    """A copy of `draft` whose layers' MLPs (mlx-lm's SwiGLU) run through `mx.compile`
+    (the attention takes the context cache, a Python object, so it stays as it is)."""
+    import copy
+
+    twin = copy.copy(draft)
+    twin.layers = [copy.copy(layer) for layer in draft.layers]
+    for layer in twin.layers:
+        layer.mlp = mx.compile(layer.mlp)
+    return twin
+
+
 def compare(configs, prompts, max_tokens, warmup=True):
     names = list(configs)
     if warmup:
@@ -178,7 +191,7 @@ def environment():
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("part", choices=["reference", "auto", "widths", "layout"])
+    p.add_argument("part", choices=["reference", "auto", "widths", "layout", "compile"])
     p.add_argument("--per-suite", type=int, default=2, help="prompts per suite (gsm8k, humaneval, mtbench)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--out", default=None)
@@ -222,6 +235,15 @@ def main(argv=None):
             "ours auto, CPU layout": ours(model, shipped, tokenizer, "auto"),
         }
         base = "mlx-lm plain, standard layout"
+    elif args.part == "compile":
+        twin = compiled_mlps(shipped)
+        configs = {
+            "block 4": ours(model, shipped, tokenizer, 4),
+            "block 4, compiled draft MLPs": ours(model, twin, tokenizer, 4),
+            "block 16": ours(model, shipped, tokenizer, 16),
+            "block 16, compiled draft MLPs": ours(model, twin, tokenizer, 16),
+        }
+        base = "block 4"
     else:
         configs = {"auto": ours(model, shipped, tokenizer, "auto")}
         for w in (2, 3, 4, 8, 16):
