@@ -163,3 +163,30 @@ def test_auto_block_size_is_lossless_and_adapts(arch):
     # every drafted block of the oracle accepted whole, and it goes wide
     assert all(r.accept_length == r.verify_width - 1 for r in responses[1:-1])
     assert responses[-1].tau > 4
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_split_verify_head_is_exact(arch, monkeypatch):
+    """On the CPU the verify's LM head runs on its first rows, then on the rest only
+    when all of their drafts are accepted (`accept_in_pieces`): scripted drafts wrong
+    inside the first piece, at the seam, inside the second piece, or never."""
+    model, tok = model_for(arch)
+    prompt, ref = clean_case(model, 30, 90, seed=11)
+    wrong = [0, 3, 2, 4, 9, 10**9, 1, 5, 15, 0, 3, 12] * 4
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=16)
+    rows = []
+    real_logits = Target.logits
+
+    def logits(self, h):
+        if h.ndim == 3:
+            rows.append(h.shape[1])
+        return real_logits(self, h)
+
+    monkeypatch.setattr(Target, "logits", logits)
+    out, responses = run(model, draft, tok, prompt, max_tokens=90, block_size=16, stop_token_ids=[])
+    assert out == ref
+    accepts = responses[-1].accept_lengths
+    assert accepts[:8] == [0, 3, 2, 4, 9, 15, 1, 5]
+    # cycle 1 stops in its first piece (4 rows); cycle 2 is right up to the seam: both pieces
+    assert rows[:3] == [4, 4, 13]
+    assert sum(rows) < 16 * len(accepts)  # rows past a rejection were left out
