@@ -268,8 +268,9 @@ class BlockSizer:
         # (a neighbour job starting, a longer context) shows first in the width that
         # runs, while the others keep times from before it: a poor draft's width 4
         # would then look cheap beside a width 1 timed under the new load. A cycle
-        # slower than its width's time moves the load a little; samples are divided by
-        # it. Only a trusted time says what "slower" is (a first sample can be one-off).
+        # slower or faster than its width's time moves the load a little; samples are
+        # divided by it. Only a trusted time says what "slower" is (a first sample can
+        # be one-off).
         if self.trusted(width):
             surprise = seconds / (self.load * self.times[width])
             self.load *= min(2.0, max(0.5, surprise)) ** self.load_follow

@@ -16,15 +16,15 @@ import mlx.nn as nn
 
 from dflash_mlx.identity import IdentityMap
 
-# weight -> a contiguous copy of its .T, or RELAID for a weight laid out here (its .T is
+# weight -> a contiguous copy of its .T, or _RELAID for a weight laid out here (its .T is
 # contiguous already, and holding nothing lets its buffer go with it); a copy for another
 # one, made by `transposed` (a tied embedding, which stays row-major for its lookups).
 _TRANSPOSED = IdentityMap()
-RELAID = "relaid"
+_RELAID = object()  # the marker of a weight laid out here
 
 
 def is_relaid(w: mx.array) -> bool:
-    return _TRANSPOSED.get(w) is RELAID
+    return _TRANSPOSED.get(w) is _RELAID
 
 
 def transposed(w: mx.array) -> mx.array:
@@ -35,7 +35,7 @@ def transposed(w: mx.array) -> mx.array:
         known = mx.contiguous(w.T)
         mx.eval(known)
         _TRANSPOSED.put((w,), known)
-    return w.T if known is RELAID else known
+    return w.T if known is _RELAID else known
 
 
 def relayout_for_cpu(model: nn.Module) -> int:
@@ -48,6 +48,6 @@ def relayout_for_cpu(model: nn.Module) -> int:
         if type(module) is nn.Linear and not is_relaid(module.weight):
             module.weight = mx.contiguous(module.weight.T).T
             mx.eval(module.weight)  # one at a time: the old buffer goes before the next is made
-            _TRANSPOSED.put((module.weight,), RELAID)
+            _TRANSPOSED.put((module.weight,), _RELAID)
             n += 1
     return n
