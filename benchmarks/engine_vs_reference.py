@@ -65,17 +65,12 @@ def timed(stream):
     return tokens, (time.perf_counter() - first_at[0], time.process_time() - first_at[1]), accepts
 
 
-def ours(model, draft, tokenizer, block_size, baseline=False, split_head=True):
+def ours(model, draft, tokenizer, block_size, baseline=False, split_head=None):
     """`split_head=False`: the verify's LM head over all rows at once (see generate.HeadRows)."""
-    from dflash_mlx.generate import HeadRows
 
     def run(prompt, max_tokens):
-        HeadRows.SPLIT_ON_CPU = split_head
-        try:
-            return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
-                                         block_size=block_size, baseline=baseline))
-        finally:
-            HeadRows.SPLIT_ON_CPU = True
+        return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,
+                                     block_size=block_size, baseline=baseline, split_head=split_head))
     return run
 
 

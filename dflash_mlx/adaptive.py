@@ -298,7 +298,7 @@ _SIZERS_LOCK = threading.Lock()
 def sizer_for(model, draft) -> BlockSizer:
     """The process's `BlockSizer` for this target/draft pair (made on first use)."""
     with _SIZERS_LOCK:
-        sizer = _SIZERS.get(model, draft)
+        sizer = _SIZERS.get((model, draft))
         if sizer is None:
             sizer = BlockSizer(draft.block_size)
             _SIZERS.put((model, draft), sizer)

@@ -151,11 +151,8 @@ class HeadRows:
     reads the head once whatever the rows: there all rows run at once, no extra sync.
     """
 
-    # Benchmarks turn it off to measure what the split buys.
-    SPLIT_ON_CPU = True
-
     def __init__(self, split: bool):
-        self.split = split and self.SPLIT_ON_CPU
+        self.split = split
         self.mean_accept = 0.0  # moving average of recent accept lengths
 
     def first(self, width: int) -> int:
@@ -255,15 +252,15 @@ def _committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optiona
 
 
 def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
-           budget: int, stops, timer) -> Iterator[Step]:
+           budget: int, stops, timer, split_head: Optional[bool] = None) -> Iterator[Step]:
     """Draft -> verify -> accept -> rollback until a stop id or `budget` more tokens.
 
     `last` [1]: the last committed token. Each cycle syncs with the host once,
     to read the accept length (twice when a split LM head needs its other rows,
-    see `HeadRows`); `widths` picks each cycle's verify width.
+    see `HeadRows`; `split_head` None: on CPUs); `widths` picks each cycle's verify width.
     """
     cache = state.target_cache
-    head_rows = HeadRows(split=mx.default_device() == mx.cpu)
+    head_rows = HeadRows(split=mx.default_device() == mx.cpu if split_head is None else split_head)
     while budget > 0:
         width = widths.choose(budget)
         timer.start()
@@ -326,6 +323,7 @@ def stream_generate(
     profile: bool = False,
     prefill_step_size: int = 512,
     draft_sampling: str = "argmax",
+    split_head: Optional[bool] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -333,6 +331,7 @@ def stream_generate(
     `block_size`: the draft's own when None; "auto" picks each cycle's verify
     width from measured acceptance and cycle times (see `dflash_mlx.adaptive`).
     `baseline=True` (or `draft=None`) decodes with the target alone.
+    `split_head`: verify's LM head in two pieces (`HeadRows`); None: on CPUs only.
     """
     tokenizer = _wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -384,11 +383,11 @@ def stream_generate(
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
         yield from _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids,
-                            max_tokens, stops, timer, prefill_step_size)
+                            max_tokens, stops, timer, prefill_step_size, split_head)
 
 
 def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, max_tokens, stops,
-             timer, prefill_step_size) -> Iterator[DFlashResponse]:
+             timer, prefill_step_size, split_head=None) -> Iterator[DFlashResponse]:
     """Steps of `prefill` and `cycles` as responses: detokenized text and running statistics."""
     detok = tokenizer.detokenizer
     detok.reset()
@@ -436,7 +435,7 @@ def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, ma
     yield response(Step([first_token], [False], finish, 0, 1), first=True)
     if finish is not None:
         return
-    for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer):
+    for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer, split_head):
         yield response(step)
 
 

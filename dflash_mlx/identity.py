@@ -12,12 +12,12 @@ _MISSING = object()
 
 
 class IdentityMap:
-    """`map.get(a, b)` / `map.put((a, b), value)`: keyed by the identities of a and b."""
+    """`map.get((a, b))` / `map.put((a, b), value)`: keyed by the identities of a and b."""
 
     def __init__(self):
         self._items: Dict[Tuple[int, ...], Tuple[Tuple[weakref.ref, ...], Any]] = {}
 
-    def get(self, *keys, default=None):
+    def get(self, keys: tuple, default=None):
         entry = self._items.get(tuple(map(id, keys)), _MISSING)
         if entry is _MISSING or any(ref() is not key for ref, key in zip(entry[0], keys)):
             return default

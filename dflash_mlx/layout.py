@@ -24,13 +24,13 @@ _RELAID = object()  # the marker of a weight laid out here
 
 
 def is_relaid(w: mx.array) -> bool:
-    return _TRANSPOSED.get(w) is _RELAID
+    return _TRANSPOSED.get((w,)) is _RELAID
 
 
 def transposed(w: mx.array) -> mx.array:
     """`w.T`, contiguous: the buffer itself for a weight laid out here, else a copy made
     once and kept for the life of `w` (one more copy of `w` in memory)."""
-    known = _TRANSPOSED.get(w)
+    known = _TRANSPOSED.get((w,))
     if known is None:
         known = mx.contiguous(w.T)
         mx.eval(known)

@@ -190,3 +190,10 @@ def test_split_verify_head_is_exact(arch, monkeypatch):
     # cycle 1 stops in its first piece (4 rows); cycle 2 is right up to the seam: both pieces
     assert rows[:3] == [4, 4, 13]
     assert sum(rows) < 16 * len(accepts)  # rows past a rejection were left out
+    # split_head=False: one piece of all rows per cycle, the same tokens
+    rows.clear()
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=16)
+    out, responses = run(model, draft, tok, prompt, max_tokens=90, block_size=16, stop_token_ids=[],
+                         split_head=False)
+    assert out == ref and responses[-1].accept_lengths == accepts
+    assert rows[:3] == [16, 16, 16] and len(rows) == len(accepts)  # one head call per cycle

@@ -77,6 +77,38 @@ def test_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     assert len((run / "responses.jsonl").read_text().splitlines()) == 6
 
 
+def test_train_cli_grows_a_trained_run(tmp_path, monkeypatch):
+    from dflash_mlx.train import cli
+
+    model, tok = tiny_target("llama")
+    monkeypatch.setattr(cli, "load_target", lambda spec: (model, tok))
+    base = ["--target", "tiny", "--gsm8k", "6", "--sharegpt", "0", "--max-new-tokens", "12",
+            "--max-prompt-tokens", "400", "--gen-batch", "3", "--block-size", "4", "--draft-vocab", "100",
+            "--batch-tokens", "32", "--blocks-per-seq", "4", "--eval-every", "2", "--tau-prompts", "0"]
+    small = tmp_path / "small.run"
+    assert cli.main(base + ["--out", str(tmp_path / "small"), "--layers", "1", "--steps", "4"]) == 0
+    with pytest.raises(SystemExit, match="not a training run folder"):
+        cli.main(base + ["--out", str(tmp_path / "x"), "--grow-from", str(tmp_path / "small"), "--layers", "2"])
+    with pytest.raises(SystemExit, match="--layers"):
+        cli.main(base + ["--out", str(tmp_path / "y"), "--grow-from", str(small), "--layers", "0"])
+    run = tmp_path / "big.run"
+    run.mkdir()
+    (run / "responses.jsonl").write_text((small / "responses.jsonl").read_text())
+    args = base + ["--out", str(tmp_path / "big"), "--run-dir", str(run), "--grow-from", str(small),
+                   "--layers", "3", "--steps", "2", "--skip-gen", "--dropout", "0.1"]
+    assert cli.main(args) == 0
+    assert "grown from" in (run / "train.log").read_text()
+    grown = load_draft(tmp_path / "big", model)
+    first = load_draft(tmp_path / "small", model)
+    assert grown.config.num_hidden_layers == 3
+    assert grown.config.target_layer_ids == first.config.target_layer_ids
+    np.testing.assert_array_equal(np.array(grown.vocab_ids), np.array(first.vocab_ids))
+    np.testing.assert_array_equal(np.load(run / "feature_scale.npy"), np.load(small / "feature_scale.npy"))
+    # a second call resumes the grown run like any other (its own config and checkpoint)
+    assert cli.main([a if a != "2" else "3" for a in args] + ["--resume"]) == 0
+    assert json.loads((run / "checkpoint" / "state.json").read_text())["step"] == 3
+
+
 def test_measure_tau_pools_engine_cycles():
     from dflash_mlx.bench.suites import format_prompt, load_suite
     from dflash_mlx.generate import encode_prompt as encode

@@ -324,3 +324,61 @@ def test_features_and_teacher_come_from_one_target_forward(setup, monkeypatch):
     make_batch(recs[:2], src, np.random.default_rng(0), 8, 4, 299, index_map(None, target.vocab_size),
                teacher=src.teacher)
     assert len(calls) == 2
+
+
+def _trained_draft(setup, tmp_path, layers=2, steps=30):
+    _, tok, target, recs = setup
+    cfg = I.make_draft_config(target, tok, recs, layers, 8, "target")
+    feats = FeatureSource(target, cfg.target_layer_ids)
+    mx.random.seed(0)
+    draft, scale, _ = I.make_draft(cfg, target, recs, feats)
+    tc = TrainConfig(steps=steps, batch_tokens=256, blocks_per_seq=8, lr=3e-3, eval_every=0, log_every=10**6)
+    Trainer(draft, recs, recs, feats, tc, tmp_path / "small", log=lambda s: None, feature_scale=scale).train()
+    return draft, feats, scale
+
+
+@pytest.mark.parametrize("layers", [3, 4, 5])
+def test_grown_draft_computes_what_the_trained_draft_does(setup, tmp_path, layers):
+    _, tok, target, recs = setup
+    draft, feats, scale = _trained_draft(setup, tmp_path)
+    grown = I.grow_draft(draft, layers)
+    assert grown.config.num_hidden_layers == layers and len(grown.layers) == layers
+    assert grown.config.target_layer_ids == draft.config.target_layer_ids
+    batch = make_batch(recs[:3], feats, np.random.default_rng(1), 8, 4, draft.config.mask_token_id,
+                       index_map(None, draft.config.vocab_size), feature_scale=scale)
+    small = training_logits(draft, batch.features, batch.block_ids, batch.anchors)
+    big = training_logits(grown, batch.features, batch.block_ids, batch.anchors)
+    np.testing.assert_allclose(np.array(big), np.array(small), rtol=1e-5, atol=1e-5)
+    # The new layers start as copies of the last trained ones, minus their output matrices.
+    src = draft.layers[{3: 1, 4: 1, 5: 0}[layers]]  # the last `extra` layers in order, cycled past 2
+    np.testing.assert_array_equal(np.array(grown.layers[-1].self_attn.q_proj.weight),
+                                  np.array(src.self_attn.q_proj.weight))
+    assert not np.any(np.array(grown.layers[-1].self_attn.o_proj.weight))
+    assert not np.any(np.array(grown.layers[-1].mlp.down_proj.weight))
+    # ... and they learn: one step moves their output matrices off zero.
+    tc = TrainConfig(steps=1, batch_tokens=256, blocks_per_seq=8, lr=1e-3, warmup=0.0, eval_every=0,
+                     log_every=10**6)
+    Trainer(grown, recs, [], feats, tc, tmp_path / "grown", log=lambda s: None, feature_scale=scale).train()
+    assert np.any(np.array(grown.layers[-1].self_attn.o_proj.weight))
+    assert np.any(np.array(grown.layers[-1].mlp.down_proj.weight))
+
+
+def test_grow_refuses_fewer_layers(setup, tmp_path):
+    draft, _, _ = _trained_draft(setup, tmp_path, steps=1)
+    with pytest.raises(ValueError, match="--layers"):
+        I.grow_draft(draft, 1)
+
+
+def test_dropout_is_training_only_and_random(setup, tmp_path):
+    _, tok, target, recs = setup
+    draft, feats, scale = _trained_draft(setup, tmp_path, steps=1)
+    batch = make_batch(recs[:2], feats, np.random.default_rng(0), 8, 4, draft.config.mask_token_id,
+                       index_map(None, draft.config.vocab_size), feature_scale=scale)
+    plain = np.array(training_logits(draft, batch.features, batch.block_ids, batch.anchors))
+    np.testing.assert_array_equal(plain, np.array(training_logits(draft, batch.features, batch.block_ids,
+                                                                  batch.anchors, dropout=0.0)))
+    a = np.array(training_logits(draft, batch.features, batch.block_ids, batch.anchors, dropout=0.2))
+    b = np.array(training_logits(draft, batch.features, batch.block_ids, batch.anchors, dropout=0.2))
+    assert not np.allclose(a, plain) and not np.allclose(a, b)
+    # the expectation is kept: dropped units are rescaled, so the logits stay close on average
+    assert abs(np.mean(a) - np.mean(plain)) < 0.25 * np.std(plain)

@@ -11,6 +11,7 @@ faster machine raise --gen-minutes/--minutes/--steps and --batch-tokens.
 """
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -62,6 +63,10 @@ def build_parser():
                    help="leave q/k norms at 1 instead of the target's typical q/k RMS")
     g.add_argument("--mask-token", default="auto",
                    help="mask token id (auto: an unused special token, else an id absent from the data)")
+    g.add_argument("--grow-from", default=None, metavar="RUN_DIR",
+                   help="start from another run folder's checkpoint (its taps, feature scale and vocabulary), "
+                        "grown to --layers: new layers copy its last ones with zeroed output matrices, so "
+                        "training starts at its loss (train/init.py grow_draft)")
     g.add_argument("--rebuild-vocab", action="store_true",
                    help="recount the draft vocabulary from the data now present (the weights do not depend on it)")
     g = p.add_argument_group("training")
@@ -73,6 +78,8 @@ def build_parser():
     g.add_argument("--gamma", type=float, default=7.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--weight-decay", type=float, default=0.01, help="on weight matrices only")
+    g.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout on the fused context and the residual branches, training only")
     g.add_argument("--distill", type=float, default=0.0, metavar="LAMBDA",
                    help="self-distillation: weight of the cross-entropy against the target's top-k "
                         "distribution (0: the target's tokens alone; 1: its distribution alone)")
@@ -121,6 +128,34 @@ def _layer_ids(arg, num_layers: int, n_draft: int):
     return default_target_layer_ids(num_layers, max(n_draft, 4))
 
 
+def _grown_draft(src: Path, target, layers: int, log):
+    """The checkpoint of run folder `src`, grown to `layers` layers."""
+    import mlx.core as mx
+
+    from dflash_mlx.draft import DFlashDraftModel, DraftConfig
+    from dflash_mlx.train.init import grow_draft
+    from dflash_mlx.train.trainer import CHECKPOINT
+
+    ck = src / CHECKPOINT
+    if not (src / "draft_config.json").exists() or not (ck / "draft.safetensors").exists():
+        raise SystemExit(f"--grow-from {src}: not a training run folder with a checkpoint "
+                         f"(draft_config.json and {CHECKPOINT}/draft.safetensors); give the --run-dir of a run")
+    cfg = DraftConfig.from_dict(json.loads((src / "draft_config.json").read_text()))
+    if cfg.hidden_size != target.hidden_size or cfg.num_target_layers != target.num_layers:
+        raise SystemExit(f"--grow-from {src}: its draft was made for another target (hidden size "
+                         f"{cfg.hidden_size}, {cfg.num_target_layers} layers; this one: {target.hidden_size}, "
+                         f"{target.num_layers})")
+    small = DFlashDraftModel(cfg)
+    small.bind(target)
+    small.load_weights(list(mx.load(str(ck / "draft.safetensors")).items()))
+    if (ck / "vocab.safetensors").exists():
+        small.set_vocab(mx.load(str(ck / "vocab.safetensors"))["token_ids"])
+    try:
+        return grow_draft(small, layers)
+    except ValueError as e:
+        raise SystemExit(f"--grow-from {src}: {e}")
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     import mlx.core as mx
@@ -148,9 +183,17 @@ def main(argv=None):
     responses = run / "responses.jsonl"
     feat_dir = None if args.no_feature_cache else run / "features"
     copy_layers = [int(x) for x in args.copy_layers.split(",")] if args.copy_layers else None
-    layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
-    if args.init == "target":
-        layer_ids = I.target_init_layer_ids(target.num_layers, args.layers, copy_layers, layer_ids)
+    cfg_path = run / "draft_config.json"
+    grown = None
+    if args.grow_from and args.overfit:
+        raise SystemExit("--overfit checks the recipe from its initialisation; leave out --grow-from")
+    if args.grow_from and not cfg_path.exists():  # checked before any generation
+        grown = _grown_draft(Path(args.grow_from), target, args.layers, log)
+        layer_ids = list(grown.config.target_layer_ids)
+    else:
+        layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
+        if args.init == "target":
+            layer_ids = I.target_init_layer_ids(target.num_layers, args.layers, copy_layers, layer_ids)
 
     if args.data:
         _merge_packed(args.data, responses, tokenizer, log)
@@ -179,10 +222,15 @@ def main(argv=None):
         train = train[: args.overfit]
         held = train  # the check: can the recipe fit exactly what it trains on?
 
-    cfg_path = run / "draft_config.json"
     scale_path = run / "feature_scale.npy"
     vocab_path = run / "draft_vocab.npy"
     resumed = cfg_path.exists() and not args.overfit  # a resumed run keeps its architecture and vocabulary
+    if grown is not None and not args.overfit:
+        cfg_path.write_text(json.dumps(grown.config.to_dict(), indent=2))
+        for name in ("feature_scale.npy", "draft_vocab.npy"):
+            if (Path(args.grow_from) / name).exists():
+                shutil.copyfile(Path(args.grow_from) / name, run / name)
+        resumed = True  # from here on it is a run folder like any other
     if resumed:
         from dflash_mlx.draft import DraftConfig
 
@@ -209,16 +257,23 @@ def main(argv=None):
             eos = list(getattr(tokenizer, "eos_token_ids", []) or [])
             vocab = build_vocab(train, args.draft_vocab, target.vocab_size, always=eos)
     mx.random.seed(args.seed)
-    draft, scale, done = I.make_draft(
-        dcfg, target, train, feats, init=args.init, copy_layers=copy_layers,
-        feature_scale=not args.no_feature_scale, scale=scale, qk_norm=not args.no_qk_norm_init, vocab=vocab,
-    )
+    if grown is not None:
+        draft, done = grown, {"copied_layers": [], "skipped": [], "grown_from": args.grow_from}
+        if vocab is not None:
+            draft.set_vocab(mx.array(vocab))
+    else:
+        draft, scale, done = I.make_draft(
+            dcfg, target, train, feats, init=args.init, copy_layers=copy_layers,
+            feature_scale=not args.no_feature_scale, scale=scale, qk_norm=not args.no_qk_norm_init, vocab=vocab,
+        )
     if not args.overfit:
         if scale is not None:
             np.save(scale_path, scale)
         if vocab is not None:
             np.save(vocab_path, vocab)
-    if args.init == "target":
+    if grown is not None:
+        log(f"grown from {args.grow_from}: {draft.config.num_hidden_layers} layers")
+    elif args.init == "target":
         log(f"initialised from the target: layers {done['copied_layers']}, "
             f"fc passes tap {done.get('passthrough_tap')}, {len(done['skipped'])} tensors left random")
     if vocab is not None:
@@ -227,7 +282,7 @@ def main(argv=None):
     tcfg = TrainConfig(
         steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
         warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
-        weight_decay=args.weight_decay, distill=args.distill,
+        weight_decay=args.weight_decay, distill=args.distill, dropout=args.dropout,
         checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every, eval_every=0 if args.overfit else args.eval_every,
         log_every=args.log_every,

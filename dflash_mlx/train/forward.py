@@ -48,17 +48,26 @@ def _attention(attn, x, h_ctx, anchors, rope, block_size, mask):
     return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(N, L, -1))
 
 
-def training_hidden(draft, features: mx.array, block_ids: mx.array, anchors: mx.array) -> mx.array:
+def _dropout(x: mx.array, p: float) -> mx.array:
+    if not p:
+        return x
+    return x * mx.random.bernoulli(1.0 - p, x.shape).astype(x.dtype) / (1.0 - p)
+
+
+def training_hidden(draft, features: mx.array, block_ids: mx.array, anchors: mx.array,
+                    dropout: float = 0.0) -> mx.array:
     """Normalized draft hidden states of every block token.
 
     features: [N, S, n_tl*H] target features of the whole sequence;
     block_ids: [N, K*B] token ids ([anchor token, MASK x (B-1)] per block);
     anchors: [N, K] absolute positions of the anchor tokens.
+    dropout: on the fused context and on each residual branch (training only: a small
+    draft memorises its few target responses, see train/README.md).
     Returns [N, K*B, H].
     """
     B = block_ids.shape[1] // anchors.shape[1]
     S = features.shape[1]
-    h_ctx = draft.fuse(features)
+    h_ctx = _dropout(draft.fuse(features), dropout)
     h = draft.target.embed(block_ids)
     if draft.config.input_embedding_scale != 1.0:
         h = h * draft.config.input_embedding_scale
@@ -69,8 +78,8 @@ def training_hidden(draft, features: mx.array, block_ids: mx.array, anchors: mx.
         if key not in masks:
             masks[key] = block_mask(anchors, S, B, window=attn.window, causal=attn.is_causal)
         a = _attention(attn, layer.input_layernorm(h), h_ctx, anchors, draft._rope, B, masks[key])
-        h = h + a
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        h = h + _dropout(a, dropout)
+        h = h + _dropout(layer.mlp(layer.post_attention_layernorm(h)), dropout)
     return draft.norm(h)
 
 
@@ -80,10 +89,11 @@ def training_logits(
     block_ids: mx.array,
     anchors: mx.array,
     vocab_ids: Optional[mx.array] = None,
+    dropout: float = 0.0,
 ) -> mx.array:
     """Logits [N, K, B-1, V] at the mask positions of every block (draft vocabulary
     `vocab_ids`, else `draft.vocab_ids`, else the full vocabulary)."""
     N, K = anchors.shape
     B = block_ids.shape[1] // K
-    h = training_hidden(draft, features, block_ids, anchors).reshape(N, K, B, -1)[:, :, 1:]
+    h = training_hidden(draft, features, block_ids, anchors, dropout).reshape(N, K, B, -1)[:, :, 1:]
     return draft.logits(h, vocab_ids)

@@ -287,3 +287,44 @@ def make_draft(config: DraftConfig, target, records, features, init: str = "targ
         draft.set_vocab(mx.array(vocab))
     mx.eval(draft.parameters())
     return draft, scale, done
+
+
+def grow_draft(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
+    """A deeper copy of a trained draft that computes exactly what it does.
+
+    Layers past the draft's own are copies of its last ones (their attention already
+    reads the fused context) with `o_proj` and `down_proj` zeroed: each new layer then
+    adds nothing to the residual stream until training moves those two matrices, so
+    the grown draft starts at the trained draft's loss instead of relearning it.
+    Returns a new model, bound to the same target, with the same reduced vocabulary.
+    """
+    cfg = draft.config
+    n_old = cfg.num_hidden_layers
+    if num_layers < n_old:
+        raise ValueError(f"cannot grow a {n_old}-layer draft to {num_layers} layers; give --layers >= {n_old}")
+    if cfg.version != 1:
+        raise ValueError("growing is implemented for DFlash 1 drafts only")
+    d = cfg.to_dict()
+    d["num_hidden_layers"] = num_layers
+    d["layer_types"] = list(cfg.layer_types) + [cfg.layer_types[-1]] * (num_layers - n_old)
+    grown = DFlashDraftModel(DraftConfig.from_dict(d))
+    if draft.target is not None:
+        grown.bind(draft.target)
+    params = dict(tree_flatten(draft.parameters()))
+    new = {k: v for k, v in params.items() if not k.startswith("layers.")}
+    for i in range(num_layers):
+        extra = num_layers - n_old
+        if i < n_old:
+            src = i
+        else:  # the last `extra` layers in order (all of them, cycled, when extra > n_old)
+            src = n_old - extra + (i - n_old) if extra <= n_old else (i - n_old) % n_old
+        for k, v in params.items():
+            if k.startswith(f"layers.{src}."):
+                name = f"layers.{i}." + k[len(f"layers.{src}."):]
+                zero = i >= n_old and (name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"))
+                new[name] = mx.zeros_like(v) if zero else v
+    grown.load_weights(list(new.items()))
+    if draft.vocab_ids is not None:
+        grown.set_vocab(draft.vocab_ids)
+    mx.eval(grown.parameters())
+    return grown

@@ -54,6 +54,7 @@ class TrainConfig:
     # Self-distillation: loss = (1 - distill) * CE(target's token) + distill * CE(target's
     # top-k distribution); 0 trains on the target's tokens alone.
     distill: float = 0.0  # the teacher's top-k: FeatureSource(teacher_topk=...)
+    dropout: float = 0.0  # training forward only (context and residual branches)
     seed: int = 0
     max_seq_len: int = 512
     checkpoint_every: float = 180.0  # seconds between checkpoints
@@ -351,7 +352,8 @@ class Trainer:
     # -- one step -------------------------------------------------------------
 
     def _loss(self, model, batch: Batch):
-        logits = training_logits(model, batch.features, batch.block_ids, batch.anchors)
+        logits = training_logits(model, batch.features, batch.block_ids, batch.anchors,
+                                 dropout=self.cfg.dropout)
         loss, _ = block_loss(logits, batch.labels, batch.valid, self.cfg.gamma,
                              batch.soft_ids, batch.soft_probs, self.cfg.distill)
         return loss, logits
