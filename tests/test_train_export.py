@@ -97,7 +97,8 @@ def test_train_cli_grows_a_trained_run(tmp_path, monkeypatch):
     args = base + ["--out", str(tmp_path / "big"), "--run-dir", str(run), "--grow-from", str(small),
                    "--layers", "3", "--steps", "2", "--skip-gen", "--dropout", "0.1"]
     assert cli.main(args) == 0
-    assert "grown from" in (run / "train.log").read_text()
+    logged = (run / "train.log").read_text()
+    assert "grown from" in logged and "Adam moments of" in logged
     grown = load_draft(tmp_path / "big", model)
     first = load_draft(tmp_path / "small", model)
     assert grown.config.num_hidden_layers == 3

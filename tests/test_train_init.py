@@ -382,3 +382,23 @@ def test_dropout_is_training_only_and_random(setup, tmp_path):
     assert not np.allclose(a, plain) and not np.allclose(a, b)
     # the expectation is kept: dropped units are rescaled, so the logits stay close on average
     assert abs(np.mean(a) - np.mean(plain)) < 0.25 * np.std(plain)
+
+
+def test_grown_draft_adopts_the_trained_runs_adam_moments(setup, tmp_path):
+    from mlx.utils import tree_flatten
+
+    _, tok, target, recs = setup
+    draft, feats, scale = _trained_draft(setup, tmp_path)  # its checkpoint: tmp_path/small/checkpoint
+    grown = I.grow_draft(draft, 4)
+    tc = TrainConfig(steps=1, batch_tokens=256, blocks_per_seq=8, lr=1e-3, eval_every=0, log_every=10**6)
+    tr = Trainer(grown, recs, [], feats, tc, tmp_path / "grown", log=lambda s: None, feature_scale=scale)
+    n = tr.adopt_moments(tmp_path / "small" / "checkpoint")
+    saved = mx.load(str(tmp_path / "small" / "checkpoint" / "optimizer.safetensors"))
+    state = dict(tree_flatten(tr.optimizer.state))
+    old = [k for k in state if k.endswith((".m", ".v")) and not k.startswith(("layers.2.", "layers.3."))]
+    assert n == len(old) > 0
+    for k in old:
+        np.testing.assert_array_equal(np.array(state[k]), np.array(saved[k]))
+    new = [k for k in state if k.startswith(("layers.2.", "layers.3.")) and k.endswith((".m", ".v"))]
+    assert new and all(not np.any(np.array(state[k])) for k in new)
+    assert int(state["step"].item()) == int(saved["step"].item()) == 30

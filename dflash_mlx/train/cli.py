@@ -305,6 +305,11 @@ def main(argv=None):
 
             draft.set_vocab(mx.array(vocab))
             trainer.vocab_index = index_map(vocab, dcfg.vocab_size)
+    elif grown is not None:
+        from dflash_mlx.train.trainer import CHECKPOINT
+
+        n = trainer.adopt_moments(Path(args.grow_from) / CHECKPOINT)
+        log(f"Adam moments of {n} tensors taken from {args.grow_from} (new layers start at zero)")
     n_resp = sum(len(r["response"]) for r in records)
     log(f"{len(train)} training / {len(held)} held-out records, {n_resp} response tokens; "
         f"{trainer.seqs_per_step} sequences x {tcfg.blocks_per_seq} blocks per step")

@@ -479,6 +479,24 @@ class Trainer:
         mx.eval(self.draft.parameters(), self.optimizer.state)
         return True
 
+    def adopt_moments(self, checkpoint) -> int:
+        """Start from another run's Adam moments where its parameters match these (a grown
+        draft's old layers, fc, norms); the rest start at zero. Fresh moments make Adam's
+        first steps move every weight by about the lr, which undoes part of a trained
+        draft. Returns how many tensors were adopted."""
+        saved = mx.load(str(Path(checkpoint) / "optimizer.safetensors"))
+        state = dict(tree_flatten(self.optimizer.state))
+        adopted = 0
+        for k, v in state.items():
+            if k.endswith((".m", ".v")) and k in saved and tuple(saved[k].shape) == tuple(v.shape):
+                state[k] = saved[k].astype(v.dtype)
+                adopted += 1
+        if "step" in saved:
+            state["step"] = saved["step"]
+        self.optimizer.state = tree_unflatten(list(state.items()))
+        mx.eval(self.optimizer.state)
+        return adopted
+
     # -- loop -------------------------------------------------------------------
 
     def train(self, stop_after: Optional[int] = None, deadline: Optional[float] = None):
