@@ -74,6 +74,11 @@ def test_train_cli_end_to_end_and_resume(tmp_path, monkeypatch):
     assert cli.main(more + ["--resume", "--skip-gen"]) == 0
     state = json.loads((run / "checkpoint" / "state.json").read_text())
     assert state["step"] == 6 and [h["step"] for h in state["history"]] == [4, 6]
+    legs = state["legs"]
+    assert [(g["start_step"], g["end_step"], g["schedule_steps"]) for g in legs] == [(0, 4, 4), (4, 6, 6)]
+    assert legs[1]["start_lr"] > legs[0]["end_lr"]  # the stretched cosine starts higher up again
+    card = (out / "README.md").read_text()
+    assert "steps 1-4:" in card and "steps 5-6:" in card and "cosine to 6 steps" in card
     assert len((run / "responses.jsonl").read_text().splitlines()) == 6
 
 

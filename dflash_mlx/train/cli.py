@@ -336,10 +336,11 @@ def main(argv=None):
         state["config"] = trainer.resumed_config  # the card describes how it was trained, not this call's flags
     tau_curve = read_tau_curve(run / "tau_curve.jsonl")
     plot_curves(state, run / "training_curve.png", tau_curve)
+    trained = list(trainer.train_records) + list(held)  # with what --follow-data added
     info = {
         "target": args.target,
-        "records": len(records),
-        "response_tokens": n_resp,
+        "records": len(trained),
+        "response_tokens": sum(len(r["response"]) for r in trained),
         "steps": trainer.step,
         "supervised_tokens": trainer.tokens,
         "train_seconds": trainer.elapsed,

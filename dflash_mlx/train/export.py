@@ -85,6 +85,13 @@ def model_card(info: dict) -> str:
         f"loss weights exp(-(k-1)/{cfg.get('gamma')}), seed {cfg.get('seed')}",
         f"- compute: {info.get('compute') or ''} {info.get('train_seconds', 0) / 60:.0f} min of training",
     ]
+    legs = [g for g in st.get("legs") or [] if g.get("end_step", g["start_step"]) > g["start_step"]]
+    if len(legs) > 1:
+        lines.append("- in legs, each resuming the one before:")
+        for g in legs:
+            lines.append(f"  - steps {g['start_step'] + 1}-{g['end_step']}: {g['minutes']:.0f} min, cosine to "
+                         f"{g['schedule_steps']} steps (lr {g['start_lr']:.2g} -> {g['end_lr']:.2g}), data "
+                         f"{g['start_records']} -> {g['end_records']} training records")
     if info.get("init") == "target":
         lines.append("- initialised from the target (`dflash_mlx/train/init.py`): its last layers copied into "
                      "the draft layers, `fc` passing the feeding tap through, q/k norms at the target's q/k "

@@ -317,6 +317,8 @@ class Trainer:
         self.history: List[Dict] = []
         self.evals: List[Dict] = []
         self.resumed_config: Optional[Dict] = None
+        # One entry per `train` call: where it started and stopped, its schedule and data.
+        self.legs: List[Dict] = []
         self._loss_and_grad = nn.value_and_grad(draft, self._loss)
         # Set from a signal handler: the loop stops between steps, checkpoints, returns.
         self.stop_requested = False
@@ -427,6 +429,7 @@ class Trainer:
             "draft_config": self.draft.config.to_dict(),
             "history": self.history,
             "evals": self.evals,
+            "legs": self.legs,
         }
 
     def save_checkpoint(self):
@@ -475,9 +478,14 @@ class Trainer:
         self.step, self.tokens = state["step"], state["tokens"]
         self.elapsed = state.get("elapsed", 0.0)
         self.history, self.evals = state["history"], state["evals"]
+        self.legs = state.get("legs", [])
         self.resumed_config = state.get("config")  # what the checkpoint was trained with
         mx.eval(self.draft.parameters(), self.optimizer.state)
         return True
+
+    def _end_leg(self, leg: Dict, schedule, start_elapsed: float):
+        leg.update(end_step=self.step, end_lr=float(schedule(mx.array(max(self.step - 1, 0))).item()),
+                   end_records=len(self.train_records), minutes=(self.elapsed - start_elapsed) / 60)
 
     def adopt_moments(self, checkpoint) -> int:
         """Start from another run's Adam moments where its parameters match these (a grown
@@ -491,8 +499,6 @@ class Trainer:
             if k.endswith((".m", ".v")) and k in saved and tuple(saved[k].shape) == tuple(v.shape):
                 state[k] = saved[k].astype(v.dtype)
                 adopted += 1
-        if "step" in saved:
-            state["step"] = saved["step"]
         self.optimizer.state = tree_unflatten(list(state.items()))
         mx.eval(self.optimizer.state)
         return adopted
@@ -506,6 +512,10 @@ class Trainer:
         last_ck = time.perf_counter()
         t0 = time.perf_counter()
         start_elapsed, start_step = self.elapsed, self.step
+        schedule = lr_schedule(cfg)
+        leg = {"start_step": self.step, "schedule_steps": cfg.steps, "peak_lr": cfg.lr,
+               "start_lr": float(schedule(mx.array(self.step)).item()), "start_records": len(self.train_records)}
+        self.legs.append(leg)
         window = []
         while self.step < end:
             if deadline is not None and time.time() > deadline:
@@ -554,8 +564,10 @@ class Trainer:
             if cfg.snapshot_every and self.step % cfg.snapshot_every == 0:
                 self.save_snapshot()
             if time.perf_counter() - last_ck > cfg.checkpoint_every:
+                self._end_leg(leg, schedule, start_elapsed)
                 self.save_checkpoint()
                 last_ck = time.perf_counter()
+        self._end_leg(leg, schedule, start_elapsed)
         self.save_checkpoint()
         return self.history
 
