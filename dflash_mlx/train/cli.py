@@ -128,7 +128,7 @@ def _layer_ids(arg, num_layers: int, n_draft: int):
     return default_target_layer_ids(num_layers, max(n_draft, 4))
 
 
-def _grown_draft(src: Path, target, layers: int, log):
+def _grown_draft(src: Path, target, layers: int):
     """The checkpoint of run folder `src`, grown to `layers` layers."""
     import mlx.core as mx
 
@@ -188,7 +188,7 @@ def main(argv=None):
     if args.grow_from and args.overfit:
         raise SystemExit("--overfit checks the recipe from its initialisation; leave out --grow-from")
     if args.grow_from and not cfg_path.exists():  # checked before any generation
-        grown = _grown_draft(Path(args.grow_from), target, args.layers, log)
+        grown = _grown_draft(Path(args.grow_from), target, args.layers)
         layer_ids = list(grown.config.target_layer_ids)
     else:
         layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
