@@ -96,6 +96,8 @@ def test_train_cli_grows_a_trained_run(tmp_path, monkeypatch):
         cli.main(base + ["--out", str(tmp_path / "x"), "--grow-from", str(tmp_path / "small"), "--layers", "2"])
     with pytest.raises(SystemExit, match="--layers"):
         cli.main(base + ["--out", str(tmp_path / "y"), "--grow-from", str(small), "--layers", "0"])
+    with pytest.raises(SystemExit, match="a grown run brings no data"):
+        cli.main(base + ["--out", str(tmp_path / "z"), "--grow-from", str(small), "--layers", "2", "--skip-gen"])
     run = tmp_path / "big.run"
     run.mkdir()
     (run / "responses.jsonl").write_text((small / "responses.jsonl").read_text())

@@ -213,7 +213,9 @@ def main(argv=None):
         )
     records = [r for r in D.read_records(responses) if len(r["response"]) >= 2]
     if not records:
-        raise SystemExit(f"no responses in {responses}: run without --skip-gen first")
+        hint = (f"; a grown run brings no data of its own: pass --data <packed file> or copy "
+                f"{Path(args.grow_from) / 'responses.jsonl'} there") if args.grow_from else ""
+        raise SystemExit(f"no responses in {responses}: run without --skip-gen first{hint}")
     train, held = split_by_hash(records, 0.03)
     held = held[:48]
     if not held and len(records) > 1:  # tiny data sets: keep one record aside anyway
