@@ -33,15 +33,15 @@ def main(argv=None):
     p.add_argument("--held", type=int, default=160, help="held-out records (the run's own held-out side)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    import mlx.core as mx
     import numpy as np
 
     from dflash_mlx import load
-    from dflash_mlx.draft import DFlashDraftModel, DraftConfig
+    from dflash_mlx.draft import DraftConfig
     from dflash_mlx.target import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import grow_draft
-    from dflash_mlx.train.trainer import CHECKPOINT, FeatureSource, TrainConfig, Trainer, split_by_hash
+    from dflash_mlx.train.trainer import (CHECKPOINT, FeatureSource, TrainConfig, Trainer, load_run_draft,
+                                          split_by_hash)
 
     run = Path(args.run_dir)
     model, _ = load(args.target)
@@ -59,12 +59,7 @@ def main(argv=None):
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for n in [int(x) for x in args.layers.split(",")]:
-        draft = DFlashDraftModel(cfg)
-        draft.bind(target)
-        draft.load_weights(list(mx.load(str(run / CHECKPOINT / "draft.safetensors")).items()))
-        vocab_file = run / CHECKPOINT / "vocab.safetensors"
-        if vocab_file.exists():
-            draft.set_vocab(mx.load(str(vocab_file))["token_ids"])
+        draft = load_run_draft(run, target)
         if n != cfg.num_hidden_layers:
             draft = grow_draft(draft, n)
         tc = TrainConfig(steps=args.steps, batch_tokens=512, blocks_per_seq=16, lr=args.lr, gamma=7.0,

@@ -130,11 +130,9 @@ def _layer_ids(arg, num_layers: int, n_draft: int):
 
 def _grown_draft(src: Path, target, layers: int):
     """The checkpoint of run folder `src`, grown to `layers` layers."""
-    import mlx.core as mx
-
-    from dflash_mlx.draft import DFlashDraftModel, DraftConfig
+    from dflash_mlx.draft import DraftConfig
     from dflash_mlx.train.init import grow_draft
-    from dflash_mlx.train.trainer import CHECKPOINT
+    from dflash_mlx.train.trainer import CHECKPOINT, load_run_draft
 
     ck = src / CHECKPOINT
     if not (src / "draft_config.json").exists() or not (ck / "draft.safetensors").exists():
@@ -145,13 +143,8 @@ def _grown_draft(src: Path, target, layers: int):
         raise SystemExit(f"--grow-from {src}: its draft was made for another target (hidden size "
                          f"{cfg.hidden_size}, {cfg.num_target_layers} layers; this one: {target.hidden_size}, "
                          f"{target.num_layers})")
-    small = DFlashDraftModel(cfg)
-    small.bind(target)
-    small.load_weights(list(mx.load(str(ck / "draft.safetensors")).items()))
-    if (ck / "vocab.safetensors").exists():
-        small.set_vocab(mx.load(str(ck / "vocab.safetensors"))["token_ids"])
     try:
-        return grow_draft(small, layers)
+        return grow_draft(load_run_draft(src, target), layers)
     except ValueError as e:
         raise SystemExit(f"--grow-from {src}: {e}")
 

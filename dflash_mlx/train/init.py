@@ -312,12 +312,10 @@ def grow_draft(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
         grown.bind(draft.target)
     params = dict(tree_flatten(draft.parameters()))
     new = {k: v for k, v in params.items() if not k.startswith("layers.")}
-    for i in range(num_layers):
-        extra = num_layers - n_old
-        if i < n_old:
-            src = i
-        else:  # the last `extra` layers in order (all of them, cycled, when extra > n_old)
-            src = n_old - extra + (i - n_old) if extra <= n_old else (i - n_old) % n_old
+    extra = num_layers - n_old
+    # new layer j copies the last `extra` layers in order (all of them, cycled, when extra > n_old)
+    sources = list(range(n_old)) + [n_old - extra + j if extra <= n_old else j % n_old for j in range(extra)]
+    for i, src in enumerate(sources):
         for k, v in params.items():
             if k.startswith(f"layers.{src}."):
                 name = f"layers.{i}." + k[len(f"layers.{src}."):]

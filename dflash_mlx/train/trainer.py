@@ -188,6 +188,20 @@ class FeatureSource:
         return f
 
 
+def load_run_draft(run_dir, target) -> DFlashDraftModel:
+    """The draft of run folder `run_dir`'s latest checkpoint (training-space weights: the
+    feature scale is not folded into `fc`), bound to `target`."""
+    run = Path(run_dir)
+    cfg = DraftConfig.from_dict(json.loads((run / "draft_config.json").read_text()))
+    draft = DFlashDraftModel(cfg)
+    draft.bind(target)
+    draft.load_weights(list(mx.load(str(run / CHECKPOINT / "draft.safetensors")).items()))
+    if (run / CHECKPOINT / "vocab.safetensors").exists():
+        draft.set_vocab(mx.load(str(run / CHECKPOINT / "vocab.safetensors"))["token_ids"])
+    mx.eval(draft.parameters())
+    return draft
+
+
 def teacher_file(feature_dir, record_id: str, k: int) -> Path:
     """Where a record's cached top-k teacher distribution lives (beside its features)."""
     f = feature_file(feature_dir, record_id)
@@ -490,8 +504,9 @@ class Trainer:
     def adopt_moments(self, checkpoint) -> int:
         """Start from another run's Adam moments where its parameters match these (a grown
         draft's old layers, fc, norms); the rest start at zero. Fresh moments make Adam's
-        first steps move every weight by about the lr, which undoes part of a trained
-        draft. Returns how many tensors were adopted."""
+        first steps (MLX's AdamW has no bias correction) move every weight by ~3x the lr,
+        which undoes part of a trained draft. The step count stays this run's own: the lr
+        schedule reads it. Returns how many tensors were adopted."""
         saved = mx.load(str(Path(checkpoint) / "optimizer.safetensors"))
         state = dict(tree_flatten(self.optimizer.state))
         adopted = 0
