@@ -19,7 +19,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx import load
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.target import Target
 
 

@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.bench.suites import format_prompt, load_suite
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.generate import encode_prompt, tau
 
 SUITES = ("gsm8k", "humaneval", "mtbench")
@@ -97,7 +97,7 @@ def reference_engine(tokenizer, draft_dir=None):
     import dflash.model_mlx as ref
 
     from dflash_mlx import packaged
-    from dflash_mlx.draft import DRAFT_VOCAB_FILE
+    from dflash_mlx.draft_loading import DRAFT_VOCAB_FILE
 
     folder = Path(draft_dir) if draft_dir else packaged.packaged_draft_dir("smollm2-135m")
     copy = Path(tempfile.mkdtemp(prefix="dflash-ref-draft-"))

@@ -32,7 +32,8 @@ def main(argv=None):
     import numpy as np
 
     from dflash_mlx import load
-    from dflash_mlx.draft import DraftConfig, draft_class, load_draft
+    from dflash_mlx.draft_config import DraftConfig
+    from dflash_mlx.draft_loading import draft_class, load_draft
     from dflash_mlx.target import Target
     from dflash_mlx.train.evaluate import measure_tau
     from dflash_mlx.train.export import export_draft

@@ -42,7 +42,7 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
 
     from dflash_mlx.train import init as I
     from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer
-    from dflash_mlx.draft import default_target_layer_ids
+    from dflash_mlx.draft_config import default_target_layer_ids
 
     o = dict(base, **opts)
     copy = o.get("copy_layers")

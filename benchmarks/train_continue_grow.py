@@ -36,7 +36,7 @@ def main(argv=None):
     import numpy as np
 
     from dflash_mlx import load
-    from dflash_mlx.draft import DraftConfig
+    from dflash_mlx.draft_config import DraftConfig
     from dflash_mlx.target import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import grow_draft

@@ -7,7 +7,8 @@ from dflash_mlx import blas as _blas
 
 _blas.enable()
 
-from dflash_mlx.draft import DFlashDraftModel, DraftConfig, DraftMismatchError  # noqa: E402
+from dflash_mlx.draft import DFlashDraftModel  # noqa: E402
+from dflash_mlx.draft_config import DraftConfig, DraftMismatchError  # noqa: E402
 from dflash_mlx.generate import (  # noqa: E402
     DFlashResponse,
     PromptCache,
@@ -27,6 +28,6 @@ def load(*args, **kwargs):
 
 def load_draft(*args, **kwargs):
     """Load a DFlash draft (packaged name, folder or hub id) and bind it to a target model."""
-    from dflash_mlx.draft import load_draft as _load_draft
+    from dflash_mlx.draft_loading import load_draft as _load_draft
 
     return _load_draft(*args, **kwargs)

@@ -89,7 +89,7 @@ def report() -> dict:
 
 
 def main(argv=None) -> int:
-    from dflash_mlx.cli import ArgumentParser
+    from dflash_mlx.frontend import ArgumentParser
 
     p = ArgumentParser(prog="dflash-mlx doctor", description="report MLX backend, BLAS, packaged models, default dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -28,7 +28,9 @@ from typing import Callable, Dict, List, Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.draft import ContextCache, DFlashDraftModel, DraftConfig, DraftLayer
+from dflash_mlx.context_cache import ContextCache
+from dflash_mlx.draft import DFlashDraftModel, DraftLayer
+from dflash_mlx.draft_config import DraftConfig
 
 
 def grouped_causal_conv(x: mx.array, base: mx.array, dynamic: mx.array, group_size: int) -> mx.array:

@@ -17,8 +17,9 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.accept import Proposal, accept_in_pieces, make_acceptor
 from dflash_mlx.adaptive import FixedWidth, sizer_for
+from dflash_mlx.options import AUTO, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
-from dflash_mlx.target import Target
+from dflash_mlx.target import Target, target_for
 
 
 def tau(accept_lengths: Sequence[int]) -> float:
@@ -55,20 +56,6 @@ class DFlashResponse:
     @property
     def tau(self) -> float:
         return tau(self.accept_lengths)
-
-
-def _target_for(model, draft) -> Target:
-    target = getattr(draft, "target", None)
-    if target is not None and target.model is model:
-        return target
-    target = Target(model)
-    if draft is not None:
-        from dflash_mlx.draft import validate_for_target
-
-        if hasattr(draft, "config"):
-            validate_for_target(draft.config, target)
-        draft.bind(target)
-    return target
 
 
 def _wrap_tokenizer(tokenizer):
@@ -311,7 +298,7 @@ def stream_generate(
     tokenizer,
     prompt: Union[str, Sequence[int], mx.array],
     max_tokens: int = 256,
-    block_size: Union[int, str, None] = None,
+    block_size: Union[int, str, None] = AUTO,
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
@@ -328,8 +315,10 @@ def stream_generate(
     """Generate with DFlash speculative decoding, one response per cycle.
 
     Greedy output (temperature 0) is exactly the target's own greedy output.
-    `block_size`: the draft's own when None; "auto" picks each cycle's verify
-    width from measured acceptance and cycle times (see `dflash_mlx.adaptive`).
+    `block_size`: "auto" (the default, as in every front end) picks each cycle's
+    verify width from measured acceptance and cycle times (see `dflash_mlx.adaptive`);
+    "draft" is always the draft's own block size (z-lab's behaviour); a whole number
+    a fixed width (`dflash_mlx.options.BLOCK_SIZE_SPELLINGS`).
     `baseline=True` (or `draft=None`) decodes with the target alone.
     `split_head`: verify's LM head in two pieces (`HeadRows`); None: on CPUs only.
     """
@@ -338,21 +327,17 @@ def stream_generate(
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token of input")
     use_draft = draft is not None and not baseline
-    target = _target_for(model, draft)
-    if block_size == "auto":
-        widths = sizer_for(model, draft) if use_draft else FixedWidth(1)
-        if profile and use_draft:
+    target = target_for(model, draft)
+    width = fixed_width(block_size, draft.block_size if use_draft else 1)  # ValueError for a bad one
+    if not use_draft:
+        width = 1
+    if width is None:
+        widths = sizer_for(model, draft)
+        if profile:
             # profiling syncs at every phase: its cycle times must not teach the shared policy
             widths = copy.deepcopy(widths)
     else:
-        block = draft.block_size if (use_draft and block_size is None) else block_size
-        try:
-            block = int(block) if use_draft else 1
-        except (TypeError, ValueError):
-            block = 0
-        if block < 1:
-            raise ValueError(f"block_size must be an integer >= 1 or 'auto', got {block_size!r}")
-        widths = FixedWidth(block)
+        widths = FixedWidth(width)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     stops = stop_ids(tokenizer, stop_token_ids)

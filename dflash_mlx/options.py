@@ -12,28 +12,31 @@ import argparse
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
-BLOCK_SIZE_SPELLINGS = "'auto', a whole number >= 1, or empty for the draft's own"
+# The verify width's spellings, the same in the library, every flag, the chat dialog and
+# the server: AUTO (the default) picks each cycle's width from measured acceptance and
+# cost (`dflash_mlx.adaptive`); DRAFT_WIDTH is always the draft's own block size (what
+# z-lab's reference does); a whole number is that fixed width.
+AUTO = "auto"
+DRAFT_WIDTH = "draft"
+BLOCK_SIZE_SPELLINGS = f"'{AUTO}' (default), '{DRAFT_WIDTH}' (the draft's own block size) or a whole number >= 1"
 DRAFT_SAMPLING_MODES = ("argmax", "sample")
 
-BlockSize = Union[int, str, None]
+BlockSize = Union[int, str]
 
 
 def parse_block_size(text) -> BlockSize:
-    """`"auto"`, a whole number >= 1, or None (the draft's own block size).
-
-    Takes the text as typed (a flag, a dialog field, a JSON value): empty or
-    None means the draft's own, "auto" in any case the adaptive width.
-    """
+    """`AUTO`, `DRAFT_WIDTH` or a whole number >= 1, from the text as typed (a flag, a
+    dialog field, a JSON value, a library argument). None or empty: the default, `AUTO`."""
     if text is None:
-        return None
+        return AUTO
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        s = str(text).strip() if isinstance(text, str) else None
-        if s == "":
-            return None
-        if s is not None and s.lower() == "auto":
-            return "auto"
+        s = str(text).strip().lower() if isinstance(text, str) else None
+        if s in ("", AUTO):
+            return AUTO
+        if s == DRAFT_WIDTH:
+            return DRAFT_WIDTH
         try:
             value = int(s)
         except (TypeError, ValueError):
@@ -43,14 +46,20 @@ def parse_block_size(text) -> BlockSize:
     return value
 
 
+def fixed_width(block_size: BlockSize, draft_block_size: int) -> Optional[int]:
+    """The fixed verify width `block_size` names for a draft of `draft_block_size`; None for `AUTO`."""
+    block_size = parse_block_size(block_size)
+    if block_size == AUTO:
+        return None
+    return draft_block_size if block_size == DRAFT_WIDTH else block_size
+
+
 @dataclass
 class GenerationOptions:
     """What one answer is generated with (`stream_generate`'s keyword arguments)."""
 
     max_tokens: int = 256
-    # "auto": each cycle's verify width is picked from measured acceptance and
-    # cost, up to the draft's block size; None: always the draft's own
-    block_size: BlockSize = "auto"
+    block_size: BlockSize = AUTO  # see BLOCK_SIZE_SPELLINGS
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     top_k: int = 0  # 0: off
@@ -117,14 +126,13 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
     end reports a bad one the same way.
     """
     d = defaults or GenerationOptions()
-    block_default = "the draft's own" if d.block_size is None else d.block_size
     flags = {
         "max_tokens": dict(type=int, help=f"most tokens to generate (default: {d.max_tokens})"),
         "block_size": dict(
             type=block_size_arg,
-            help="tokens verified per cycle: a whole number, or 'auto' to pick each cycle's "
-            "verify width from measured acceptance and cost, up to the draft's block size "
-            f"(default: {block_default})",
+            help="tokens verified per cycle: 'auto' picks each cycle's verify width from measured "
+            "acceptance and cost, up to the draft's block size; 'draft' always the draft's own "
+            f"block size; or a whole number (default: {d.block_size})",
         ),
         "temperature": dict(type=float, help=f"0 = greedy (default: {d.temperature})"),
         "top_p": dict(type=float, help="nucleus sampling, in (0, 1] (default: 1, off)"),

@@ -15,6 +15,8 @@ from typing import Any, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from dflash_mlx.target import target_for
+
 
 @dataclass
 class Snapshot:
@@ -154,9 +156,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def make_prompt_cache(model, draft=None, max_snapshots: int = 0) -> PromptCache:
-    from dflash_mlx.generate import _target_for  # generate imports this module
-
-    target = _target_for(model, draft)
+    target = target_for(model, draft)
     return PromptCache(
         model=model,
         target_cache=target.make_cache(),

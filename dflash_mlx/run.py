@@ -7,7 +7,7 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli import EXIT_USAGE, SUBCOMMANDS, ArgumentParser, CLIError, checked_options, load_model_and_draft
+from dflash_mlx.frontend import EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, checked_options, load_model_and_draft
 from dflash_mlx.options import add_generation_args
 
 
@@ -19,7 +19,7 @@ def build_parser():
         description=(
             "Answer one prompt with DFlash speculative decoding and print tokens/s and tau "
             "(mean tokens committed per target forward). Subcommands: "
-            + "; ".join(f"{name}: {what}" for name, (_, what) in SUBCOMMANDS.items())
+            + "; ".join(f"{name}: {what}" for name, what in SUBCOMMAND_HELP.items())
             + " (dflash-mlx SUBCOMMAND --help)."
         ),
     )

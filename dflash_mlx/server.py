@@ -30,8 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from starlette.exceptions import HTTPException
 
-from dflash_mlx.cli import ArgumentParser, checked_options, load_model_and_draft
-from dflash_mlx.cli import main as cli_main
+from dflash_mlx.frontend import ArgumentParser, checked_options, load_model_and_draft
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions, add_generation_args
@@ -685,7 +684,7 @@ def load_worker(args) -> Worker:
 
 
 def main(argv=None) -> int:
-    """Errors are one line, through `dflash_mlx.cli.main`."""
+    """`dflash-mlx serve`; `dflash_mlx.cli.main` turns errors into one line."""
     args = build_parser().parse_args(argv)
     worker = load_worker(args)
     print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {worker.options.block_size}, "
@@ -709,4 +708,4 @@ def _serve(config, worker: Worker):
 
 
 if __name__ == "__main__":
-    sys.exit(cli_main(["serve", *sys.argv[1:]]))
+    sys.exit(main())

@@ -16,6 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx import kernels
+from dflash_mlx.draft_config import validate_for_target
 from dflash_mlx.layout import transposed
 
 SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text")
@@ -412,3 +413,16 @@ def replay_gdn(c: ArraysCache, tape: GDNTape, keep: int):
     n_conv = tape.conv_input.shape[1] - tape.k.shape[1]  # K - 1
     c[0] = mx.contiguous(tape.conv_input[:, keep : keep + n_conv])
     c[1] = kernels.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)
+
+
+def target_for(model, draft) -> Target:
+    """The `Target` adapter a draft is bound to for `model`; binds (and checks) a draft bound elsewhere."""
+    target = getattr(draft, "target", None)
+    if target is not None and target.model is model:
+        return target
+    target = Target(model)
+    if draft is not None:
+        if hasattr(draft, "config"):
+            validate_for_target(draft.config, target)
+        draft.bind(target)
+    return target

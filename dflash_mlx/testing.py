@@ -8,7 +8,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_mlx.draft import ContextCache
+from dflash_mlx.context_cache import ContextCache
 from dflash_mlx.target import Target
 
 VOCAB = 300  # 256 byte tokens + specials + spare ids (mask token lives at the top)

@@ -273,7 +273,7 @@ def test_a_profiled_call_does_not_teach_the_shared_policy():
     """Profiling syncs at every phase, so its cycles are slower than users' cycles."""
     from dflash_mlx import stream_generate
     from dflash_mlx.adaptive import forget_sizers, sizer_for
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
     from dflash_mlx.testing import tiny_target
 
     forget_sizers()

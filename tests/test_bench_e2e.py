@@ -124,15 +124,15 @@ def test_mismatch_is_detected_and_reported(tiny):
 
 
 def test_random_dflash_draft_is_lossless_through_the_harness(tiny):
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     model, tok = tiny
     # the real engine and a real (untrained) DFlash draft, through the default dflash_fn
     draft = random_draft(model, seed=0, num_layers=1, block_size=4)
-    doc = runner.run(model, draft, tok, _cfg([None, "auto"], warmup=False), prompts=_prompts(),
+    doc = runner.run(model, draft, tok, _cfg(["draft", "auto"], warmup=False), prompts=_prompts(),
                      log=lambda m: None)
     assert report.validate(doc) == []
-    assert doc["config"]["block_sizes"] == [4, "auto"]  # None resolved to the draft's own
+    assert doc["config"]["block_sizes"] == [4, "auto"]  # "draft" resolved to the draft's own
     assert set(doc["forward_times_s"]) == {"1", "4"}
     for row in doc["prompts"]:
         for b in ("4", "auto"):
@@ -177,9 +177,10 @@ def test_cli_arguments_and_dispatch():
     assert args.block_sizes == [4, 8, 16] and args.model == "smollm2-135m"
     assert cli.build_parser().parse_args(["--block-sizes", "8,auto"]).block_sizes == [8, "auto"]
     assert cli.build_parser().parse_args(["--block-size", "auto"]).block_size == "auto"
-    from dflash_mlx.cli import CLIError, main as top_main
+    from dflash_mlx.cli import main as top_main
+    from dflash_mlx.frontend import CLIError
 
-    with pytest.raises(CLIError, match="block size takes 'auto', a whole number >= 1"):
+    with pytest.raises(CLIError, match=r"block size takes 'auto' \(default\), 'draft'"):
         cli.build_parser().parse_args(["--block-size", "wide"])
     with pytest.raises(CLIError, match="got '0'"):
         cli.build_parser().parse_args(["--block-sizes", "4,0"])
@@ -190,7 +191,7 @@ def test_cli_arguments_and_dispatch():
 
 
 def test_sampling_run_skips_the_identity_check(tiny):
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     model, tok = tiny
     draft = random_draft(model, seed=0, num_layers=1, block_size=4)
@@ -204,7 +205,7 @@ def test_sampling_run_skips_the_identity_check(tiny):
 
 
 def test_sampling_filters_reach_both_engines(tiny, monkeypatch):
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     model, tok = tiny
     seen = {"baseline": [], "dflash": []}
@@ -227,4 +228,4 @@ def test_sampling_filters_reach_both_engines(tiny, monkeypatch):
     assert seen["dflash"] == [{"top_p": 0.9, "top_k": 5}]
     assert (doc["config"]["top_p"], doc["config"]["top_k"], doc["config"]["min_p"]) == (0.9, 5, 0.0)
     args = cli.build_parser().parse_args(["--top-p", "0.9", "--top-k", "5", "--min-p", "0.1"])
-    assert (args.top_p, args.top_k, args.min_p, args.block_size, args.seed) == (0.9, 5, 0.1, None, 0)
+    assert (args.top_p, args.top_k, args.min_p, args.block_size, args.seed) == (0.9, 5, 0.1, "auto", 0)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash_mlx.cli import main
-from dflash_mlx.draft import random_draft, save_draft
+from dflash_mlx.draft_loading import random_draft, save_draft
 from gguf_helpers import load_packaged, write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,8 +172,8 @@ def test_non_utf8_stdin(capsys, monkeypatch):
     (["--top-p", "0"], "top-p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--min-p", "2"], "min-p must be in [0, 1]"),
-    (["--block-size", "0"], "block size takes 'auto', a whole number >= 1"),
-    (["--block-size", "big"], "block size takes 'auto', a whole number >= 1"),
+    (["--block-size", "0"], "block size takes 'auto' (default), 'draft'"),
+    (["--block-size", "big"], "block size takes 'auto' (default), 'draft'"),
     (["--draft-sampling", "beam"], "--draft-sampling: invalid choice"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])

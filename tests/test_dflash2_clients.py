@@ -10,7 +10,7 @@ import pytest
 
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 from dflash_mlx.cli import main as cli_main
-from dflash_mlx.draft import random_draft, save_draft
+from dflash_mlx.draft_loading import random_draft, save_draft
 from gguf_helpers import write_tiny_gguf
 
 MAX = 12

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.draft import DraftMismatchError, save_draft
+from dflash_mlx.draft_config import DraftMismatchError
+from dflash_mlx.draft_loading import save_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import EOS_ID, greedy_reference, tiny_target
 
@@ -79,7 +80,7 @@ def test_zlab_checkpoint_loads_and_is_lossless(tmp_path, target, extra):
     prompt = list(range(30, 90))
     ref = greedy_reference(model, prompt, 20, stop_ids=[EOS_ID])
     out = []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=20):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=20, block_size="draft"):
         out += r.tokens
     assert out == ref
 
@@ -147,7 +148,7 @@ def test_save_round_trip(tmp_path, target):
 def test_incremental_injection_equals_one_shot(target):
     """Context injected cycle by cycle (as the engine does) gives the same block logits
     as the whole context at once, on full and sliding-window layers."""
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     model = target[0]
     t = Target(model)
@@ -236,10 +237,10 @@ def test_dflash2_prompt_cache_multi_turn(tmp_path):
     draft = load_draft(zlab_dflash2_checkpoint(tmp_path / "d"), model)
     cache = make_prompt_cache(model, draft)
     turn1 = list(range(30, 70))
-    out1 = [t for r in stream_generate(model, draft, tok, turn1, max_tokens=12, prompt_cache=cache) for t in r.tokens]
+    out1 = [t for r in stream_generate(model, draft, tok, turn1, max_tokens=12, prompt_cache=cache, block_size="draft") for t in r.tokens]
     assert out1 == greedy_reference(model, turn1, 12, stop_ids=[EOS_ID])
     turn2 = turn1 + out1 + list(range(100, 110))
-    responses = list(stream_generate(model, draft, tok, turn2, max_tokens=12, prompt_cache=cache))
+    responses = list(stream_generate(model, draft, tok, turn2, max_tokens=12, prompt_cache=cache, block_size="draft"))
     assert [t for r in responses for t in r.tokens] == greedy_reference(model, turn2, 12, stop_ids=[EOS_ID])
     assert responses[-1].prefill_tokens < len(turn2)
 
@@ -264,7 +265,7 @@ def test_malformed_dflash2_checkpoint(tmp_path, target, case, match):
 def test_dflash2_random_draft_saves_in_zlab_layout(tmp_path, target):
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     model = target[0]
     draft = random_draft(model, num_layers=2, version=2, seed=4)
@@ -306,7 +307,7 @@ def test_dflash2_incremental_injection_and_reduced_vocabulary(target):
     """Cycle-by-cycle injection gives the one-shot logits and choices; a reduced draft
     vocabulary that holds every token (permuted) chooses the same target tokens, so the
     selector's codebooks are read at target ids."""
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     model = target[0]
     draft = random_draft(model, num_layers=2, block_size=8, version=2, seed=2,
@@ -331,7 +332,7 @@ def test_dflash2_incremental_injection_and_reduced_vocabulary(target):
 
 
 def test_select_tokens_needs_a_proposal(target):
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
 
     draft = random_draft(target[0], version=2)
     with pytest.raises(RuntimeError, match="propose_logits"):
@@ -341,7 +342,8 @@ def test_select_tokens_needs_a_proposal(target):
 def test_a_dflash2_config_needs_the_dflash2_class(target):
     """Code that builds `DFlashDraftModel(config)` itself (training, export) must not get a
     DFlash 2 draft without its conv and selector; `draft_class` picks the right one."""
-    from dflash_mlx.draft import DFlashDraftModel, draft_class, random_draft_config
+    from dflash_mlx.draft import DFlashDraftModel
+    from dflash_mlx.draft_loading import draft_class, random_draft_config
     from dflash_mlx.draft2 import DFlash2DraftModel, dflash2_defaults
 
     config = random_draft_config(Target(target[0]), version=2, **dflash2_defaults(64))
@@ -356,7 +358,7 @@ def test_neutral_dflash2_is_dflash(tmp_path, target):
     zero codebooks computes exactly its DFlash weights' logits, and its selector picks the argmax."""
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
     from dflash_mlx.draft2 import dflash2_defaults
 
     model = target[0]

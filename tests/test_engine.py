@@ -3,7 +3,7 @@
 import pytest
 
 from dflash_mlx import generate, make_prompt_cache, stream_generate
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import EOS_ID, ScriptedDraft, chain_target, greedy_reference, tiny_target
 
@@ -28,13 +28,13 @@ def test_prompt_cache_reuses_prefix_and_stays_exact():
         draft = random_draft(model, num_layers=1, block_size=8)
         turn1 = list(range(40, 75))
         cache = make_prompt_cache(model, draft)
-        out1 = [t for r in stream_generate(model, draft, tok, turn1, max_tokens=10, prompt_cache=cache, stop_token_ids=[EOS_ID]) for t in r.tokens]
+        out1 = [t for r in stream_generate(model, draft, tok, turn1, max_tokens=10, prompt_cache=cache, stop_token_ids=[EOS_ID], block_size="draft") for t in r.tokens]
         turn2 = turn1 + out1 + list(range(100, 112))
-        responses = list(stream_generate(model, draft, tok, turn2, max_tokens=12, prompt_cache=cache))
+        responses = list(stream_generate(model, draft, tok, turn2, max_tokens=12, prompt_cache=cache, block_size="draft"))
         out2 = [t for r in responses for t in r.tokens]
         assert responses[0].prefill_tokens == 1 + 12, arch  # last answer token + the new turn
         assert responses[0].prompt_tokens == len(turn2)
-        fresh = [t for r in stream_generate(model, draft, tok, turn2, max_tokens=12) for t in r.tokens]
+        fresh = [t for r in stream_generate(model, draft, tok, turn2, max_tokens=12, block_size="draft") for t in r.tokens]
         assert out2 == fresh == greedy_reference(model, turn2, 12, stop_ids=[EOS_ID])[: len(out2)], arch
         assert len(out2) == 12 or out2[-1] == EOS_ID
 
@@ -44,9 +44,9 @@ def test_prompt_cache_diverging_history_trims_or_resets():
         model, tok = tiny_target(arch, seed=5)
         draft = random_draft(model, block_size=4)
         cache = make_prompt_cache(model, draft)
-        list(stream_generate(model, draft, tok, list(range(50, 90)), max_tokens=5, prompt_cache=cache))
+        list(stream_generate(model, draft, tok, list(range(50, 90)), max_tokens=5, prompt_cache=cache, block_size="draft"))
         edited = list(range(50, 70)) + [1, 2, 3]
-        responses = list(stream_generate(model, draft, tok, edited, max_tokens=8, prompt_cache=cache))
+        responses = list(stream_generate(model, draft, tok, edited, max_tokens=8, prompt_cache=cache, block_size="draft"))
         out = [t for r in responses for t in r.tokens]
         assert out == greedy_reference(model, edited, 8, stop_ids=[EOS_ID])
         # KV caches trim back to the shared prefix; recurrent state cannot, so it re-prefills
@@ -57,24 +57,26 @@ def test_generate_returns_whole_text():
     model, tok = chain_target(TEXT)
     ids = tok.encode(TEXT, add_special_tokens=False)
     draft = random_draft(model, block_size=4)
-    assert generate(model, draft, tok, ids[:1], max_tokens=len(ids) - 1) == TEXT[1:]
+    assert generate(model, draft, tok, ids[:1], max_tokens=len(ids) - 1, block_size="draft") == TEXT[1:]
 
 
 def test_errors_are_clear():
     model, tok = tiny_target("llama")
     draft = random_draft(model)
     with pytest.raises(ValueError, match="empty"):
-        list(stream_generate(model, draft, tok, "", max_tokens=4))
+        list(stream_generate(model, draft, tok, "", max_tokens=4, block_size="draft"))
     with pytest.raises(ValueError, match=r"100 tokens but .* context window of 64"):
         small, tok2 = tiny_target("llama", max_position_embeddings=64)
-        list(stream_generate(small, random_draft(small), tok2, list(range(100)), max_tokens=4))
-    with pytest.raises(ValueError, match="block_size"):
+        list(stream_generate(small, random_draft(small), tok2, list(range(100)), max_tokens=4, block_size="draft"))
+    with pytest.raises(ValueError, match="block size takes 'auto'"):
         list(stream_generate(model, draft, tok, "hi", block_size=0))
+    with pytest.raises(ValueError, match="block size takes 'auto'"):
+        list(stream_generate(model, draft, tok, "hi", block_size="wide"))
 
 
 def test_generation_stops_at_context_window():
     model, tok = tiny_target("qwen3", max_position_embeddings=48)
-    responses = list(stream_generate(model, random_draft(model), tok, list(range(40)), max_tokens=100, stop_token_ids=[]))
+    responses = list(stream_generate(model, random_draft(model), tok, list(range(40)), max_tokens=100, stop_token_ids=[], block_size="draft"))
     last = responses[-1]
     assert last.generation_tokens <= 8 and last.finish_reason in ("length", "stop")
 
@@ -84,11 +86,11 @@ def test_interrupted_generation_leaves_cache_usable():
     model, tok = tiny_target("qwen3_5", seed=6)
     draft = random_draft(model, block_size=4)
     cache = make_prompt_cache(model, draft)
-    stream = stream_generate(model, draft, tok, list(range(60, 90)), max_tokens=30, prompt_cache=cache)
+    stream = stream_generate(model, draft, tok, list(range(60, 90)), max_tokens=30, prompt_cache=cache, block_size="draft")
     next(stream), next(stream)
     stream.close()
     prompt = list(range(60, 90)) + [7, 8]
-    out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=6, prompt_cache=cache) for t in r.tokens]
+    out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=6, prompt_cache=cache, block_size="draft") for t in r.tokens]
     assert out == greedy_reference(model, prompt, 6, stop_ids=[EOS_ID])
 
 
@@ -96,8 +98,8 @@ def test_profile_times_every_cycle_and_leaves_tokens_alone():
     model, tok = tiny_target("qwen3_5", seed=7)
     draft = random_draft(model, block_size=4, seed=1)
     prompt = list(range(30, 50))
-    plain = list(stream_generate(model, draft, tok, prompt, max_tokens=9, stop_token_ids=[]))
-    profiled = list(stream_generate(model, draft, tok, prompt, max_tokens=9, stop_token_ids=[], profile=True))
+    plain = list(stream_generate(model, draft, tok, prompt, max_tokens=9, stop_token_ids=[], block_size="draft"))
+    profiled = list(stream_generate(model, draft, tok, prompt, max_tokens=9, stop_token_ids=[], profile=True, block_size="draft"))
     assert [r.tokens for r in profiled] == [r.tokens for r in plain]
     assert all(r.cycle_times is None for r in plain)
     assert profiled[0].cycle_times is None  # the prefill token
@@ -147,3 +149,36 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     gc.collect()
     Target(tiny_target("llama", seed=5)[0]).logits(mx.zeros((1, 1, 64)))  # prunes dead entries
     assert len(layout._TRANSPOSED) <= n
+
+
+def test_default_width_is_auto_in_the_library_as_in_every_front_end():
+    """`stream_generate`/`generate` without `block_size` run the adaptive width; "draft" is the
+    draft's own block size every cycle. A draft that is always wrong shows the difference:
+    "auto" narrows the verify, "draft" keeps verifying 16 rows."""
+    import inspect
+
+    from dflash_mlx.adaptive import forget_sizers
+    from dflash_mlx.options import GenerationOptions
+
+    assert inspect.signature(stream_generate).parameters["block_size"].default == "auto"
+    assert GenerationOptions().block_size == "auto"
+    model, tok = tiny_target("llama", seed=3)
+    prompt = list(range(20, 40))
+    reference = prompt + greedy_reference(model, prompt, 40, stop_ids=[])
+    target = Target(model)
+
+    def widths(**kwargs):
+        draft = ScriptedDraft(target, reference, wrong_from=lambda c: 0, block_size=16)
+        rs = list(stream_generate(model, draft, tok, prompt, max_tokens=40, stop_token_ids=[], **kwargs))
+        assert [t for r in rs for t in r.tokens] == reference[len(prompt):]
+        return [r.verify_width for r in rs[1:]]
+
+    forget_sizers()
+    early = slice(0, 24)  # the last cycles verify fewer rows anyway: the budget is nearly spent
+    default = widths()[early]
+    assert min(default) < 16 and default.count(16) < len(default) // 2, default
+    assert set(widths(block_size="draft")[early]) == {16}
+    forget_sizers()
+    draft = ScriptedDraft(target, reference, wrong_from=lambda c: 0, block_size=16)
+    assert generate(model, draft, tok, prompt, max_tokens=40, stop_token_ids=[]) == \
+        generate(model, None, tok, prompt, max_tokens=40, stop_token_ids=[])

@@ -146,7 +146,8 @@ def test_kv_inject_matches_reference(kind, dtype, D, L, Hkv, B, S, offset):
 
 
 def _tiny_draft(num_layers=2):
-    from dflash_mlx.draft import DFlashDraftModel, DraftConfig
+    from dflash_mlx.draft import DFlashDraftModel
+    from dflash_mlx.draft_config import DraftConfig
 
     cfg = DraftConfig(hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, intermediate_size=96, vocab_size=50,

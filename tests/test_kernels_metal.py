@@ -117,7 +117,7 @@ def test_engine_lossless_with_metal_kernels(monkeypatch, arch, quantize):
     """Every kernel on (DFLASH_MLX_KERNELS=metal), float32 on the GPU: greedy DFlash output is still
     plain mlx-lm greedy decoding, with a random draft (KV injection) and partial accepts."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
     from dflash_mlx.testing import greedy_reference, tiny_target
 
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "metal")

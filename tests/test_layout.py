@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.layout import is_relaid, relayout_for_cpu
 from dflash_mlx.testing import greedy_reference, tiny_target
 

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.target import Target
 import mlx.core as mx
 from dflash_mlx.testing import VOCAB, ScriptedDraft, clean_case, greedy_reference, tiny_target

@@ -4,12 +4,12 @@ import argparse
 
 import pytest
 
-from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
+from dflash_mlx.options import GenerationOptions, add_generation_args, fixed_width, parse_block_size
 
 
 @pytest.mark.parametrize("text, want", [
     ("auto", "auto"), ("AUTO", "auto"), (" auto ", "auto"), ("16", 16), (" 4 ", 4), ("1", 1),
-    (8, 8), ("", None), ("  ", None), (None, None),
+    (8, 8), ("", "auto"), ("  ", "auto"), (None, "auto"), ("draft", "draft"), (" Draft ", "draft"),
 ])
 def test_block_size_spellings(text, want):
     assert parse_block_size(text) == want
@@ -19,14 +19,24 @@ def test_block_size_spellings(text, want):
 def test_bad_block_size_one_message(text):
     with pytest.raises(ValueError) as e:
         parse_block_size(text)
-    assert str(e.value) == f"block size takes 'auto', a whole number >= 1, or empty for the draft's own, got {text!r}"
+    assert str(e.value) == ("block size takes 'auto' (default), 'draft' (the draft's own block size) "
+                            f"or a whole number >= 1, got {text!r}")
 
 
 def test_defaults_pass_and_block_size_is_normalised():
     o = GenerationOptions(block_size=" Auto ").check()
     assert o.block_size == "auto"
     assert GenerationOptions(block_size="12").check().block_size == 12
-    assert GenerationOptions(block_size="").check().block_size is None
+    assert GenerationOptions(block_size="").check().block_size == "auto"
+    assert GenerationOptions(block_size="draft").check().block_size == "draft"
+    assert GenerationOptions().block_size == "auto"
+
+
+@pytest.mark.parametrize("spelling, draft_block, want", [
+    ("auto", 16, None), ("draft", 16, 16), ("draft", 4, 4), (8, 16, 8), ("3", 16, 3), (None, 16, None),
+])
+def test_fixed_width_resolves_the_draft_spelling(spelling, draft_block, want):
+    assert fixed_width(spelling, draft_block) == want
 
 
 @pytest.mark.parametrize("field, value, words", [
@@ -85,13 +95,26 @@ def _front_end_parsers():
     }
 
 
+def test_every_front_end_defaults_to_auto():
+    parsers = {"run": ["hi"], "chat": [], "bench": [], "serve": []}
+    from dflash_mlx import run, server
+    from dflash_mlx.bench import cli as bench_cli
+    from dflash_mlx.tui import app
+
+    builders = {"run": run.build_parser, "chat": app.build_parser, "bench": bench_cli.build_parser,
+                "serve": server.build_parser}
+    for name, argv in parsers.items():
+        assert builders[name]().parse_args(argv).block_size == "auto", name
+
+
 @pytest.mark.parametrize("front_end", ["run", "chat", "bench", "bench sweep", "serve"])
 def test_every_front_end_takes_the_same_block_sizes(front_end):
-    from dflash_mlx.cli import CLIError
+    from dflash_mlx.frontend import CLIError
 
     parse = _front_end_parsers()[front_end]
-    for text, want in (("auto", "auto"), ("AUTO", "auto"), (" Auto ", "auto"), ("16", 16), ("1", 1)):
+    for text, want in (("auto", "auto"), ("AUTO", "auto"), (" Auto ", "auto"), ("16", 16), ("1", 1),
+                       ("draft", "draft"), ("DRAFT", "draft")):
         assert parse(text) == want, (front_end, text)
     for text in ("0", "-2", "x", "2.5"):
-        with pytest.raises(CLIError, match="block size takes 'auto', a whole number >= 1"):
+        with pytest.raises(CLIError, match=r"block size takes 'auto' \(default\), 'draft' \(the draft's own"):
             parse(text)

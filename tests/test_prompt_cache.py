@@ -3,14 +3,14 @@
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.testing import EOS_ID, greedy_reference, tiny_target
 
 
 def run(model, draft, tok, prompt, cache, max_tokens=8, snapshot_after_prompt=False):
     """(tokens, prefill_tokens) of one engine call on `cache`."""
     out, prefill = [], None
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, prompt_cache=cache):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, prompt_cache=cache, block_size="draft"):
         if prefill is None:
             prefill = r.prefill_tokens
             if snapshot_after_prompt:

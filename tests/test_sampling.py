@@ -21,7 +21,7 @@ import importlib
 from dflash_mlx import accept, stream_generate
 from dflash_mlx.accept import (GreedyAcceptor, Proposal, SamplingAcceptor, accept_in_pieces, make_acceptor,
                                sampling_logprobs)
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.testing import greedy_reference, tiny_target
 
 # -- reference distribution (independent of dflash_mlx.accept) -----------------

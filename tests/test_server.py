@@ -25,8 +25,8 @@ import pytest
 import uvicorn
 
 from dflash_mlx import stream_generate
-from dflash_mlx.cli import CLIError
-from dflash_mlx.draft import random_draft
+from dflash_mlx.frontend import CLIError
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.prompt_cache import common_prefix
 from dflash_mlx.server import StopMatcher, Worker, build_parser, create_app, load_worker
@@ -87,7 +87,7 @@ def chat_ids(s, messages):
 def expected(s, ids, max_tokens):
     """(text, token count) of a cold engine run, itself checked against the target's greedy decode."""
     tokens, text = [], []
-    for r in stream_generate(s.model, s.draft, s.tok, ids, max_tokens=max_tokens):
+    for r in stream_generate(s.model, s.draft, s.tok, ids, max_tokens=max_tokens, block_size="draft"):
         tokens.extend(r.tokens)
         text.append(r.text)
     assert tokens == greedy_reference(s.model, ids, max_tokens, stop_ids=[EOS_ID])[: len(tokens)]
@@ -461,7 +461,7 @@ def test_lazily_loaded_weights_are_served_from_the_worker_thread():
 
 def test_sigterm_stops_the_served_process_cleanly(tmp_path):
     """`dflash-mlx serve` as its own process: SIGTERM mid-stream ends the stream and the process."""
-    from dflash_mlx.draft import save_draft
+    from dflash_mlx.draft_loading import save_draft
     from gguf_helpers import write_tiny_gguf
 
     model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
@@ -510,7 +510,7 @@ def test_completion_keeps_the_first_tokens_leading_space():
     model, tok = chain_target("ab cd")
     tok = TokenizerWrapper(tok._tokenizer, BPEStreamingDetokenizer)
     draft = random_draft(model, block_size=4)
-    engine_text = "".join(r.text for r in stream_generate(model, draft, tok, "b", max_tokens=4))
+    engine_text = "".join(r.text for r in stream_generate(model, draft, tok, "b", max_tokens=4, block_size="draft"))
     assert engine_text == "cda"
     with serving(model, draft, tok) as s:
         assert s.client.completions.create(model=MODEL, prompt="b", max_tokens=4).choices[0].text == " cda"

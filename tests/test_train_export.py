@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import DRAFT_VOCAB_FILE, load_draft, random_draft
+from dflash_mlx.draft_loading import DRAFT_VOCAB_FILE, load_draft, random_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import tiny_target
 from dflash_mlx.train.export import export_draft, model_card
@@ -192,7 +192,7 @@ def test_tau_prompts_per_suite():
     assert parse() == {"*": 4}
     assert parse("--tau-prompts", "0") == {"*": 0}
     assert parse("--tau-prompts", "gsm8k=20,humaneval=6") == {"gsm8k": 20, "humaneval": 6}
-    from dflash_mlx.cli import CLIError
+    from dflash_mlx.frontend import CLIError
 
     with pytest.raises(CLIError, match="suite=number"):
         parse("--tau-prompts", "gsm8k=many")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx.target import Target
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.testing import tiny_target
 from dflash_mlx.train.forward import training_logits
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dflash_mlx  # noqa: F401
-from dflash_mlx.draft import load_draft
+from dflash_mlx.draft_loading import load_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import greedy_reference, tiny_target
 from dflash_mlx.train import data as D

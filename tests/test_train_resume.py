@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import tiny_target
 from dflash_mlx.train.trainer import CHECKPOINT, FeatureSource, TrainConfig, Trainer, split_records

@@ -13,7 +13,7 @@ import pytest
 
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 from dflash_mlx import testing
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.target import Target
 from dflash_mlx.cli import main as cli_main
@@ -124,7 +124,7 @@ def test_cli_args_and_bad_settings(capsys):
     # refused before any model loads or the app starts, one line each
     for argv, words in ((["--max-tokens", "0"], "max tokens must be"),
                         (["--top-p", "1.5"], "top-p must be in (0, 1]"),
-                        (["--block-size", "0"], "block size takes 'auto', a whole number >= 1"),
+                        (["--block-size", "0"], "block size takes 'auto' (default), 'draft'"),
                         (["--block-size", "x"], "got 'x'"),
                         (["--model", "no-such-model"], "unknown model 'no-such-model'")):
         assert cli_main(["chat", *argv]) != 0, argv
@@ -134,10 +134,11 @@ def test_cli_args_and_bad_settings(capsys):
 
 def test_block_size_setting_values():
     assert Settings().block_size == "auto"
-    for ok in ("auto", None, 1, 16):
+    for ok in ("auto", "draft", 1, 16):
         assert Settings(block_size=ok).check().block_size == ok
+    assert Settings(block_size=None).check().block_size == "auto"
     for bad in (0, -3, "x", 2.5, True):
-        with pytest.raises(ValueError, match="block size takes 'auto', a whole number >= 1"):
+        with pytest.raises(ValueError, match=r"block size takes 'auto' \(default\), 'draft'"):
             Settings(block_size=bad).check()
 
 
@@ -239,7 +240,7 @@ def test_second_turn_reuses_the_cache_exactly(tiny):
     assert f"prompt    {len(ids2):8d}  prefilled {new}" in panel
     assert f"reused {len(ids2) - new}" in panel
     # exact: the same tokens as prefilling the whole conversation from scratch
-    fresh = [t for r in stream_generate(model, draft, tok, ids2, max_tokens=MAX) for t in r.tokens]
+    fresh = [t for r in stream_generate(model, draft, tok, ids2, max_tokens=MAX, block_size="draft") for t in r.tokens]
     assert second.tokens == fresh
 
 
@@ -503,7 +504,7 @@ EXIT_SCRIPT = """
 import asyncio
 import dflash_mlx
 from dflash_mlx import testing
-from dflash_mlx.draft import random_draft
+from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.tui.app import ChatApp
 from dflash_mlx.tui.session import Settings
 model, tok = testing.tiny_target("qwen3")
@@ -594,9 +595,9 @@ def test_draft_block_size_setting_keeps_the_width_fixed(tiny):
     model, tok, _ = tiny
     draft = oracle_draft(model, tok, "hello", MAX)
     engine = Recorder()
-    session = ChatSession(model, tok, draft, Settings(max_tokens=MAX, block_size=None), stream_fn=engine)
+    session = ChatSession(model, tok, draft, Settings(max_tokens=MAX, block_size="draft"), stream_fn=engine)
     session.turn("hello", lambda turn, new: None, lambda: False)
-    assert engine.calls[-1]["block_size"] is None  # the engine resolves it to the draft's
+    assert engine.calls[-1]["block_size"] == "draft"  # the engine resolves it to the draft's
     widths = [r.verify_width for r in engine.responses[1:]]
     assert widths[:-1] == [4] * (len(widths) - 1)  # the last cycle is cut by max tokens
     assert (session.block_size, session.max_block_size) == (4, 4)
@@ -604,7 +605,7 @@ def test_draft_block_size_setting_keeps_the_width_fixed(tiny):
     assert (session.block_size, session.max_block_size) == ("auto", 4)  # auto scales to the draft's
 
 
-def test_settings_dialog_takes_auto_a_number_or_nothing(tiny):
+def test_settings_dialog_takes_auto_draft_or_a_number(tiny):
     model, tok, draft = tiny
     app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX))
 
@@ -613,7 +614,7 @@ def test_settings_dialog_takes_auto_a_number_or_nothing(tiny):
         field = app.screen.query_one("#block_size")
         shown = (field.value, str(field.placeholder))
         parsed = {}
-        for text in ("auto", " Auto ", "8", ""):
+        for text in ("auto", " Auto ", "8", "", "draft"):
             field.value = text
             parsed[text] = app.screen.read().block_size
         refused = await try_values(app, pilot, field, ("0", "x", "2.5"))
@@ -623,8 +624,8 @@ def test_settings_dialog_takes_auto_a_number_or_nothing(tiny):
         return shown, parsed, refused, app.query_one(StatsPanel).plain
 
     shown, parsed, refused, panel = run(app, script)
-    assert shown == ("auto", "auto, a number, or empty: draft's 4")
-    assert parsed == {"auto": "auto", " Auto ": "auto", "8": 8, "": None}
+    assert shown == ("auto", "auto (empty), draft (4) or a number")
+    assert parsed == {"auto": "auto", " Auto ": "auto", "8": 8, "": "auto", "draft": "draft"}
     for text, (still_open, notes) in refused.items():
         assert still_open, text
         assert len(notes) == 1 and notes[0][1] == "error" and "block size" in notes[0][0], (text, notes)

@@ -51,7 +51,7 @@ def decode_with_partial_accepts(model, tok, prompt, ref, block_size, seed):
     wrong = [rng.randrange(0, block_size) for _ in range(200)]
     draft = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=block_size)
     out, accepts = [], []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[]):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[], block_size="draft"):
         out += r.tokens
         accepts = r.accept_lengths
     return out, accepts
@@ -194,7 +194,7 @@ def test_unverified_apple_gpu_keeps_mlx_lm_recurrence(monkeypatch):
 def test_lossless_with_kv_inject_kernel_in_the_draft(monkeypatch, arch):
     """The draft's caches become one preallocated stack filled by the kernel; output stays exact
     and the draft proposes what it proposes on the reference path."""
-    from dflash_mlx.draft import random_draft
+    from dflash_mlx.draft_loading import random_draft
     from dflash_mlx.kernels import _StackedView
 
     model, tok = tiny_target(arch, seed=1)
@@ -203,7 +203,7 @@ def test_lossless_with_kv_inject_kernel_in_the_draft(monkeypatch, arch):
 
     def decode():
         out, proposals, widths = [], [], []
-        for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[]):
+        for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[], block_size="draft"):
             out += r.tokens
             proposals.append(r.accept_length)
             widths.append(r.verify_width)

@@ -19,7 +19,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from dflash_mlx.options import add_generation_args
+from dflash_mlx.options import DRAFT_WIDTH, add_generation_args
 from dflash_mlx.tui.session import ChatSession, Settings, Turn
 from dflash_mlx.tui.stats import panel_lines
 from dflash_mlx.tui.template import Template
@@ -150,7 +150,7 @@ class ChatApp(App):
         self._jobs.put((what, fn))
 
     def _load(self) -> None:
-        from dflash_mlx.cli import load_model_and_draft
+        from dflash_mlx.frontend import load_model_and_draft
         from dflash_mlx.packaged import untrained_draft
 
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True)
@@ -216,7 +216,7 @@ class ChatApp(App):
         if self.session:
             block, max_block = self.session.block_size, self.session.max_block_size
         else:  # not loaded yet: no draft to resolve None against
-            block, max_block = (s.block_size if s.block_size is not None else "draft's"), None
+            block, max_block = ("draft's" if s.block_size == DRAFT_WIDTH else s.block_size), None
         stats = self._last_turn.stats if self._last_turn is not None else None
         self.query_one(StatsPanel).show(panel_lines(
             stats, self.model_name or "?", self.draft_name or "?", block, s.temperature,
@@ -323,7 +323,7 @@ class ChatApp(App):
 
 
 def build_parser():
-    from dflash_mlx.cli import ArgumentParser
+    from dflash_mlx.frontend import ArgumentParser
     from dflash_mlx.packaged import DEFAULT_MODEL
 
     p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
@@ -336,7 +336,7 @@ def build_parser():
 
 def settings_from_args(args) -> Settings:
     """The chat's settings from its flags; CLIError (a usage error) naming a bad one."""
-    from dflash_mlx.cli import checked_options
+    from dflash_mlx.frontend import checked_options
 
     return checked_options(args, Settings, system=args.system)
 
@@ -344,7 +344,7 @@ def settings_from_args(args) -> Settings:
 def main(argv=None) -> int:
     import sys
 
-    from dflash_mlx.cli import draft_for
+    from dflash_mlx.frontend import draft_for
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
 from dflash_mlx.generate import encode_prompt, make_prompt_cache, stop_ids, stream_generate
-from dflash_mlx.options import GenerationOptions
+from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 
 from dflash_mlx.tui.segments import CycleText, Segment
 from dflash_mlx.tui.stats import TurnStats
@@ -63,10 +63,8 @@ class ChatSession:
 
     @property
     def block_size(self) -> Union[int, str]:
-        """The setting as shown: a number or "auto" (None resolved to the draft's)."""
-        if self.settings.block_size is not None:
-            return self.settings.block_size
-        return self.draft_block_size
+        """The setting as shown: a number or "auto" ("draft" resolved to the draft's own)."""
+        return fixed_width(self.settings.block_size, self.draft_block_size) or AUTO
 
     @property
     def max_block_size(self) -> int:

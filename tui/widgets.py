@@ -153,7 +153,7 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
 
     def compose(self) -> ComposeResult:
         s = self.settings
-        placeholders = {"block_size": f"auto, a number, or empty: draft's {self.draft_block_size}",
+        placeholders = {"block_size": f"auto (empty), draft ({self.draft_block_size}) or a number",
                         "seed": "empty: none", "draft_sampling": "argmax or sample"}
         with Grid():
             for name, label, _ in self.FIELDS:

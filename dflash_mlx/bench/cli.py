@@ -6,8 +6,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli import (EXIT_USAGE, ArgumentParser, CLIError, checked_options, draft_for,
-                            load_model_and_draft, usage_error)
+from dflash_mlx.frontend import EXIT_USAGE, ArgumentParser, CLIError, checked_options, draft_for, load_model_and_draft, usage_error
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.packaged import DEFAULT_MODEL
 
@@ -35,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--suite", default="gsm8k,humaneval,mtbench",
                    help=f"comma list of {', '.join(SUITES)}, or 'all' (default: %(default)s)")
     p.add_argument("--limit", type=int, default=10, help="prompts per suite (seeded subset)")
-    add_generation_args(p, GenerationOptions(block_size=None, seed=0))
+    add_generation_args(p, GenerationOptions(seed=0))
     p.add_argument("--block-sizes", type=_block_sizes, default=None,
                    help="sweep, e.g. 4,8,16 or 4,8,16,auto (overrides --block-size)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name | folder | .gguf | hub id")

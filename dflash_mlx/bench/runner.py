@@ -26,6 +26,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Union
 import mlx.core as mx
 
 from dflash_mlx.generate import encode_prompt, stop_ids, tau
+from dflash_mlx.options import AUTO, DRAFT_WIDTH, parse_block_size
 from dflash_mlx.progress import eta_seconds, format_duration
 
 from . import metrics
@@ -39,8 +40,8 @@ class BenchConfig:
     suites: List[str]
     limit: Optional[int] = 10
     max_tokens: int = 256
-    # None: the draft's own; "auto": the engine's adaptive verify width
-    block_sizes: List[Union[int, str, None]] = field(default_factory=lambda: [None])
+    # "auto": the engine's adaptive verify width (the default); "draft": the draft's own; or widths
+    block_sizes: List[Union[int, str]] = field(default_factory=lambda: [AUTO])
     temperature: float = 0.0
     top_p: float = 1.0  # sampling filters, as in dflash_mlx.options (off by default)
     top_k: int = 0
@@ -290,7 +291,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
                    for p in load_suite(s, cfg.limit, cfg.seed, cfg.data_dir)]
     if not prompts:
         raise ValueError("no prompts to run")
-    blocks = [b if b is not None else draft.block_size for b in cfg.block_sizes]
+    blocks = [parse_block_size(b) for b in cfg.block_sizes]
+    blocks = [draft.block_size if b == DRAFT_WIDTH else b for b in blocks]
     blocks = list(dict.fromkeys(blocks))  # keep order, drop repeats
     fixed = [b for b in blocks if b != "auto"]
     # "auto" varies the width per cycle: its histogram spans the draft's block,

@@ -20,7 +20,7 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 
 def build_parser():
-    from dflash_mlx.cli import ArgumentParser  # a bad flag is one line, as in every subcommand
+    from dflash_mlx.frontend import ArgumentParser# a bad flag is one line, as in every subcommand
 
     p = ArgumentParser(prog="dflash-mlx train", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="packaged name, mlx-lm folder, .gguf file or hub id")
@@ -121,7 +121,7 @@ def load_target(spec: str):
 
 
 def _layer_ids(arg, num_layers: int, n_draft: int):
-    from dflash_mlx.draft import default_target_layer_ids
+    from dflash_mlx.draft_config import default_target_layer_ids
 
     if arg:
         return [int(x) for x in arg.split(",")]
@@ -130,7 +130,7 @@ def _layer_ids(arg, num_layers: int, n_draft: int):
 
 def _grown_draft(src: Path, target, layers: int):
     """The checkpoint of run folder `src`, grown to `layers` layers."""
-    from dflash_mlx.draft import DraftConfig
+    from dflash_mlx.draft_config import DraftConfig
     from dflash_mlx.train.init import grow_draft
     from dflash_mlx.train.trainer import CHECKPOINT, load_run_draft
 
@@ -227,7 +227,7 @@ def main(argv=None):
                 shutil.copyfile(Path(args.grow_from) / name, run / name)
         resumed = True  # from here on it is a run folder like any other
     if resumed:
-        from dflash_mlx.draft import DraftConfig
+        from dflash_mlx.draft_config import DraftConfig
 
         dcfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
     else:
@@ -350,7 +350,7 @@ def main(argv=None):
     suites = [x for x in args.tau_suites.split(",") if x]
     limits = {s: args.tau_prompts.get(s, args.tau_prompts.get("*", 0)) for s in suites}
     if any(limits.values()):
-        from dflash_mlx.draft import load_draft
+        from dflash_mlx.draft_loading import load_draft
         from dflash_mlx.train.evaluate import measure_tau
 
         shipped = load_draft(out, model)  # exactly what users get (exported dtype, vocabulary)

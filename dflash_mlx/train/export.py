@@ -12,7 +12,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import DFlashDraftModel, save_draft
+from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.draft_loading import save_draft
 from dflash_mlx.train.init import fold_feature_scale
 
 
@@ -23,7 +24,7 @@ def export_draft(draft: DFlashDraftModel, out_dir, dtype=mx.float16, card: Optio
 
     `feature_scale`: the per-dimension feature preconditioning used in training,
     folded into `fc` here so the files are plain z-lab format."""
-    from dflash_mlx.draft import draft_class
+    from dflash_mlx.draft_loading import draft_class
 
     copy = draft_class(draft.config)(draft.config)
     copy.load_weights(list(tree_flatten(draft.parameters())))

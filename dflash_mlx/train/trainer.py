@@ -29,7 +29,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx.draft import DFlashDraftModel, DraftConfig
+from dflash_mlx.draft import DFlashDraftModel
+from dflash_mlx.draft_config import DraftConfig
 from dflash_mlx.progress import eta_seconds, format_duration
 from dflash_mlx.train.data import feature_file
 from dflash_mlx.train.forward import training_logits

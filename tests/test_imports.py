@@ -1,0 +1,104 @@
+"""The package's modules import each other without a circle.
+
+Every import counts: top-level ones, the ones inside functions, and module names given
+as strings (the CLI imports its subcommands by name). An edge a -> b means a imports b;
+a circle means two concepts that should be one module, or a shared piece that belongs
+in a third.
+"""
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Where each installed package's sources live (pyproject.toml's package-dir).
+PACKAGE_DIRS = {"dflash_mlx": REPO / "dflash_mlx", "dflash_mlx.tui": REPO / "tui", "dflash_mlx.metal": REPO / "metal"}
+
+
+def package_modules():
+    modules = {}
+    for prefix, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join([prefix, *parts])] = path
+    return modules
+
+
+def _owning_module(name, modules):
+    """`dflash_mlx.draft.DraftConfig` -> `dflash_mlx.draft`; None outside the package."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imported_names(module, path, modules):
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module if is_package else module.rpartition(".")[0]
+                for _ in range(node.level - 1):
+                    parent = parent.rpartition(".")[0]
+                base = f"{parent}.{base}" if base else parent
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                full = f"{base}.{alias.name}"
+                yield full if full in modules else base
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value:
+            if node.value in modules:  # importlib.import_module("dflash_mlx.x"), tables of module names
+                yield node.value
+
+
+def import_graph():
+    modules = package_modules()
+    graph = {}
+    for module, path in modules.items():
+        targets = {_owning_module(name, modules) for name in imported_names(module, path, modules)}
+        graph[module] = sorted(t for t in targets if t and t != module)
+    return graph
+
+
+def find_cycle(graph):
+    """One import circle as a list of modules (first == last), or None."""
+    state = {}  # module -> "open" while on the DFS stack, "done" after
+    stack = []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for dep in graph.get(module, ()):
+            if state.get(dep) == "open":
+                return stack[stack.index(dep):] + [dep]
+            if dep not in state:
+                cycle = visit(dep)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[module] = "done"
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            cycle = visit(module)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_walker_sees_every_kind_of_import():
+    graph = import_graph()
+    assert "dflash_mlx.draft" in graph["dflash_mlx.draft2"]  # top level
+    assert "dflash_mlx.loading" in graph["dflash_mlx"]  # inside a function (load)
+    assert "dflash_mlx.server" in graph["dflash_mlx.cli"]  # a module name in a string
+    assert "dflash_mlx.tui.app" in graph["dflash_mlx.cli"]  # installed from tui/
+
+
+def test_find_cycle_reports_a_circle():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": []}) is None
+
+
+def test_no_import_circles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
