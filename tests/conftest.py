@@ -1,2 +1,17 @@
 # Import dflash_mlx before anything imports mlx.core, so its BLAS routing applies.
 import dflash_mlx  # noqa: F401
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests that load a real model first: under pytest-xdist (`--dist worksteal`) the long
+    ones then start at once and the short ones fill the other workers around them."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default target, loaded once per test process: (model, tokenizer)."""
+    from dflash_mlx import load
+
+    return load("smollm2-135m", quiet=True)

@@ -48,10 +48,10 @@ def test_relaid_target_and_draft_stay_exact():
         assert out == ref[: len(out)] and len(out) == 24
 
 
-def test_load_lays_out_the_packaged_target_and_draft():
-    from dflash_mlx import load, load_draft
+def test_load_lays_out_the_packaged_target_and_draft(smollm2):
+    from dflash_mlx import load_draft
 
-    model, _ = load("smollm2-135m", quiet=True)
+    model, _ = smollm2  # from dflash_mlx.load
     draft = load_draft("smollm2-135m", model, quiet=True)
     assert all(is_relaid(m.weight) for m in _linears(model))
     assert all(is_relaid(m.weight) for m in _linears(draft))

@@ -177,12 +177,11 @@ PROMPTS = ["What is 12 * 7? Explain briefly.", "Write a Python function that rev
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from dflash_mlx import load
+def smollm2_prompts(smollm2):
     from dflash_mlx.generate import encode_prompt
     from dflash_mlx.loading import apply_chat_template
 
-    model, tokenizer = load("smollm2-135m", quiet=True)
+    model, tokenizer = smollm2
     prompts = [encode_prompt(tokenizer, apply_chat_template(tokenizer, p)) for p in PROMPTS]
     return model, tokenizer, prompts
 
@@ -200,10 +199,10 @@ def shipped_draft_for_reference():
 
 
 @pytest.mark.slow
-def test_shipped_draft_logits_equal_reference(smollm2, reference_loader, shipped_draft_for_reference):
+def test_shipped_draft_logits_equal_reference(smollm2_prompts, reference_loader, shipped_draft_for_reference):
     """Also over the reduced draft vocabulary: ours scores only `vocab_ids`, the reference
     (which ignores draft_vocab.npy) everything; the shared columns agree."""
-    model, _, prompts = smollm2
+    model, _, prompts = smollm2_prompts
     ours = load_draft("smollm2-135m", model)
     theirs = reference_loader(shipped_draft_for_reference, model)
     vocab_ids = ours.vocab_ids
@@ -213,12 +212,12 @@ def test_shipped_draft_logits_equal_reference(smollm2, reference_loader, shipped
 
 
 @pytest.mark.slow
-def test_engines_accept_the_same_lengths_on_smollm2(smollm2, reference_loader, shipped_draft_for_reference):
+def test_engines_accept_the_same_lengths_on_smollm2(smollm2_prompts, reference_loader, shipped_draft_for_reference):
     """Both engines, block 16, greedy, the shipped draft over the full vocabulary (the
     reference has no reduced vocabulary): same tokens, same accept length every cycle."""
     from dflash_mlx import load, stream_generate
 
-    model, tokenizer, prompts = smollm2
+    model, tokenizer, prompts = smollm2_prompts
     ours = load_draft("smollm2-135m", model)
     ours.set_vocab(None)
     # The reference engine wraps the model's layers for good: give it its own copy.

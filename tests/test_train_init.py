@@ -215,19 +215,23 @@ def test_packed_responses_round_trip(tmp_path):
     assert msgs and "1 records without their prompt source" in msgs[0]
 
 
-def _smollm2_overfit(init, feature_scale, steps=40):
-    """The overfit check on the real embedded target: 4 committed GSM8K responses,
-    `steps` steps of 256 block tokens (each sequence seen 10 times), top-1 on them."""
-    from dflash_mlx import load
-
-    model, tok = load("smollm2-135m", quiet=True)
+@pytest.fixture(scope="module")
+def smollm2_overfit_setup(smollm2):
+    """The real embedded target, 4 committed GSM8K responses, and one feature source for
+    both recipes (same taps: the frozen target's features are computed once per record)."""
+    model, tok = smollm2
     target = Target(model)
     packed = D.DATA_DIR / "smollm2-135m-responses.jsonl.gz"
     gsm = [r for r in D.unpack_responses(packed, tok) if r["id"].startswith("gsm8k-train:") and len(r["response"]) >= 60]
-    recs = gsm[:4]
+    return tok, target, gsm[:4], FeatureSource(target, [1, 10, 18, 27])
+
+
+def _smollm2_overfit(setup, init, feature_scale, steps=40):
+    """The overfit check on the real embedded target: 4 committed GSM8K responses,
+    `steps` steps of 256 block tokens (each sequence seen 10 times), top-1 on them."""
+    tok, target, recs, feats = setup
     mask = None if init == "target" else target.vocab_size - 1  # the old recipe's mask token
-    cfg = I.make_draft_config(target, tok, recs, 2, 16, init, [1, 10, 18, 27], None, mask)
-    feats = FeatureSource(target, cfg.target_layer_ids)
+    cfg = I.make_draft_config(target, tok, recs, 2, 16, init, feats.layer_ids, None, mask)
     mx.random.seed(0)
     draft, scale, _ = I.make_draft(cfg, target, recs, feats, init=init, feature_scale=feature_scale)
     tc = TrainConfig(steps=steps, batch_tokens=256, blocks_per_seq=16, lr=1e-3, eval_every=0, log_every=10**9,
@@ -241,11 +245,11 @@ def _smollm2_overfit(init, feature_scale, steps=40):
 
 
 @pytest.mark.slow
-def test_overfit_check_on_smollm2_separates_the_recipes():
+def test_overfit_check_on_smollm2_separates_the_recipes(smollm2_overfit_setup):
     """The recipe of session 2 (random layers, raw features) fits its own data far more
     slowly than the target-initialised one: the check must tell them apart."""
-    new = _smollm2_overfit("target", True)
-    old = _smollm2_overfit("random", False)
+    new = _smollm2_overfit(smollm2_overfit_setup, "target", True)
+    old = _smollm2_overfit(smollm2_overfit_setup, "random", False)
     print(f"\noverfit check, SmolLM2, 4 sequences, 40 steps: new {new['val_acc']:.3f} {new['val_pos_acc'][:3]}, "
           f"old {old['val_acc']:.3f} {old['val_pos_acc'][:3]}; loss new {new['val_loss']:.2f} old {old['val_loss']:.2f}")
     # Measured here: new 0.132 (loss 4.56), old 0.056 (loss 4.99). The check's bar, 10% top-1
@@ -324,6 +328,30 @@ def test_features_and_teacher_come_from_one_target_forward(setup, monkeypatch):
     make_batch(recs[:2], src, np.random.default_rng(0), 8, 4, 299, index_map(None, target.vocab_size),
                teacher=src.teacher)
     assert len(calls) == 2
+
+
+def test_features_are_remembered_once_per_record_within_a_byte_bound(setup, monkeypatch):
+    """Without a feature folder the target runs once per record, not once per step; the
+    memory holds at most `memory_bytes` (least recently used out) and gives the same arrays."""
+    _, tok, target, recs = setup
+    calls = []
+    forward = target.forward
+    monkeypatch.setattr(target, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    src = FeatureSource(target, [1, 2], teacher_topk=8)
+    first = [src(r) for r in recs[:3]]
+    teachers = [src.teacher(r) for r in recs[:3]]
+    again = [src(r) for r in recs[:3]]
+    assert len(calls) == 3
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+    fresh = FeatureSource(target, [1, 2], teacher_topk=8, memory_bytes=0)
+    np.testing.assert_array_equal(fresh.teacher(recs[1])[0], teachers[1][0])
+    one = first[0].nbytes + sum(a.nbytes for a in teachers[0])
+    small = FeatureSource(target, [1, 2], teacher_topk=8, memory_bytes=one + 1)  # room for one record
+    calls.clear()
+    small(recs[0]), small(recs[0]), small(recs[1]), small(recs[1]), small(recs[0])
+    assert len(calls) == 3  # recs[0], recs[1], then recs[0] again: it was pushed out
+    assert small._memory_used <= one + 1
 
 
 def _trained_draft(setup, tmp_path, layers=2, steps=30):

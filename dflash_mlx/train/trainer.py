@@ -19,6 +19,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -106,7 +107,7 @@ class FeatureSource:
     """
 
     def __init__(self, target, layer_ids: Sequence[int], feature_dir=None, save_missing: bool = False,
-                 teacher_topk: int = 0):
+                 teacher_topk: int = 0, memory_bytes: int = 256 << 20):
         self.target = target
         self.layer_ids = list(layer_ids)
         self.feature_dir = Path(feature_dir) if feature_dir else None
@@ -115,6 +116,12 @@ class FeatureSource:
         # The teacher of the record whose features were just computed: make_batch asks
         # for features then teacher, and without a cache that would be two forwards.
         self._last_teacher = None
+        # What the target computed, kept in memory (least recently used first out, at most
+        # `memory_bytes`): a small set trained on for many steps (the overfit check, a run
+        # without a feature folder) then runs the target once per record, not once per step.
+        self.memory_bytes = memory_bytes
+        self._memory: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self._memory_used = 0
         # A cache may hold more layers than this draft taps (`feature_layers.json`,
         # written by data generation): then this draft reads its columns of them.
         self.stored = self.layer_ids
@@ -130,9 +137,34 @@ class FeatureSource:
     def _select(self, f: np.ndarray) -> np.ndarray:
         return f if self.columns is None else f[:, self.columns]
 
+    def _memory_key(self, rec: dict) -> tuple:
+        return rec["id"], hash(tuple(rec["prompt"])), hash(tuple(rec["response"]))
+
+    def _remembered(self, rec: dict):
+        hit = self._memory.get(self._memory_key(rec))
+        if hit is not None:
+            self._memory.move_to_end(self._memory_key(rec))
+        return hit
+
+    def _remember(self, rec: dict, features: np.ndarray, teacher) -> None:
+        size = features.nbytes + (sum(a.nbytes for a in teacher) if teacher else 0)
+        if size > self.memory_bytes:
+            return
+        key = self._memory_key(rec)
+        old = self._memory.pop(key, None)
+        if old is not None:
+            self._memory_used -= old[2]
+        self._memory[key] = (features, teacher, size)
+        self._memory_used += size
+        while self._memory_used > self.memory_bytes:
+            self._memory_used -= self._memory.popitem(last=False)[1][2]
+
     def __call__(self, rec: dict) -> np.ndarray:
         """[len-1, n_tl*H] features of positions 0..len-2 (float16 or float32)."""
         n = len(rec["prompt"]) + len(rec["response"]) - 1
+        remembered = self._remembered(rec)
+        if remembered is not None:
+            return self._select(remembered[0])
         if self.feature_dir is not None:
             path = feature_file(self.feature_dir, rec["id"])
             if path.exists():
@@ -150,6 +182,9 @@ class FeatureSource:
         n = len(rec["prompt"]) + len(rec["response"]) - 1
         if self._last_teacher is not None and self._last_teacher[0] == rec["id"]:
             return self._last_teacher[1]
+        remembered = self._remembered(rec)
+        if remembered is not None and remembered[1] is not None:
+            return remembered[1]
         if self.feature_dir is not None:
             path = teacher_file(self.feature_dir, rec["id"], self.teacher_topk)
             if path.exists():
@@ -173,6 +208,7 @@ class FeatureSource:
             lp = mx.take_along_axis(logits, top, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
             ids, logp = np.array(top.astype(mx.int32)), np.array(lp.astype(mx.float16))
             self._last_teacher = (rec["id"], (ids, logp))
+        self._remember(rec, f, self._last_teacher[1] if k else None)
         if self.save_missing:
             if save_features:
                 path = feature_file(self.feature_dir, rec["id"])
