@@ -406,7 +406,7 @@ def test_doctor_says_how_to_get_a_missing_packaged_model(monkeypatch):
 
 def _readme_setup_commands():
     text = (REPO / "README.md").read_text()
-    block = text.split("## Set-up", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    block = text.split("## Install", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
 
 

@@ -152,33 +152,34 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
 
 
 def test_default_width_is_auto_in_the_library_as_in_every_front_end():
-    """`stream_generate`/`generate` without `block_size` run the adaptive width; "draft" is the
-    draft's own block size every cycle. A draft that is always wrong shows the difference:
-    "auto" narrows the verify, "draft" keeps verifying 16 rows."""
+    """`stream_generate`/`generate` without `block_size` run the adaptive width (the shared
+    policy of the model/draft pair learns from the call); "draft" is the draft's own block
+    size every cycle and leaves the policy alone."""
     import inspect
 
-    from dflash_mlx.adaptive import forget_sizers
+    from dflash_mlx.adaptive import forget_sizers, sizer_for
     from dflash_mlx.options import GenerationOptions
 
     assert inspect.signature(stream_generate).parameters["block_size"].default == "auto"
+    assert inspect.signature(generate).parameters.get("block_size") is None  # it passes **kwargs on
     assert GenerationOptions().block_size == "auto"
     model, tok = tiny_target("llama", seed=3)
     prompt = list(range(20, 40))
     reference = prompt + greedy_reference(model, prompt, 40, stop_ids=[])
-    target = Target(model)
+    draft = ScriptedDraft(Target(model), reference, wrong_from=lambda c: 0, block_size=16)
 
     def widths(**kwargs):
-        draft = ScriptedDraft(target, reference, wrong_from=lambda c: 0, block_size=16)
         rs = list(stream_generate(model, draft, tok, prompt, max_tokens=40, stop_token_ids=[], **kwargs))
         assert [t for r in rs for t in r.tokens] == reference[len(prompt):]
         return [r.verify_width for r in rs[1:]]
 
     forget_sizers()
-    early = slice(0, 24)  # the last cycles verify fewer rows anyway: the budget is nearly spent
-    default = widths()[early]
-    assert min(default) < 16 and default.count(16) < len(default) // 2, default
-    assert set(widths(block_size="draft")[early]) == {16}
-    forget_sizers()
-    draft = ScriptedDraft(target, reference, wrong_from=lambda c: 0, block_size=16)
+    policy = sizer_for(model, draft)
+    default = widths()
+    learned = policy.cycle
+    assert learned == len(default) and default[0] < 16, default  # the policy's first, exploring width
+    assert set(widths(block_size="draft")[:24]) == {16}  # the last cycles are cut by the budget
+    assert policy.cycle == learned
     assert generate(model, draft, tok, prompt, max_tokens=40, stop_token_ids=[]) == \
         generate(model, None, tok, prompt, max_tokens=40, stop_token_ids=[])
+    assert policy.cycle > learned

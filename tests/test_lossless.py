@@ -20,9 +20,10 @@ def model_for(arch):
     return _MODELS[arch]
 
 
-def run(model, draft, tok, prompt, **kw):
+def run(model, draft, tok, prompt, block_size="draft", **kw):
+    """Every token and response of one engine call; at the draft's own width unless told."""
     tokens, responses = [], []
-    for r in stream_generate(model, draft, tok, prompt, **kw):
+    for r in stream_generate(model, draft, tok, prompt, block_size=block_size, **kw):
         tokens += r.tokens
         responses.append(r)
     return tokens, responses

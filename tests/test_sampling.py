@@ -427,8 +427,9 @@ def tiny(arch, **kw):
     return _TINY[key]
 
 
-def tokens_of(model, draft, tok, prompt, **kw):
-    return [t for r in stream_generate(model, draft, tok, prompt, **kw) for t in r.tokens]
+def tokens_of(model, draft, tok, prompt, block_size="draft", **kw):
+    """At a fixed width: with sampling, the width decides how the random draws are used."""
+    return [t for r in stream_generate(model, draft, tok, prompt, block_size=block_size, **kw) for t in r.tokens]
 
 
 @pytest.mark.parametrize("mode", ["argmax", "sample"])
@@ -485,7 +486,7 @@ def engine_first_tokens(mode, n_runs=100):
     draft.set_vocab(mx.array([0, 1, 2]))  # token 3 is outside the draft vocabulary
     outs, accepts = [], []
     for seed in range(n_runs):
-        rs = list(stream_generate(model, draft, tok, E2E_PROMPT, max_tokens=3, seed=seed,
+        rs = list(stream_generate(model, draft, tok, E2E_PROMPT, max_tokens=3, seed=seed, block_size="draft",
                                   draft_sampling=mode, stop_token_ids=[], **E2E_FILTERS))
         outs.append([t for r in rs for t in r.tokens])
         accepts += rs[-1].accept_lengths

@@ -328,13 +328,15 @@ async def try_values(app, pilot, field, texts):
     field.focus()
     for text in texts:
         field.value = text
-        seen = len(notifications(app))
+        # by identity, not count: on a busy machine earlier toasts time out meanwhile
+        seen = {id(n) for n in app._notifications}
         await pilot.press("enter")  # Enter in a field saves (a click could land on the last toast)
-        for _ in range(250):  # until the refusal shows or the dialog closes (a busy machine is slow)
+        for _ in range(500):  # until the refusal shows or the dialog closes (a busy machine is slow)
             await pilot.pause(0.02)
-            if len(notifications(app)) > seen or not isinstance(app.screen, SettingsScreen):
+            new = [(n.message, n.severity) for n in app._notifications if id(n) not in seen]
+            if new or not isinstance(app.screen, SettingsScreen):
                 break
-        out[text] = (isinstance(app.screen, SettingsScreen), notifications(app)[seen:])
+        out[text] = (isinstance(app.screen, SettingsScreen), new)
     return out
 
 
