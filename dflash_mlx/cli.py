@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "train": ("dflash_mlx.train.cli", "train a DFlash draft for an mlx-lm target"),
     "doctor": ("dflash_mlx.doctor", "report MLX backend, BLAS, packaged models"),
     "export": ("dflash_mlx.export", "write a loaded model as a standard mlx-lm folder"),
+    "export-draft": ("dflash_mlx.interop.export_draft", "write a draft for vLLM, SGLang or speculators"),
     "serve": ("dflash_mlx.server", "OpenAI-compatible HTTP server"),
 }
 
