@@ -150,6 +150,12 @@ def _grown_draft(src: Path, target, layers: int):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--export-for" or a.startswith("--export-for=") for a in argv):
+        # data + settings for a GPU trainer (speculators, SpecForge): dflash_mlx/interop/recipe.py
+        from dflash_mlx.interop.recipe import main as export_for
+
+        return export_for(argv, build_parser())
     args = build_parser().parse_args(argv)
     import mlx.core as mx
     import numpy as np
