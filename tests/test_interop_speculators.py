@@ -124,3 +124,27 @@ def test_malformed_config_is_one_line(verifier, tmp_path, case):
         load_draft(_broken(tmp_path, **edits), verifier)
     msg = str(e.value)
     assert words in msg and "\n" not in msg and "speculators draft" in msg
+
+
+def test_verifier_tensors_stored_with_the_draft_are_checked_then_dropped(verifier, tmp_path):
+    """Older speculators checkpoints carry the verifier's embedding/head/norm: the target's own load
+    (and change nothing), another model's are refused."""
+    vw = mx.load(str(FIX / "verifier" / "model.safetensors"))
+
+    def add_verifier(w):
+        w["embed_tokens.weight"] = vw["model.embed_tokens.weight"]
+        w["verifier_lm_head.weight"] = w["lm_head.weight"]
+        w["verifier_norm.weight"] = vw["model.norm.weight"]
+
+    draft = load_draft(_broken(tmp_path, weights_edit=add_verifier), verifier)
+    feats = features(verifier, draft.config.target_layer_ids)
+    original = load_draft(str(FIX / "speculators-reduced"), verifier)
+    assert mx.array_equal(proposals(draft, feats)[0], proposals(original, feats)[0])
+
+    def other_embedding(w):
+        add_verifier(w)
+        w["embed_tokens.weight"] = mx.array(np.random.default_rng(1).standard_normal((300, 64)), mx.float16)
+
+    with pytest.raises(ValueError, match="embed_tokens.weight.*another target") as e:
+        load_draft(_broken(tmp_path / "x", weights_edit=other_embedding), verifier)
+    assert "\n" not in str(e.value)
