@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "train": "dflash_mlx.train.cli",
     "doctor": "dflash_mlx.doctor",
     "export": "dflash_mlx.export",
+    "export-draft": "dflash_mlx.interop.export_draft",
     "serve": "dflash_mlx.server",
 }
 

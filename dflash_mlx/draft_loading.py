@@ -21,6 +21,7 @@ from dflash_mlx.draft2 import (DFlash2DraftModel, dflash2_defaults, dflash2_hint
                                randomize_dflash2)
 from dflash_mlx.draft_config import (DraftConfig, DraftMismatchError, default_target_layer_ids,
                                      validate_for_target)
+from dflash_mlx.interop.formats import zlab_layout
 from dflash_mlx.layout import relayout_for_cpu
 from dflash_mlx.loading import ModelLoadError, hub_snapshot, resolve_source
 from dflash_mlx.target import Target
@@ -77,7 +78,8 @@ def _read_safetensors(path: Path) -> Dict[str, mx.array]:
         ) from None
 
 
-def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDraftModel:
+def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None, target=None) -> DFlashDraftModel:
+    """`target` (a `Target`, optional) lets checkpoints in other engines' layouts be checked against it."""
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -86,19 +88,25 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None) -> DFlashDra
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise DraftMismatchError(f"draft config {cfg_file} is not valid JSON: {e}") from None
-    config = DraftConfig.from_dict(cfg)
     files = sorted(f for f in path.glob("*.safetensors") if f.name != LEGACY_DRAFT_VOCAB_FILE)
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in draft folder {path}")
     weights = {}
     for f in files:
         weights.update(_read_safetensors(f))
+    # other engines' layouts (speculators, vLLM's reduced vocabulary) as z-lab's
+    cfg, weights, foreign_ids = zlab_layout(cfg, weights, target, source=str(path))
+    config = DraftConfig.from_dict(cfg)
     check_weights(weights, config)
     model = draft_class(config)(config)
     if dtype is not None:
         weights = {k: v.astype(dtype) for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     ids = _read_draft_vocab(path)
+    if foreign_ids is not None:
+        if ids is not None and ids.tolist() != foreign_ids.tolist():
+            raise DraftMismatchError(f"{path}: {DRAFT_VOCAB_FILE} and the checkpoint's d2t name different vocabularies")
+        ids = foreign_ids
     if ids is not None:
         model.set_vocab(ids)
     mx.eval(model.parameters())
@@ -264,7 +272,7 @@ def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet
                 file=sys.stderr,
             )
         return random_draft(target, seed=0, dtype=dtype or mx.float32, num_layers=1)
-    draft = load_draft_folder(folder, dtype=dtype)
+    draft = load_draft_folder(folder, dtype=dtype, target=target)
     relayout_for_cpu(draft)
     if target is not None:
         validate_for_target(draft.config, target)

@@ -54,7 +54,7 @@ def export_model(model, tokenizer, out, dtype=None, overwrite=False) -> Path:
 
 
 def main(argv=None) -> int:
-    from dflash_mlx.frontend import ArgumentParser# a bad flag is one line, as in every subcommand
+    from dflash_mlx.frontend import ArgumentParser  # a bad flag is one line, as in every subcommand
 
     p = ArgumentParser(
         prog="dflash-mlx export",

@@ -17,6 +17,7 @@ SUBCOMMAND_HELP = {
     "train": "train a DFlash draft for an mlx-lm target",
     "doctor": "report MLX backend, BLAS, packaged models",
     "export": "write a loaded model as a standard mlx-lm folder",
+    "export-draft": "write a draft for vLLM, SGLang or speculators",
     "serve": "OpenAI-compatible HTTP server",
 }
 

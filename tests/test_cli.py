@@ -290,6 +290,8 @@ BAD_SOURCES = {
     "serve": (["serve", "--model", "no-such-model"], ["serve", "--draft", MISSING]),
     "train": (["train", "--target", "no-such-model", "--out", "{tmp}/draft"], None),
     "export": (["export", "no-such-model", "{tmp}/out"], None),
+    "export-draft": (["export-draft", "smollm2-135m", "{tmp}/out", "--format", "vllm", "--target", "no-such-model"],
+                     ["export-draft", MISSING, "{tmp}/out", "--format", "vllm", "--target", "smollm2-135m"]),
     "doctor": (["doctor", "--no-such-flag"], None),
 }
 # and a flag each subcommand does not know is one line too
@@ -330,13 +332,14 @@ def test_bad_model_or_draft_is_one_line(case, tmp_path):
     assert expected in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("name", ["run", "chat", "bench", "serve", "train", "doctor", "export"])
+@pytest.mark.parametrize("name", ["run", "chat", "bench", "serve", "train", "doctor", "export", "export-draft"])
 def test_bad_flag_is_one_line_in_every_subcommand(name, capsys):
     from dflash_mlx.cli import SUBCOMMANDS, main
 
     if name != "run" and name not in SUBCOMMANDS:
         pytest.skip(f"no '{name}' subcommand in this checkout")
-    required = {"train": ["--target", "m", "--out", "o"], "export": ["m", "o"]}.get(name, [])
+    required = {"train": ["--target", "m", "--out", "o"], "export": ["m", "o"],
+                "export-draft": ["d", "o", "--format", "vllm"]}.get(name, [])
     argv = BAD_FLAG if name == "run" else [name, *required, *BAD_FLAG]
     assert main(argv) == 2
     err = capsys.readouterr().err

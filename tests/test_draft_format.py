@@ -389,7 +389,11 @@ def test_library_never_imports_the_reference():
         "import importlib, pkgutil, sys\n"
         "import dflash_mlx\n"
         "for m in pkgutil.walk_packages(dflash_mlx.__path__, 'dflash_mlx.'):\n"
-        "    importlib.import_module(m.name)\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ModuleNotFoundError as e:  # the CUDA-machine script needs torch, absent here\n"
+        "        if e.name != 'torch':\n"
+        "            raise\n"
         "print(sorted(n for n in sys.modules if n == 'dflash' or n.startswith('dflash.')))\n"
     )
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)

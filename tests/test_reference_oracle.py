@@ -22,7 +22,7 @@ ref = pytest.importorskip(
     reason="z-lab's reference is not installed: pip install --no-deps dflash==0.1.0",
 )
 
-from dflash_mlx.draft_loading import load_draft, random_draft, save_draft# noqa: E402
+from dflash_mlx.draft_loading import load_draft, random_draft, save_draft  # noqa: E402
 from dflash_mlx.target import Target  # noqa: E402
 from dflash_mlx.testing import TINY_CONFIGS, tiny_target  # noqa: E402
 

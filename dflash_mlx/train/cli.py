@@ -20,7 +20,7 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 
 def build_parser():
-    from dflash_mlx.frontend import ArgumentParser# a bad flag is one line, as in every subcommand
+    from dflash_mlx.frontend import ArgumentParser  # a bad flag is one line, as in every subcommand
 
     p = ArgumentParser(prog="dflash-mlx train", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="packaged name, mlx-lm folder, .gguf file or hub id")
@@ -150,6 +150,12 @@ def _grown_draft(src: Path, target, layers: int):
 
 
 def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--export-for" or a.startswith("--export-for=") for a in argv):
+        # data + settings for a GPU trainer (speculators, SpecForge): dflash_mlx/interop/recipe.py
+        from dflash_mlx.interop.recipe import main as export_for
+
+        return export_for(argv, build_parser())
     args = build_parser().parse_args(argv)
     import mlx.core as mx
     import numpy as np
