@@ -172,21 +172,31 @@ class ScriptedDraft:
 def chain_target(text: str, seed: int = 0):
     """(model, tokenizer) whose greedy continuation spells `text` over and over.
 
-    A tiny llama whose decoder layers are silenced (o_proj/down_proj zero), so the
-    logits depend only on the current token; the LM head maps each byte of `text`
-    to the next one. Lets tests check streamed text (multi-byte UTF-8 split over
-    tokens) against a known answer.
+    A `successor_target` over the byte tokens of `text`, the last one followed by
+    the first. Lets tests check streamed text (multi-byte UTF-8 split over tokens)
+    against a known answer.
     """
-    model, tok = tiny_target("llama", seed=seed, layer_types=None, sliding_window=None)
+    tok = byte_tokenizer()
     ids = tok.encode(text, add_special_tokens=False)
     succ = {a: b for a, b in zip(ids, ids[1:] + ids[:1])}
     if len(succ) != len(ids):
         raise ValueError("chain_target needs a text whose byte tokens are all distinct")
+    return successor_target(succ, seed=seed)[0], tok
+
+
+def successor_target(successors: Dict[int, int], seed: int = 0):
+    """(model, tokenizer): a tiny llama whose greedy next token after token a is `successors[a]`.
+
+    Its decoder layers are silenced (o_proj/down_proj zero), so the logits depend
+    only on the current token; the LM head maps each key's embedding to its
+    successor. Token ids up to `VOCAB`; tokens without a successor have flat logits.
+    """
+    model, tok = tiny_target("llama", seed=seed, layer_types=None, sliding_window=None)
     rng = np.random.default_rng(seed)
     H = model.args.hidden_size
     embed = rng.standard_normal((VOCAB, H)).astype(np.float32)
     head = np.zeros((VOCAB, H), dtype=np.float32)
-    for a, b in succ.items():
+    for a, b in successors.items():
         head[b] += embed[a] / np.linalg.norm(embed[a]) * 8.0
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)

@@ -41,8 +41,10 @@ MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def serving(model, draft, tok, **worker_args):
-    tok._tokenizer.chat_template = TEMPLATE
+def serving(model, draft, tok, template=TEMPLATE, **worker_args):
+    """A server on a free loopback port; `template`: the chat template set first (None: keep the tokenizer's)."""
+    if template is not None:
+        tok._tokenizer.chat_template = template
     worker = Worker(model, draft, tok, model_name=MODEL, draft_name="random", **worker_args)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
