@@ -357,7 +357,9 @@ class Worker:
         mx.eval(model.parameters())
         if draft is not None:
             mx.eval(draft.parameters(), [v for v in vars(draft).values() if isinstance(v, mx.array)])
-        self.cache = make_prompt_cache(model, draft, max_snapshots=max_snapshots)
+        if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
+        self.cache = make_prompt_cache(model, draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
         target = getattr(draft, "target", None) or Target(model)
         self.context_window = target.max_context
         self.recurrent = target.recurrent
@@ -406,7 +408,7 @@ class Worker:
             "busy": self.current is not None,
             "queued": self.jobs.qsize(),
             "queue_size": self.queue_size,
-            "prompt_cache": {"tokens": len(self.cache.tokens), "snapshots": len(self.cache.snapshots)},
+            "prompt_cache": self.cache.stats(),
             **self.counts,
         }
 
@@ -1002,6 +1004,21 @@ def _count(text: str) -> int:
     return value
 
 
+def _bytes(text: str) -> int:
+    """A size in bytes: a whole number, optionally with K, M, G or T (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    if t and t[-1] in "KMGT":
+        scale, t = 1024 ** ("KMGT".index(t[-1]) + 1), t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        value = -1
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M, 2G or 1000000, got {text!r}")
+    return int(value)
+
+
 def build_parser():
     p = ArgumentParser(
         prog="dflash-mlx serve",
@@ -1020,6 +1037,9 @@ def build_parser():
                    help="requests that may wait while one runs; more get 429 (default: 16)")
     p.add_argument("--snapshots", type=_count, default=4,
                    help="prompt-cache snapshots kept for prefix reuse across requests (default: 4)")
+    p.add_argument("--prompt-cache-bytes", type=_bytes, default=DEFAULT_PROMPT_CACHE_BYTES,
+                   help="most bytes the prompt-cache snapshots hold together, e.g. 512M, 2G or a number "
+                   "(default: 1G); the live cache of the current conversation comes on top")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--baseline", action="store_true", help="serve the target alone, without a draft")
@@ -1031,7 +1051,8 @@ def load_worker(args) -> Worker:
     model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
                                                                dtype=args.dtype)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
-                  options=options, queue_size=args.queue_size, max_snapshots=args.snapshots)
+                  options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
+                  prompt_cache_bytes=args.prompt_cache_bytes)
 
 
 def main(argv=None) -> int:

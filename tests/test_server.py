@@ -176,6 +176,9 @@ def test_models_and_health(attn):
     assert h["status"] == "ok" and h["model"] == MODEL
     assert h["scheduling"].startswith("one request at a time") and h["queue_size"] == 16
     assert {"busy", "queued", "served", "cancelled", "rejected"} <= set(h)
+    pc = h["prompt_cache"]
+    assert pc["max_bytes"] == attn.worker.cache.max_bytes == 1 << 30 and pc["max_snapshots"] == 4
+    assert 0 <= pc["snapshot_bytes"] <= pc["max_bytes"] and pc["live_bytes"] >= 0
 
 
 # -- stop strings -----------------------------------------------------------------
@@ -450,7 +453,11 @@ def test_serve_options_are_checked():
     p = build_parser()
     args = p.parse_args(["--block-size", "auto", "--port", "9000", "--queue-size", "3"])
     assert (args.block_size, args.port, args.queue_size, args.host) == ("auto", 9000, 3, "127.0.0.1")
-    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--snapshots", "-1"]):
+    assert p.parse_args(["--prompt-cache-bytes", "512M"]).prompt_cache_bytes == 512 << 20
+    assert p.parse_args(["--prompt-cache-bytes", "2GiB"]).prompt_cache_bytes == 2 << 30
+    assert p.parse_args(["--prompt-cache-bytes", "1000"]).prompt_cache_bytes == 1000
+    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--snapshots", "-1"],
+                ["--prompt-cache-bytes", "lots"], ["--prompt-cache-bytes", "-5M"]):
         with pytest.raises(CLIError, match=bad[0]):
             p.parse_args(bad)
     with pytest.raises(CLIError, match="max tokens"):
