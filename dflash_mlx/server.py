@@ -204,7 +204,7 @@ def _check_window(worker: "Worker", prompt_ids: List[int], param: str):
 
 
 def chat_prompt(worker: "Worker", messages: List[dict], tools: Optional[List[dict]], tool_choice_none: bool,
-                param: str = "messages"):
+                param: str = "messages", check_window: bool = True):
     """(prompt ids, tools to look for in the answer) of a chat."""
     if tools and not worker.tokenizer.has_tool_calling:
         raise RequestError(
@@ -212,7 +212,8 @@ def chat_prompt(worker: "Worker", messages: List[dict], tools: Optional[List[dic
             "leave 'tools' out or serve a tool-capable model", param="tools")
     render_tools = None if tool_choice_none else tools
     ids = worker.encode_chat(messages, tools=render_tools)
-    _check_window(worker, ids, param)
+    if check_window:
+        _check_window(worker, ids, param)
     return ids, render_tools
 
 
@@ -252,11 +253,12 @@ def completion_request(worker: "Worker", body: P.CompletionRequest) -> Generatio
     )
 
 
-def anthropic_prompt(worker: "Worker", body: P.AnthropicPrompt):
+def anthropic_prompt(worker: "Worker", body: P.AnthropicPrompt, check_window: bool = True):
     _check_model(worker, body.model)
     _refuse(body)
     none = body.tool_choice is not None and body.tool_choice.type == "none"
-    return chat_prompt(worker, anthropic_chat_messages(body), anthropic_tools(body.tools), none)
+    return chat_prompt(worker, anthropic_chat_messages(body), anthropic_tools(body.tools), none,
+                       check_window=check_window)
 
 
 def messages_request(worker: "Worker", body: P.MessagesRequest) -> GenerationRequest:
@@ -840,7 +842,7 @@ def _error_for(request: Request, err: RequestError):
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
-_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "tool_use", "tool_result", "function"}
+_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "tool_use", "tool_result"}
 
 
 def _param(loc) -> Optional[str]:
@@ -851,8 +853,8 @@ def _param(loc) -> Optional[str]:
         if isinstance(p, int):
             parts.append(f"[{p}]")
         elif (not isinstance(p, str) or not p.isidentifier() or p in _TYPE_NAMES or p[:1].isupper()
-              or (p in _TAGS and i + 1 < len(loc) and isinstance(loc[i + 1], str))):
-            continue  # a union member's type or tag, not a field
+              or (p in _TAGS and i > 0 and isinstance(loc[i - 1], int) and i + 1 < len(loc))):
+            continue  # a union member's type, or its tag (a list item's role or type), not a field
         else:
             parts.append(("." if parts else "") + p)
     return "".join(parts) or None
@@ -973,7 +975,7 @@ def create_app(worker: Worker):
     @app.post("/v1/messages/count_tokens", response_model=P.TokenCount, responses=_ANTHROPIC_ERRORS)
     async def count_tokens(body: P.AnthropicPrompt):
         try:
-            ids, _ = anthropic_prompt(worker, body)
+            ids, _ = anthropic_prompt(worker, body, check_window=False)  # a count, also past the window
         except RequestError as e:
             return _anthropic_error(e)
         return P.TokenCount(input_tokens=len(ids))

@@ -416,6 +416,12 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "needs 'logprobs'"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "cannot force"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools[0].function", "required"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {}}]}, 400,
+     "tools[0].function.name", "required"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id", "required"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     400, "messages[0].tool_calls[0].function.arguments", "not JSON"),
     ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools", "no tool support"),
     ("/v1/chat/completions", {"model": "gpt-4o", "messages": HI}, 404, "model", "not served"),

@@ -253,7 +253,12 @@ def test_anthropic_count_tokens_and_errors(agent):
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "wizard", "content": "x"}]}, "'messages[0].role'"),
         ({"model": MODEL, "max_tokens": 4, "messages": QUESTION, "tool_choice": {"type": "any"}}, "cannot force"),
         ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image"}]}]},
-         "unknown type 'image'"),
+         "'messages[0].content[0]': unknown type 'image'"),
+        ({"model": MODEL, "max_tokens": 4, "messages": QUESTION, "system": 5}, "'system': Input should be a valid string"),
+        ({"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+         "'messages[0].content[0].text': is required"),
+        ({"model": MODEL, "max_tokens": 4, "messages": QUESTION, "tools": [{"name": "f"}]},
+         "'tools[0].input_schema': is required"),
     ):
         r = httpx.post(agent.url + "/v1/messages", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
