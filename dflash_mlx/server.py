@@ -733,9 +733,10 @@ def _stop_reason(done) -> str:
 
 
 def _anthropic_usage(usage) -> dict:
-    return {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-            "cache_creation_input_tokens": 0}
+    """Anthropic's split: input_tokens are the prompt tokens not read from the prompt cache."""
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
 
 
 def anthropic_tool_uses(calls) -> List[dict]:
@@ -810,7 +811,7 @@ async def anthropic_stream(worker: "Worker", job: Job, rid):
                 yield _event("message_delta", {
                     "type": "message_delta",
                     "delta": {"stop_reason": _stop_reason(done), "stop_sequence": done["stop_sequence"]},
-                    "usage": {"output_tokens": done["usage"]["completion_tokens"]}})
+                    "usage": _anthropic_usage(done["usage"])})
                 yield _event("message_stop", {"type": "message_stop"})
     finally:
         job.cancel()

@@ -10,6 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.draft import ContextCache
 from dflash_mlx.target import Target
+from dflash_mlx.tool_calls import tool_calling_kwargs
 
 VOCAB = 300  # 256 byte tokens + specials + spare ids (mask token lives at the top)
 EOS_ID = 257
@@ -205,4 +206,51 @@ def successor_target(successors: Dict[int, int], seed: int = 0):
     model.model.norm.weight = mx.ones((H,))
     model.lm_head.weight = mx.array(head)
     mx.eval(model.parameters())
+    return model, tok
+
+
+# A tool-capable chat template in the form mlx-lm's json_tools parser reads (it infers
+# that parser from "<tool_call>" and "tool_call.name"). No generation prompt: the
+# answer follows the last message's end marker, which tells the target what to say.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|system|>Tools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}<|system|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'user' %}<|user|>{{ m.content }}<|end_user|>"
+    "{%- elif m.role == 'assistant' %}{{ m.content or '' }}"
+    "{%- for tool_call in m.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
+    "{%- endfor %}<|end|>"
+    "{%- elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
+    "{%- else %}{{ raise_exception('unknown role ' + m.role) }}{%- endif %}"
+    "{%- endfor %}"
+)
+# `tool_call_target` emits the first after a user turn and the second after a tool result.
+TOOL_CALL_TOKENS = ["<tool_call>", '{"name": "', "get_weather", '", "arguments": ', '{"city": "', "Paris", '"}}',
+                    "</tool_call>"]
+TOOL_ANSWER_TOKENS = ["Sunny", " and 22°C", " in Paris."]
+TOOL_MARKERS = ["<|system|>", "<|end|>", "<|user|>", "<|end_user|>", "<tool_response>", "</tool_response>"]
+
+
+def tool_call_tokenizer() -> TokenizerWrapper:
+    """The byte tokenizer with the tool-call pieces and markers as added tokens and
+    `TOOL_TEMPLATE`, wrapped with the tool parser mlx-lm infers for it."""
+    hf = byte_tokenizer()._tokenizer
+    hf.add_tokens(TOOL_CALL_TOKENS + TOOL_ANSWER_TOKENS + TOOL_MARKERS)
+    hf.chat_template = TOOL_TEMPLATE
+    return TokenizerWrapper(hf, **tool_calling_kwargs(hf))
+
+
+def tool_call_target(seed: int = 3):
+    """(model, tokenizer): a `successor_target` whose greedy answer to a user turn is the tool
+    call `"".join(TOOL_CALL_TOKENS)` and to a tool result `"".join(TOOL_ANSWER_TOKENS)`, each
+    followed by EOS (every token of both occurs once, so a one-token context suffices)."""
+    tok = tool_call_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in TOOL_CALL_TOKENS + TOOL_ANSWER_TOKENS + TOOL_MARKERS}
+    succ = {}
+    for chain, after in ((TOOL_CALL_TOKENS, "<|end_user|>"), (TOOL_ANSWER_TOKENS, "</tool_response>")):
+        seq = [ids[after]] + [ids[t] for t in chain] + [EOS_ID]
+        succ.update(zip(seq, seq[1:]))
+    model, _ = successor_target(succ, seed=seed)
     return model, tok

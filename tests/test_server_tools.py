@@ -1,10 +1,10 @@
 """Agents on `dflash-mlx serve`: OpenAI tool calls, the Anthropic Messages API and logprobs,
 through the real engine with a draft, with the official `openai` and `anthropic` clients.
 
-The target is a tiny llama built to emit a fixed tool call greedily after a user turn and a
-fixed answer after a tool result (`successor_target` over tokens of a tokenizer with added
-tokens); its chat template, written here, is tool-capable in the form mlx-lm's json_tools
-parser reads. Every expected answer comes from `generate` on the same prompt.
+The target (`testing.tool_call_target`) is a tiny llama built to emit a fixed tool call
+greedily after a user turn and a fixed answer after a tool result; its chat template, written
+for it, is tool-capable in the form mlx-lm's json_tools parser reads. Every expected answer
+comes from `generate` on the same prompt.
 """
 
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
@@ -15,62 +15,25 @@ import anthropic
 import httpx
 import mlx.core as mx
 import pytest
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx import generate, stream_generate
 from dflash_mlx.draft import random_draft
-from dflash_mlx.testing import EOS_ID, byte_tokenizer, greedy_reference, successor_target, tiny_target
-from dflash_mlx.tool_calls import ToolCallStream, tool_calling_kwargs
+from dflash_mlx.testing import (EOS_ID, TOOL_CALL_TOKENS, TOOL_ANSWER_TOKENS, TOOL_TEMPLATE, greedy_reference,
+                                tiny_target, tool_call_target, tool_call_tokenizer)
+from dflash_mlx.tool_calls import ToolCallStream
 from test_server import MODEL, serving
 
-TOOL_TEMPLATE = (
-    "{%- if tools %}<|system|>Tools: {{ tools | tojson }}<|end|>{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'system' %}<|system|>{{ m.content }}<|end|>"
-    "{%- elif m.role == 'user' %}<|user|>{{ m.content }}<|end_user|>"
-    "{%- elif m.role == 'assistant' %}{{ m.content or '' }}"
-    "{%- for tool_call in m.tool_calls or [] %}"
-    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
-    "{%- endfor %}<|end|>"
-    "{%- elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
-    "{%- else %}{{ raise_exception('unknown role ' + m.role) }}{%- endif %}"
-    "{%- endfor %}"
-)
-# After a user turn the target emits CALL, after a tool result ANSWER; each token once.
-CALL_TOKENS = ["<tool_call>", '{"name": "', "get_weather", '", "arguments": ', '{"city": "', "Paris", '"}}',
-               "</tool_call>"]
-ANSWER_TOKENS = ["Sunny", " and 22°C", " in Paris."]
-MARKERS = ["<|system|>", "<|end|>", "<|user|>", "<|end_user|>", "<tool_response>", "</tool_response>"]
-CALL = "".join(CALL_TOKENS)
-ANSWER = "".join(ANSWER_TOKENS)
+CALL = "".join(TOOL_CALL_TOKENS)
+ANSWER = "".join(TOOL_ANSWER_TOKENS)
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def agent_tokenizer() -> TokenizerWrapper:
-    hf = byte_tokenizer()._tokenizer
-    hf.add_tokens(CALL_TOKENS + ANSWER_TOKENS + MARKERS)
-    hf.chat_template = TOOL_TEMPLATE
-    return TokenizerWrapper(hf, **tool_calling_kwargs(hf))  # as mlx-lm's loader builds it
-
-
-def agent_target():
-    tok = agent_tokenizer()
-    ids = {t: tok.convert_tokens_to_ids(t) for t in CALL_TOKENS + ANSWER_TOKENS + MARKERS}
-    succ = {}
-    for chain, after in ((CALL_TOKENS, "<|end_user|>"), (ANSWER_TOKENS, "</tool_response>")):
-        seq = [ids[after]] + [ids[t] for t in chain] + [EOS_ID]
-        succ.update(zip(seq, seq[1:]))
-    model, _ = successor_target(succ, seed=3)
-    return model, tok
-
-
 @pytest.fixture(scope="module")
 def agent():
-    model, tok = agent_target()
+    model, tok = tool_call_target()
     with serving(model, random_draft(model, block_size=4), tok, template=None) as s:
         s.anthropic = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
         yield s
@@ -87,7 +50,7 @@ def engine_text(s, messages, tools=TOOLS, max_tokens=32):
 
 def parsed(text):
     """The calls in `text` by the tokenizer's own mlx-lm parser."""
-    s = ToolCallStream(agent_tokenizer(), TOOLS)
+    s = ToolCallStream(tool_call_tokenizer(), TOOLS)
     events = s.feed(text) + s.finish()
     return [c for kind, v in events if kind == "calls" for c in v]
 
@@ -98,7 +61,7 @@ def test_tool_parser_is_inferred_as_mlx_lm_infers_it(tmp_path, monkeypatch):
     from dflash_mlx.gguf_loader import load_gguf
     from gguf_helpers import write_tiny_gguf
 
-    tok = agent_tokenizer()
+    tok = tool_call_tokenizer()
     tok._tokenizer.save_pretrained(tmp_path / "folder")
     theirs = mlx_lm_load_tokenizer(tmp_path / "folder")  # what mlx-lm's own loader infers
     assert theirs.has_tool_calling and theirs.tool_parser.__module__ == "mlx_lm.tool_parsers.json_tools"
@@ -112,7 +75,7 @@ def test_tool_parser_is_inferred_as_mlx_lm_infers_it(tmp_path, monkeypatch):
 
 
 def test_tool_call_stream_keeps_text_and_gives_back_what_it_cannot_parse():
-    tok = agent_tokenizer()
+    tok = tool_call_tokenizer()
     s = ToolCallStream(tok, TOOLS)
     pieces = [CALL[:5], CALL[5:40], CALL[40:] + " after"]
     events = [e for p in pieces for e in s.feed("before " + p if p is pieces[0] else p)] + s.finish()
@@ -208,7 +171,8 @@ def test_anthropic_agent_loop_is_the_engines_greedy_output(agent, stream):
     m = anthropic_turn(agent, QUESTION, stream)
     assert m.stop_reason == "tool_use" and m.model == MODEL and m.role == "assistant"
     assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", c["name"], c["arguments"]) for c in parsed(text)]
-    assert m.usage.input_tokens == len(ids) and m.usage.output_tokens == len(agent.tok.encode(text)) + 1  # + EOS
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)  # Anthropic's split
+    assert m.usage.output_tokens == len(agent.tok.encode(text)) + 1  # + EOS
     use = m.content[0]
     assert use.id.startswith("toolu_")
     turn2 = QUESTION + [
@@ -314,7 +278,7 @@ def test_logprobs_over_http_match_the_forward(agent):
     content = r.choices[0].logprobs.content
     tokens = agent.tok.encode(CALL, add_special_tokens=False)
     _, want = forward_logprobs(agent.model, ids, tokens)
-    assert [c.token for c in content] == CALL_TOKENS
+    assert [c.token for c in content] == TOOL_CALL_TOKENS
     assert max(abs(c.logprob - w) for c, w in zip(content, want.tolist())) < 1e-4
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
     prompt = "Sunny"
