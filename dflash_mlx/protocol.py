@@ -119,11 +119,12 @@ class Sampling(Body):
 
     model: Optional[str] = Field(None, description="the served model's id (GET /v1/models); may be left out")
     max_tokens: Optional[int] = Field(None, ge=1)
-    temperature: Optional[float] = Field(None, ge=0, le=2)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+    temperature: Optional[float] = Field(None, ge=0, le=2, description="0: greedy (so is anything below 1e-5, "
+                                         "its limit)")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="below 1e-6: greedy (its limit)")
     top_k: Optional[int] = Field(None, ge=0, description="mlx-lm's extension; 0: off")
     min_p: Optional[float] = Field(None, ge=0, le=1, description="mlx-lm's extension; 0: off")
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2**64)
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -430,8 +431,8 @@ class MessagesRequest(AnthropicPrompt):
     max_tokens: int = Field(ge=1)
     stop_sequences: Optional[List[str]] = None
     stream: bool = False
-    temperature: Optional[float] = Field(None, ge=0, le=1)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+    temperature: Optional[float] = Field(None, ge=0, le=1, description="0: greedy (so is anything below 1e-5)")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="below 1e-6: greedy")
     top_k: Optional[int] = Field(None, ge=0)
     metadata: Optional[Dict[str, Any]] = None
     service_tier: Optional[str] = None

@@ -179,6 +179,11 @@ def anthropic_tools(tools: Optional[List[P.AnthropicTool]]) -> Optional[List[dic
 def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> GenerationOptions:
     sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
                 if getattr(body, k, None) is not None}
+    # A vanishing temperature or top-p is greedy in the limit; float32 cannot scale by 1/T
+    # that small (inf, then NaN), nor hold a top-p that small (0).
+    if sampling.get("temperature", 1.0) < 1e-5 or sampling.get("top_p", 1.0) < 1e-6:
+        sampling["temperature"] = 0.0
+        sampling.pop("top_p", None)
     options = replace(worker.options, max_tokens=max_tokens or worker.options.max_tokens, **sampling)
     try:
         return options.check()

@@ -170,6 +170,14 @@ def test_sampling_request_reaches_the_engine(attn):
     assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
 
 
+def test_a_vanishing_temperature_or_top_p_is_greedy(attn):
+    # 1/T overflows float32 below ~3e-39 and a top-p of 1e-300 is 0 there: both are greedy in the limit
+    text, _ = expected(attn, attn.worker.encode_text("limit"), 8)
+    for sampling in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}):
+        r = attn.client.completions.create(model=MODEL, prompt="limit", max_tokens=8, **sampling)
+        assert r.choices[0].text == text, sampling
+
+
 def test_models_and_health(attn):
     assert [m.id for m in attn.client.models.list().data] == [MODEL]
     h = httpx.get(attn.url + "/health").json()
@@ -406,6 +414,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "top_p": 2}, 400, "top_p", "less than or equal to 1"),
     ("/v1/chat/completions", {"messages": HI, "top_k": -1}, 400, "top_k", "greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": HI, "seed": 1.5}, 400, "seed", "integer"),
+    ("/v1/chat/completions", {"messages": HI, "seed": -5}, 400, "seed", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"messages": HI, "seed": 2**70}, 400, "seed", "less than 18446744073709551616"),
     ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, 400, "stream", "boolean"),
     ("/v1/chat/completions", {"messages": HI, "stop": 5}, 400, "stop", "valid string or input should be a valid list"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, 400, "n", "must be 1"),
