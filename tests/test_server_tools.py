@@ -139,6 +139,13 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(agent):
     assert streamed == whole and len(whole) == 1
 
 
+def test_one_call_asked_for_ends_the_answer_at_the_call(agent):
+    _, calls, finish = openai_turn(agent, QUESTION, stream=False, parallel_tool_calls=False)
+    assert finish == "tool_calls" and [c["function"]["name"] for c in calls] == ["get_weather"]
+    m = anthropic_turn(agent, QUESTION, stream=True, tool_choice={"type": "auto", "disable_parallel_tool_use": True})
+    assert m.stop_reason == "tool_use" and [b.name for b in m.content] == ["get_weather"]
+
+
 def test_tool_choice_none_and_tool_less_requests_give_the_raw_text(agent):
     r = agent.client.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="none",
                                              max_tokens=32)
