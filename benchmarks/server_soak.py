@@ -135,16 +135,23 @@ def plot(rows, path, bound):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = [r["i"] for r in rows]
+    warmup = sum(r["i"] < 0 for r in rows)
+    x = [k - warmup for k in range(len(rows))]  # in the order sent; the warm-up below 0
     fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.axvspan(-warmup, 0, color="0.92", label="warm-up")
     ax.plot(x, [r["rss_mb"] for r in rows], label="server RSS (MB)")
     ax.plot(x, [r["snapshot_bytes"] / 2**20 for r in rows], label="snapshots (MiB)")
     ax.axhline(bound / 2**20, color="grey", ls="--", label="--prompt-cache-bytes")
-    ax.set_xlabel("request (negative: warm-up)")
+    ax.set_xlabel("request")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot":  # redraw a result's plot: --plot RESULT_DIR
+        d = Path(sys.argv[2])
+        r = json.loads((d / "results.json").read_text())
+        plot(r["rows"], d / "soak.png", r["prompt_cache_bytes"])
+    else:
+        main()
