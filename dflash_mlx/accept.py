@@ -264,8 +264,17 @@ def accept_in_pieces(acceptor, proposal: Optional[Proposal], row_logits: Callabl
     return accept_length, committed
 
 
+# Below these, sampling is greedy in the limit, and float32 cannot scale logits by 1/T
+# (inf, then NaN) nor hold the top-p mass (0): they are greedy.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+GREEDY_BELOW_TOP_P = 1e-6
+
+
 def make_acceptor(temperature: float = 0.0, **sampling):
-    """GreedyAcceptor at temperature 0 (or top_k 1, which is greedy), else SamplingAcceptor."""
-    if temperature <= 0 or sampling.get("top_k") == 1:
+    """GreedyAcceptor at temperature 0 (or top_k 1, or a vanishing temperature or top-p: the
+    greedy limit), else SamplingAcceptor."""
+    top_p = sampling.get("top_p")
+    if (temperature < GREEDY_BELOW_TEMPERATURE or sampling.get("top_k") == 1
+            or (top_p is not None and top_p < GREEDY_BELOW_TOP_P)):
         return GreedyAcceptor()
     return SamplingAcceptor(temperature=temperature, **sampling)

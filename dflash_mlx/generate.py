@@ -52,6 +52,41 @@ class DFlashResponse:
     accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
     verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
+    logprobs: Optional[List["TokenLogprob"]] = None  # one per token of `tokens`, when asked for
+
+    @property
+    def tau(self) -> float:
+        return tau(self.accept_lengths)
+
+
+@dataclass
+class TokenLogprob:
+    """A committed token's log-probability under the target's own distribution
+    (log-softmax of its logits, before temperature and filters), and the `top`
+    most likely tokens there as (token id, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: List[Tuple[int, float]]
+
+
+def token_logprobs(logits: mx.array, tokens: Sequence[int], top: int) -> List[TokenLogprob]:
+    """logits [n, V] of the rows that chose `tokens` (n of them) -> one `TokenLogprob` each."""
+    logp = logits.astype(mx.float32)
+    logp = logp - mx.logsumexp(logp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logp, mx.array(list(tokens))[:, None], axis=-1)[:, 0]
+    best = None
+    if top > 0:
+        k = min(top, logp.shape[-1])
+        idx = mx.argpartition(-logp, kth=k - 1, axis=-1)[:, :k]
+        vals = mx.take_along_axis(logp, idx, axis=-1)
+        order = mx.argsort(-vals, axis=-1)
+        best = (mx.take_along_axis(idx, order, axis=-1), mx.take_along_axis(vals, order, axis=-1))
+        mx.eval(chosen, *best)
+        best = (best[0].tolist(), best[1].tolist())
+    chosen = chosen.tolist()
+    return [TokenLogprob(int(t), chosen[i], list(zip(best[0][i], best[1][i])) if best else [])
+            for i, t in enumerate(tokens)]
 
     @property
     def tau(self) -> float:
@@ -204,11 +239,14 @@ class Step:
     accept_length: int
     width: int
     times: Optional[Dict[str, float]] = None
+    logprobs: Optional[List[TokenLogprob]] = None
 
 
 def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
-            step_size: int) -> Tuple[mx.array, int]:
-    """Run the prompt tokens the cache does not hold; return (first token [1], tokens run)."""
+            step_size: int, logits_out: Optional[list] = None) -> Tuple[mx.array, int]:
+    """Run the prompt tokens the cache does not hold; return (first token [1], tokens run).
+
+    `logits_out`: a list that gets the last prompt position's logits [1, V] (for logprobs)."""
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
@@ -221,8 +259,11 @@ def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: L
             mx.eval([c.state for c in cache], h)
             if state.draft_cache:
                 mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
-        first = acceptor.first_token(target.logits(h[:, -1, :]))
+        logits = target.logits(h[:, -1, :])
+        first = acceptor.first_token(logits)
         mx.eval(first)
+        if logits_out is not None:
+            logits_out.append(logits)
     state.tokens.extend(new_ids)
     state.valid = True
     return first, len(new_ids)
@@ -239,12 +280,15 @@ def _committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optiona
 
 
 def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
-           budget: int, stops, timer, split_head: Optional[bool] = None) -> Iterator[Step]:
+           budget: int, stops, timer, split_head: Optional[bool] = None,
+           logprobs: Optional[int] = None) -> Iterator[Step]:
     """Draft -> verify -> accept -> rollback until a stop id or `budget` more tokens.
 
     `last` [1]: the last committed token. Each cycle syncs with the host once,
     to read the accept length (twice when a split LM head needs its other rows,
     see `HeadRows`; `split_head` None: on CPUs); `widths` picks each cycle's verify width.
+    `logprobs` (None: off) >= 0: each step carries its tokens' `TokenLogprob`s with that
+    many alternatives, from the verify's own logits (one more sync when on).
     """
     cache = state.target_cache
     head_rows = HeadRows(split=mx.default_device() == mx.cpu if split_head is None else split_head)
@@ -264,7 +308,14 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
                 proposal, verify_in = None, last[:, None]
             timer.mark("draft", verify_in)
             h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
-            row_logits = lambda start, stop: target.logits(h[:, start:stop])  # noqa: E731
+            pieces = []  # (first row, logits [1, rows, V]) of each head piece, kept only for logprobs
+
+            def row_logits(start, stop):
+                out = target.logits(h[:, start:stop])
+                if logprobs is not None:
+                    pieces.append((start, out))
+                return out
+
             accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, head_rows.first(width),
                                                      drafter.draft)
         mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
@@ -275,6 +326,13 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
 
         tokens = committed[0, : a + 1].tolist()
         kept, finish = _committed_span(tokens, stops, budget)  # fed tokens whose cache entries stay
+        step_logprobs = None
+        if logprobs is not None:  # row i chose committed token i; the pieces overlap by one row
+            rows, next_row = [], 0
+            for start, piece in pieces:
+                rows.append(piece[0, next_row - start :])
+                next_row = start + piece.shape[1]
+            step_logprobs = token_logprobs(mx.concatenate(rows, axis=0)[:kept], tokens[:kept], logprobs)
         with mx.stream(generation_stream):
             target.rollback(cache, width, width - kept, record)
             if feats is not None:
@@ -284,7 +342,8 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
         state.valid = True
         budget -= kept
         last = committed[:, a]
-        yield Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result())
+        yield Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
+                   step_logprobs)
         if finish is not None:
             return
 
@@ -311,6 +370,7 @@ def stream_generate(
     prefill_step_size: int = 512,
     draft_sampling: str = "argmax",
     split_head: Optional[bool] = None,
+    logprobs: Optional[int] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -321,6 +381,9 @@ def stream_generate(
     a fixed width (`dflash_mlx.options.BLOCK_SIZE_SPELLINGS`).
     `baseline=True` (or `draft=None`) decodes with the target alone.
     `split_head`: verify's LM head in two pieces (`HeadRows`); None: on CPUs only.
+    `logprobs`: None (off, no cost), or k >= 0: each response's `logprobs` gives its
+    tokens' log-probabilities under the target's unmodified distribution (before
+    temperature and filters) and the k most likely tokens there (`TokenLogprob`).
     """
     tokenizer = _wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -340,6 +403,8 @@ def stream_generate(
         widths = FixedWidth(width)
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) < 0):
+        raise ValueError(f"logprobs must be None (off) or a whole number >= 0 of alternatives, got {logprobs!r}")
     stops = stop_ids(tokenizer, stop_token_ids)
     acceptor = make_acceptor(
         temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling
@@ -368,16 +433,17 @@ def stream_generate(
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
         yield from _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids,
-                            max_tokens, stops, timer, prefill_step_size, split_head)
+                            max_tokens, stops, timer, prefill_step_size, split_head, logprobs)
 
 
 def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, max_tokens, stops,
-             timer, prefill_step_size, split_head=None) -> Iterator[DFlashResponse]:
+             timer, prefill_step_size, split_head=None, logprobs=None) -> Iterator[DFlashResponse]:
     """Steps of `prefill` and `cycles` as responses: detokenized text and running statistics."""
     detok = tokenizer.detokenizer
     detok.reset()
     tic = time.perf_counter()
-    last, prefilled = prefill(target, drafter, acceptor, state, prompt_ids, prefill_step_size)
+    first_logits = [] if logprobs is not None else None
+    last, prefilled = prefill(target, drafter, acceptor, state, prompt_ids, prefill_step_size, first_logits)
     prompt_time = time.perf_counter() - tic
     prompt_tps = prefilled / max(prompt_time, 1e-9)
 
@@ -413,14 +479,17 @@ def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, ma
             accept_lengths=list(accept_lengths),
             cycle_times=step.times,
             verify_width=None if first else step.width,
+            logprobs=step.logprobs,
         )
 
     first_token = last.item()
     _, finish = _committed_span([first_token], stops, max_tokens)
-    yield response(Step([first_token], [False], finish, 0, 1), first=True)
+    first_logprobs = token_logprobs(first_logits[0], [first_token], logprobs) if logprobs is not None else None
+    yield response(Step([first_token], [False], finish, 0, 1, logprobs=first_logprobs), first=True)
     if finish is not None:
         return
-    for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer, split_head):
+    for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer, split_head,
+                       logprobs):
         yield response(step)
 
 

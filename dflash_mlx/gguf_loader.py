@@ -518,6 +518,8 @@ def load_tokenizer_folder(folder: Path, eos_token_ids=None):
     from mlx_lm import tokenizer_utils as tu
     from transformers import PreTrainedTokenizerFast
 
+    from dflash_mlx.tool_calls import tool_calling_kwargs
+
     config = json.loads((folder / "tokenizer_config.json").read_text())
     for k in ("tokenizer_class", "backend", "auto_map"):
         config.pop(k, None)
@@ -531,7 +533,8 @@ def load_tokenizer_folder(folder: Path, eos_token_ids=None):
         "spm_no_space": partial(tu.SPMStreamingDetokenizer, trim_space=False),
         "bpe": tu.BPEStreamingDetokenizer,
     }.get(kind, tu.NaiveStreamingDetokenizer)
-    return tu.TokenizerWrapper(hf, detok, eos_token_ids=eos_token_ids)
+    # the tool parser mlx-lm would infer for this tokenizer (its chat template, its vocabulary)
+    return tu.TokenizerWrapper(hf, detok, eos_token_ids=eos_token_ids, **tool_calling_kwargs(hf))
 
 
 def load_gguf_tokenizer(gf: GGUFFile, eos_token_ids=None):

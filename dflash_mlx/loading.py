@@ -227,12 +227,13 @@ def _load_hub(repo: str, dtype, dt):
     return _load_folder(hub_snapshot(repo, DEFAULT_ALLOW_PATTERNS), dtype, dt)
 
 
-def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None) -> str:
+def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None, tools=None) -> str:
     """The prompt string to generate from.
 
     With a chat template: the template applied to the messages (a plain string
     becomes one user message), ending with the assistant's turn. Without one
     (base models such as Gemma 3 270M): the text itself, after the system text.
+    `tools` (OpenAI's form) go to the template, as mlx-lm's server passes them.
     """
     if isinstance(messages_or_prompt, str):
         messages = [{"role": "user", "content": messages_or_prompt}]
@@ -241,5 +242,6 @@ def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = N
     if system and not (messages and messages[0].get("role") == "system"):
         messages.insert(0, {"role": "system", "content": system})
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     return "\n\n".join(str(m.get("content", "")) for m in messages)

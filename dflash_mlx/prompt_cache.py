@@ -4,13 +4,16 @@ Attention caches are trimmed back to the prefix a new prompt shares with them.
 Recurrent caches (Gated DeltaNet state, conv state) cannot be trimmed, so a
 `PromptCache` can also keep a few snapshots taken at request boundaries
 (`snapshot()`), keyed by the tokens they hold; `reuse` restores the one that
-saves the most prefill.
+saves the most prefill. Snapshots are bounded by count and by bytes (least
+recently used dropped first). mlx-lm's `LRUPromptCache` keeps mlx-lm caches
+only; a snapshot here also holds the draft's context cache and the features it
+has not absorbed, and a sliding-window draft cache that cannot be trimmed.
 """
 
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
@@ -26,6 +29,28 @@ class Snapshot:
     target_cache: List[Any]
     draft_cache: Optional[List[Any]]
     pending: Optional[mx.array]
+    nbytes: int = 0  # set when kept
+
+
+def nbytes(obj) -> int:
+    """Bytes of the arrays a cache (or a list of caches, or a snapshot's parts) holds."""
+    if obj is None:
+        return 0
+    if isinstance(obj, mx.array):
+        return obj.nbytes
+    if isinstance(obj, (list, tuple)):
+        return sum(nbytes(x) for x in obj)
+    try:
+        n = obj.nbytes  # mlx-lm's caches know their buffers' size
+        if isinstance(n, int):
+            return n
+    except (NotImplementedError, AttributeError):
+        pass
+    if not hasattr(obj, "__dict__"):
+        return 0
+    # a cache of our own (the draft's ContextCache): its arrays and the caches inside it
+    return sum(nbytes(v) for v in vars(obj).values()
+               if isinstance(v, (mx.array, list, tuple)) or (hasattr(v, "__dict__") and hasattr(v, "keys")))
 
 
 @dataclass
@@ -35,7 +60,9 @@ class PromptCache:
     `tokens` are the tokens whose K/V (or recurrent state) the target cache
     holds; `pending` are target features of the last committed positions that
     the draft has not absorbed yet. `max_snapshots` > 0 keeps that many
-    snapshots (least recently used dropped first).
+    snapshots, holding at most `max_bytes` together (None: no bound in bytes);
+    the least recently used go first, and one larger than `max_bytes` is not kept.
+    The live caches (one conversation, at most the context window) come on top.
     """
 
     model: Any
@@ -46,7 +73,20 @@ class PromptCache:
     pending: Optional[mx.array] = None
     valid: bool = True
     max_snapshots: int = 0
+    max_bytes: Optional[int] = None
     snapshots: "OrderedDict[tuple, Snapshot]" = field(default_factory=OrderedDict)
+
+    @property
+    def snapshot_bytes(self) -> int:
+        return sum(s.nbytes for s in self.snapshots.values())
+
+    @property
+    def live_bytes(self) -> int:
+        return nbytes(self.target_cache) + nbytes(self.draft_cache) + nbytes(self.pending)
+
+    def stats(self) -> Dict[str, Any]:
+        return {"tokens": len(self.tokens), "snapshots": len(self.snapshots), "max_snapshots": self.max_snapshots,
+                "snapshot_bytes": self.snapshot_bytes, "max_bytes": self.max_bytes, "live_bytes": self.live_bytes}
 
     def snapshot(self) -> bool:
         """Keep a copy of the caches as they are now; say whether one was taken."""
@@ -101,9 +141,14 @@ class PromptCache:
     def _keep(self, snap: Snapshot):
         key = tuple(snap.tokens)
         self.snapshots.pop(key, None)
+        snap.nbytes = nbytes(snap.target_cache) + nbytes(snap.draft_cache) + nbytes(snap.pending)
+        if self.max_bytes is not None and snap.nbytes > self.max_bytes:
+            return
         self.snapshots[key] = snap
-        while len(self.snapshots) > self.max_snapshots:
-            self.snapshots.popitem(last=False)
+        total = self.snapshot_bytes
+        while len(self.snapshots) > self.max_snapshots or (self.max_bytes is not None and total > self.max_bytes):
+            _, dropped = self.snapshots.popitem(last=False)
+            total -= dropped.nbytes
 
     @staticmethod
     def _usable(snap: Snapshot, prompt_ids: List[int], limit: int, draft) -> int:
@@ -155,7 +200,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def make_prompt_cache(model, draft=None, max_snapshots: int = 0) -> PromptCache:
+def make_prompt_cache(model, draft=None, max_snapshots: int = 0, max_bytes: Optional[int] = None) -> PromptCache:
     target = target_for(model, draft)
     return PromptCache(
         model=model,
@@ -163,4 +208,5 @@ def make_prompt_cache(model, draft=None, max_snapshots: int = 0) -> PromptCache:
         draft=draft,
         draft_cache=draft.make_cache() if draft is not None else None,
         max_snapshots=max_snapshots,
+        max_bytes=max_bytes,
     )

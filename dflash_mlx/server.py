@@ -1,13 +1,18 @@
-"""`dflash-mlx serve`: an OpenAI-compatible HTTP server on the DFlash engine.
+"""`dflash-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server on the DFlash engine.
 
-FastAPI on uvicorn. One target + draft are loaded at start; a single worker
-thread runs `stream_generate` for one request at a time, taken from a bounded
-queue (a full queue answers 429). The worker keeps one `PromptCache` across
-requests, so a follow-up turn prefills only its new tokens: attention caches
-are trimmed to the shared prefix, and snapshots taken at request boundaries
+FastAPI on uvicorn; request and response bodies are the pydantic models of
+`dflash_mlx.protocol`. Routes: OpenAI's POST /v1/chat/completions and
+/v1/completions (tool calls, logprobs), Anthropic's POST /v1/messages and
+/v1/messages/count_tokens, GET /v1/models and /health. Errors come in each API's
+own shape. One target + draft are loaded at start; a single worker thread runs
+`stream_generate` for one request at a time, taken from a bounded queue (a full
+queue answers 429). The worker keeps one `PromptCache` across requests, so a
+follow-up turn prefills only its new tokens: attention caches are trimmed to the
+shared prefix, and snapshots taken at request boundaries (bounded in bytes)
 serve caches that cannot be trimmed (Gated DeltaNet state) and conversations
 that interleave. A client that goes away cancels its generation at the next
-cycle.
+cycle. Tool calls are parsed by the tokenizer's mlx-lm tool parser
+(`dflash_mlx.tool_calls`).
 """
 
 import argparse
@@ -20,7 +25,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 import uvicorn
@@ -30,6 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from starlette.exceptions import HTTPException
 
+from dflash_mlx import protocol as P
 from dflash_mlx.frontend import ArgumentParser, checked_options, load_model_and_draft
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.loading import apply_chat_template
@@ -37,177 +43,229 @@ from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.packaged import DEFAULT_MODEL
 from dflash_mlx.prompt_cache import make_prompt_cache
 from dflash_mlx.target import Target
+from dflash_mlx.tool_calls import ToolCallStream, template_tools, with_tool_calling
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 SCHEDULING = "one request at a time, first come first served, from a bounded queue"
+DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # snapshots kept for prefix reuse: 1 GiB
 
 
 # -- requests -------------------------------------------------------------------
 
 
 class RequestError(Exception):
-    """A request the server refuses, as an OpenAI-style error object."""
+    """A request the server refuses; shown in the shape of the API it came to (`openai_body`, `anthropic_body`)."""
 
     def __init__(self, message, param=None, status=400, code=None, type="invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
 
     def body(self) -> dict:
+        return self.openai_body()
+
+    def openai_body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error"}.get(self.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
 
 @dataclass
 class GenerationRequest:
-    kind: str  # "chat" | "completion"
+    """What the worker runs: API-neutral."""
+
+    kind: str  # "chat" | "completion" (a completion keeps the first token's leading space)
     prompt_ids: List[int]
     options: GenerationOptions  # the engine's arguments: the server's block size, the request's sampling
     stop: List[str] = field(default_factory=list)
+    logprobs: Optional[int] = None  # None: off; k: each token's log-probability and k alternatives
     stream: bool = False
     include_usage: bool = False
+    tools: Optional[List[dict]] = None  # in the chat template's form; None: no tool calls are looked for
+    parallel_tool_calls: bool = True
 
 
-_MISSING = object()
-
-# Fields whose other values ask for something the server does not do: refused
-# rather than silently ignored. (Sampling penalties and other extras are ignored.)
-_UNSUPPORTED = {
-    "tools": (None, []),
-    "functions": (None, []),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
-}
+def _refuse(body):
+    for refusal in body.refusals():
+        raise RequestError(refusal.message, param=refusal.param)
 
 
-def _field(body, name, types, what, default=_MISSING):
-    value = body.get(name, default)
-    if value is _MISSING:
-        raise RequestError(f"'{name}' is required: give {what}", param=name)
-    if value is None or value is default:
-        return value
-    # bool is an int in Python; a JSON true is never a number here
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise RequestError(f"'{name}' must be {what}, got {json.dumps(value)[:60]}", param=name)
-    return value
-
-
-def _message_text(content, i) -> str:
+def _text(content, param: str) -> str:
+    if content is None:
+        return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):  # content parts: only text ones can be served
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError(
-                    f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) are supported",
-                    param=f"messages[{i}].content",
-                )
-            parts.append(part["text"])
-        return "".join(parts)
-    raise RequestError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+    return "".join(part.text for part in content)
 
 
-def parse_request(raw: bytes, kind: str, worker: "Worker") -> GenerationRequest:
-    """Validate an OpenAI request body; raise RequestError naming what is wrong."""
+def _arguments(text: str, param: str):
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RequestError(f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-    try:
-        body = json.loads(text)
+        return json.loads(text) if text.strip() else {}
     except json.JSONDecodeError as e:
-        raise RequestError(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
+        raise RequestError(f"{param} is not JSON ({e.msg} at column {e.colno}): send the arguments the "
+                           "server returned", param=param) from None
 
-    model = _field(body, "model", (str,), "a model id from GET /v1/models", default=None)
-    if model is not None and model not in worker.model_ids:
-        raise RequestError(
-            f"model '{model}' is not served here: use '{worker.model_name}' (GET /v1/models)",
-            param="model", status=404, code="model_not_found",
-        )
-    for name, served in _UNSUPPORTED.items():
-        if body.get(name) not in served:
-            raise RequestError(f"'{name}' is not supported by this server: leave it out", param=name)
-    n = _field(body, "n", (int,), "1", default=1)
-    if n != 1:
-        raise RequestError(f"'n' must be 1 (one choice per request), got {n}", param="n")
 
-    if kind == "chat":
-        messages = _field(body, "messages", (list,), "a non-empty list of messages")
-        if not messages:
-            raise RequestError("'messages' is empty: give at least one message", param="messages")
-        chat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise RequestError(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
-            chat.append({"role": m["role"], "content": _message_text(m.get("content") or "", i)})
-        prompt_ids = worker.encode_chat(chat)
-    else:
-        prompt = _field(body, "prompt", (str, list), "a string or a list of token ids")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            vocab = worker.vocab_size
-            if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt):
-                raise RequestError(
-                    f"'prompt' as a list must be one string or token ids in [0, {vocab})", param="prompt"
-                )
-            prompt_ids = list(prompt)
+def openai_chat_messages(messages: List[P.ChatMessage]) -> List[dict]:
+    """OpenAI messages as chat templates read them (arguments as objects, as mlx-lm passes them)."""
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if isinstance(m, P.SystemMessage):
+            out.append({"role": "system", "content": _text(m.content, where)})
+        elif isinstance(m, P.UserMessage):
+            out.append({"role": "user", "content": _text(m.content, where)})
+        elif isinstance(m, P.ToolMessage):
+            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, where)})
         else:
-            if not prompt:
-                raise RequestError("'prompt' is empty: give some text", param="prompt")
-            prompt_ids = worker.encode_text(prompt)
+            msg = {"role": "assistant", "content": _text(m.content, where)}
+            if m.tool_calls:
+                msg["tool_calls"] = [
+                    {"id": c.id, "type": "function", "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments"),
+                    }} for j, c in enumerate(m.tool_calls)
+                ]
+            out.append(msg)
+    return out
+
+
+def anthropic_chat_messages(body: P.AnthropicPrompt) -> List[dict]:
+    """Anthropic messages as chat templates read them: tool_result blocks become "tool" messages,
+    tool_use blocks the assistant's tool_calls."""
+    out = []
+    if body.system:
+        out.append({"role": "system", "content": _text(body.system, "system")})
+    for m in body.messages:
+        if isinstance(m.content, str):
+            out.append({"role": m.role, "content": m.content})
+            continue
+        text, calls = [], []
+
+        def flush():
+            if text or (m.role == "assistant" and calls):
+                msg = {"role": m.role, "content": "".join(text)}
+                if calls:
+                    msg["tool_calls"] = list(calls)
+                out.append(msg)
+            text.clear()
+            calls.clear()
+
+        for block in m.content:
+            if isinstance(block, P.AnthropicText):
+                text.append(block.text)
+            elif isinstance(block, P.AnthropicToolUse):
+                calls.append({"id": block.id, "type": "function",
+                              "function": {"name": block.name, "arguments": block.input}})
+            else:
+                flush()
+                content = _text(block.content, "tool_result")
+                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                            "content": ("Error: " + content) if block.is_error else content})
+        flush()
+    return out
+
+
+def anthropic_tools(tools: Optional[List[P.AnthropicTool]]) -> Optional[List[dict]]:
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools]
+
+
+def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> GenerationOptions:
+    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
+                if getattr(body, k, None) is not None}
+    options = replace(worker.options, max_tokens=max_tokens or worker.options.max_tokens, **sampling)
+    try:
+        return options.check()
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _check_model(worker: "Worker", model: Optional[str]):
+    if model is not None and model not in worker.model_ids:
+        raise RequestError(f"model '{model}' is not served here: use '{worker.model_name}' (GET /v1/models)",
+                           param="model", status=404, code="model_not_found", type="not_found_error")
+
+
+def _check_window(worker: "Worker", prompt_ids: List[int], param: str):
     if not prompt_ids:
-        raise RequestError("the prompt encodes to no tokens", param="messages" if kind == "chat" else "prompt")
-
-    max_tokens = _field(body, "max_completion_tokens", (int,), "an integer >= 1", default=None)
-    if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", (int,), "an integer >= 1", default=None)
-    if max_tokens is None:
-        max_tokens = worker.options.max_tokens
-    elif max_tokens < 1:
-        raise RequestError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-
+        raise RequestError("the prompt encodes to no tokens", param=param)
     window = worker.context_window
     if window and len(prompt_ids) >= window:
         raise RequestError(
             f"the prompt is {len(prompt_ids)} tokens, past the model's context window of {window} tokens: "
-            "shorten it", param="messages" if kind == "chat" else "prompt", code="context_length_exceeded",
+            "shorten it", param=param, code="context_length_exceeded",
         )
 
-    sampling = {}
-    for name, types, what, ok in (
-        ("temperature", (int, float), "a number in [0, 2]", lambda v: 0 <= v <= 2),
-        ("top_p", (int, float), "a number in (0, 1]", lambda v: 0 < v <= 1),
-        ("top_k", (int,), "a whole number >= 0", lambda v: v >= 0),  # mlx-lm's server takes these two too
-        ("min_p", (int, float), "a number in [0, 1]", lambda v: 0 <= v <= 1),
-        ("seed", (int,), "an integer", lambda v: True),
-    ):
-        value = _field(body, name, types, what, default=None)
-        if value is not None:
-            if not ok(value):
-                raise RequestError(f"'{name}' must be {what}, got {value}", param=name)
-            sampling[name] = value
-    options = replace(worker.options, max_tokens=max_tokens, **sampling)
-    try:
-        options.check()
-    except ValueError as e:
-        raise RequestError(str(e)) from None
 
-    stop = _field(body, "stop", (str, list), "a string or a list of strings", default=None)
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) and s for s in stop):
-        raise RequestError("'stop' must be a non-empty string or a list of non-empty strings", param="stop")
+def chat_prompt(worker: "Worker", messages: List[dict], tools: Optional[List[dict]], tool_choice_none: bool,
+                param: str = "messages", check_window: bool = True):
+    """(prompt ids, tools to look for in the answer) of a chat."""
+    if tools and not worker.tokenizer.has_tool_calling:
+        raise RequestError(
+            f"the model's chat template has no tool support (mlx-lm finds no tool parser for {worker.model_name}): "
+            "leave 'tools' out or serve a tool-capable model", param="tools")
+    render_tools = None if tool_choice_none else tools
+    ids = worker.encode_chat(messages, tools=render_tools)
+    if check_window:
+        _check_window(worker, ids, param)
+    return ids, render_tools
 
-    stream = _field(body, "stream", (bool,), "true or false", default=False)
-    stream_options = _field(body, "stream_options", (dict,), "an object", default=None) or {}
-    include_usage = stream_options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("'stream_options.include_usage' must be true or false", param="stream_options")
-    return GenerationRequest(kind, prompt_ids, options, list(stop), bool(stream), include_usage)
+
+def openai_chat_request(worker: "Worker", body: P.ChatCompletionRequest) -> GenerationRequest:
+    _check_model(worker, body.model)
+    _refuse(body)
+    ids, tools = chat_prompt(worker, openai_chat_messages(body.messages), template_tools(
+        [t.model_dump(exclude_none=True) for t in body.tools or []]), body.tool_choice == "none")
+    return GenerationRequest(
+        "chat", ids, sampling_options(worker, body, body.max_completion_tokens or body.max_tokens),
+        stop=body.stop_strings(), logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        tools=tools, parallel_tool_calls=body.parallel_tool_calls is not False,
+    )
+
+
+def completion_request(worker: "Worker", body: P.CompletionRequest) -> GenerationRequest:
+    _check_model(worker, body.model)
+    _refuse(body)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        vocab = worker.vocab_size
+        if not prompt or not all(0 <= t < vocab for t in prompt):
+            raise RequestError(f"'prompt' as a list must be one string or token ids in [0, {vocab})", param="prompt")
+        ids = list(prompt)
+    else:
+        if not prompt:
+            raise RequestError("'prompt' is empty: give some text", param="prompt")
+        ids = worker.encode_text(prompt)
+    _check_window(worker, ids, "prompt")
+    return GenerationRequest(
+        "completion", ids, sampling_options(worker, body, body.max_tokens), stop=body.stop_strings(),
+        logprobs=body.logprobs, stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+    )
+
+
+def anthropic_prompt(worker: "Worker", body: P.AnthropicPrompt, check_window: bool = True):
+    _check_model(worker, body.model)
+    _refuse(body)
+    none = body.tool_choice is not None and body.tool_choice.type == "none"
+    return chat_prompt(worker, anthropic_chat_messages(body), anthropic_tools(body.tools), none,
+                       check_window=check_window)
+
+
+def messages_request(worker: "Worker", body: P.MessagesRequest) -> GenerationRequest:
+    ids, tools = anthropic_prompt(worker, body)
+    parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
+    return GenerationRequest("chat", ids, sampling_options(worker, body, body.max_tokens),
+                             stop=list(body.stop_sequences or []), stream=body.stream, tools=tools,
+                             parallel_tool_calls=parallel)
 
 
 # -- stop strings ---------------------------------------------------------------
@@ -223,6 +281,7 @@ class StopMatcher:
     def __init__(self, stops):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: Optional[str] = None  # the stop string found
 
     def feed(self, text: str):
         """(text safe to send now, whether a stop string matched)."""
@@ -232,6 +291,7 @@ class StopMatcher:
         cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:
             self.held = ""
+            self.matched = min((s for s in self.stops if s in buf), key=buf.find)
             return buf[:cut], True
         hold = 0
         for s in self.stops:
@@ -256,6 +316,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)  # the answer is complete: stop generating
     queued_at: float = field(default_factory=time.perf_counter)
     cycles: int = 0  # engine responses the worker has taken so far
     cancel_cycle: Optional[int] = None  # `cycles` when the cancel came
@@ -265,6 +326,10 @@ class Job:
             self.cancel_cycle = self.cycles
             self.cancelled.set()
 
+    def end(self):
+        """The client has all of the answer it asked for (its one tool call): end it as served."""
+        self.ended.set()
+
     def emit(self, kind: str, payload: Any = None):
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
 
@@ -273,13 +338,16 @@ class Worker:
     """Runs the engine for one job at a time, in its own thread, with one prompt cache."""
 
     def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
-                 options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4):
+                 options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
         """`options`: the server's block size and draft sampling, and the defaults of the
-        request fields (max_tokens and sampling)."""
+        request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
+        the bounds of the prompt cache's snapshots (by count and by bytes)."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         self.model, self.draft = model, draft
-        self.tokenizer = tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+        self.tokenizer = with_tool_calling(
+            tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
         self.model_name, self.draft_name = model_name, draft_name
         self.model_ids = {model_name}
         self.options = (options or GenerationOptions(max_tokens=512)).check()
@@ -290,7 +358,9 @@ class Worker:
         mx.eval(model.parameters())
         if draft is not None:
             mx.eval(draft.parameters(), [v for v in vars(draft).values() if isinstance(v, mx.array)])
-        self.cache = make_prompt_cache(model, draft, max_snapshots=max_snapshots)
+        if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
+        self.cache = make_prompt_cache(model, draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
         target = getattr(draft, "target", None) or Target(model)
         self.context_window = target.max_context
         self.recurrent = target.recurrent
@@ -308,9 +378,9 @@ class Worker:
     def encode_text(self, text: str) -> List[int]:
         return encode_prompt(self.tokenizer, text)
 
-    def encode_chat(self, messages) -> List[int]:
+    def encode_chat(self, messages, tools=None) -> List[int]:
         try:
-            text = apply_chat_template(self.tokenizer, messages)
+            text = apply_chat_template(self.tokenizer, messages, tools=tools)
         except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
             raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
         return self.encode_text(text)
@@ -339,7 +409,7 @@ class Worker:
             "busy": self.current is not None,
             "queued": self.jobs.qsize(),
             "queue_size": self.queue_size,
-            "prompt_cache": {"tokens": len(self.cache.tokens), "snapshots": len(self.cache.snapshots)},
+            "prompt_cache": self.cache.stats(),
             **self.counts,
         }
 
@@ -404,7 +474,7 @@ class Worker:
         try:
             stream = stream_generate(
                 self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
-                baseline=self.draft is None, **options.generate_kwargs(),
+                baseline=self.draft is None, logprobs=req.logprobs, **options.generate_kwargs(),
             )
             first, last, finish, widths, stop_matched = True, None, None, {}, False
             lead = ""
@@ -424,13 +494,19 @@ class Worker:
                     text = text if text.startswith(lead) else lead + text
                     lead = ""
                 text, stop_matched = matcher.feed(text)
-                if text:
-                    job.emit("text", text)
+                lps = r.logprobs
+                if lps is not None and r.finish_reason == "stop":
+                    lps = lps[:-1]  # the stop token is not part of the answer
+                if text or lps:
+                    job.emit("text", (text, lps))
                 if stop_matched:
                     finish = "stop"
                     break
                 if r.finish_reason is not None:
                     finish = r.finish_reason
+                    break
+                if job.ended.is_set():
+                    finish = "stop"
                     break
                 if job.cancelled.is_set():
                     break
@@ -444,7 +520,7 @@ class Worker:
             return
         tail = "" if stop_matched else matcher.flush()  # held back for a stop string that never came
         if tail:
-            job.emit("text", tail)
+            job.emit("text", (tail, None))
         self.counts["served"] += 1
         accepts = last.accept_lengths
         reused = last.prompt_tokens - last.prefill_tokens
@@ -468,7 +544,8 @@ class Worker:
                 "draft": self.draft_name,
             },
         }
-        job.emit("done", {"finish_reason": finish, "usage": usage})
+        job.emit("done", {"finish_reason": finish, "usage": usage,
+                          "stop_sequence": matcher.matched if stop_matched else None})
 
 
 def _shutting_down() -> RequestError:
@@ -476,74 +553,267 @@ def _shutting_down() -> RequestError:
                         code="shutting_down", type="server_error")
 
 
-# -- the HTTP app ---------------------------------------------------------------
+# -- answers: the worker's events as text, tool calls and an end ---------------------
 
 
-def _error_response(err: RequestError):
-    return JSONResponse(err.body(), status_code=err.status)
+@dataclass
+class Piece:
+    kind: str  # "text" | "calls" | "done" | "error" | "cancelled"
+    value: Any = None
+    logprobs: Optional[list] = None  # TokenLogprobs of the tokens up to this piece
 
 
-def create_app(worker: Worker):
-    """The FastAPI app serving `worker`; stopping the app stops the worker."""
-    @asynccontextmanager
-    async def lifespan(app):
-        yield
-        worker.stop()
+async def answer_pieces(worker: "Worker", job: Job):
+    """The job's answer as `Piece`s: text and parsed tool calls in order, then one end piece."""
+    req = job.request
+    splitter = ToolCallStream(worker.tokenizer, req.tools) if req.tools else None
+    pending: list = []
+    calls_seen = False
 
-    app = FastAPI(title="dflash-mlx", lifespan=lifespan)
+    def pieces(events):
+        nonlocal pending, calls_seen
+        for kind, value in events:
+            if calls_seen and not req.parallel_tool_calls:
+                continue  # one call was asked for: what follows it is not part of the answer
+            if kind == "calls":
+                calls_seen = True
+                if not req.parallel_tool_calls:
+                    value = value[:1]
+                    job.end()
+            yield Piece(kind, value, pending)
+            pending = []
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request, exc):
-        err = RequestError(str(exc.detail), status=exc.status_code,
-                           type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        return _error_response(err)
+    while True:
+        event, payload = await job.events.get()
+        if event == "text":
+            text, lps = payload
+            pending = pending + list(lps or [])
+            for piece in pieces(splitter.feed(text) if splitter else [("text", text)] if text else []):
+                yield piece
+        elif event == "error":
+            yield Piece("error", payload)
+            return
+        elif payload is None:
+            yield Piece("cancelled")
+            return
+        else:
+            for piece in pieces(splitter.finish() if splitter else []):
+                yield piece
+            if pending:
+                yield Piece("text", "", pending)
+            if calls_seen and payload["finish_reason"] == "stop" and payload["stop_sequence"] is None:
+                payload = dict(payload, finish_reason="tool_calls")
+            yield Piece("done", payload)
+            return
 
-    @app.exception_handler(Exception)
-    async def unexpected_error(request, exc):
-        return _error_response(RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
-                                            type="server_error"))
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, exc):
-        return _error_response(RequestError(f"invalid request: {exc.errors()[0].get('msg')}"))
+def _call_id(prefix: str) -> str:
+    return prefix + uuid.uuid4().hex[:24]
 
-    @app.get("/health")
-    async def health():
-        return worker.health()
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [
-            {"id": worker.model_name, "object": "model", "created": 0, "owned_by": "dflash-mlx"}
-        ]}
+def _token_text(worker: "Worker", token: int) -> str:
+    return worker.tokenizer.decode([token])
 
-    async def handle(request: Request, kind: str):
-        try:
-            req = parse_request(await request.body(), kind, worker)
-        except RequestError as e:
-            return _error_response(e)
-        loop = asyncio.get_running_loop()
-        job = Job(req, loop, asyncio.Queue())
-        try:
-            worker.submit(job)
-        except RequestError as e:
-            return _error_response(e)
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        created = int(time.time())
-        if req.stream:
-            return StreamingResponse(_sse(job, kind, rid, created, worker.model_name),
-                                     media_type="text/event-stream")
-        return await _complete(request, job, kind, rid, created, worker.model_name)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, "chat")
+def chat_logprobs(worker: "Worker", lps) -> List[dict]:
+    def entry(token, logprob):
+        text = _token_text(worker, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, "completion")
+    return [dict(entry(t.token, t.logprob), top_logprobs=[entry(i, v) for i, v in t.top]) for t in lps]
 
-    return app
+
+def completion_logprobs(worker: "Worker", lps, offset: int = 0) -> dict:
+    tokens = [_token_text(worker, t.token) for t in lps]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
+            "top_logprobs": [{_token_text(worker, i): v for i, v in t.top} for t in lps], "text_offset": offsets}
+
+
+def openai_tool_calls(calls, streaming_from: Optional[int] = None) -> List[dict]:
+    out = []
+    for i, call in enumerate(calls):
+        c = {"id": _call_id("call_"), "type": "function",
+             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
+        if streaming_from is not None:
+            c["index"] = streaming_from + i
+        out.append(c)
+    return out
+
+
+async def openai_complete(worker: "Worker", request: Request, job: Job, rid, created):
+    req = job.request
+    text, calls, lps, done = [], [], [], None
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        async for piece in answer_pieces(worker, job):
+            lps.extend(piece.logprobs or [])
+            if piece.kind == "text":
+                text.append(piece.value)
+            elif piece.kind == "calls":
+                calls.extend(openai_tool_calls(piece.value))
+            elif piece.kind == "error":
+                return _openai_error(piece.value)
+            elif piece.kind == "cancelled":
+                return JSONResponse({}, status_code=499)  # nobody is listening
+            else:
+                done = piece.value
+    finally:
+        watcher.cancel()
+    usage = done["usage"]
+    if req.kind == "chat":
+        message = {"role": "assistant", "content": "".join(text) if text or not calls else None}
+        if calls:
+            message["tool_calls"] = calls
+        logprobs = {"content": chat_logprobs(worker, lps)} if req.logprobs is not None else None
+        body = P.ChatCompletion(id=rid, created=created, model=worker.model_name, usage=usage, choices=[
+            P.ChatChoice(message=message, finish_reason=done["finish_reason"], logprobs=logprobs)])
+    else:
+        logprobs = completion_logprobs(worker, lps) if req.logprobs is not None else None
+        body = P.Completion(id=rid, created=created, model=worker.model_name, usage=usage, choices=[
+            P.CompletionChoice(text="".join(text), finish_reason=done["finish_reason"], logprobs=logprobs)])
+    return JSONResponse(body.model_dump(exclude_none=False))
+
+
+def _sse_line(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def openai_stream(worker: "Worker", job: Job, rid, created):
+    """Server-sent events in OpenAI's chunk format; cancelled if the client goes away."""
+    req = job.request
+    chat = req.kind == "chat"
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    head = {"id": rid, "object": obj, "created": created, "model": worker.model_name}
+    n_calls, offset = 0, 0
+
+    def chunk(delta=None, text="", finish=None, lps=None):
+        nonlocal offset
+        if chat:
+            logprobs = {"content": chat_logprobs(worker, lps)} if lps and req.logprobs is not None else None
+            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}
+        else:
+            logprobs = completion_logprobs(worker, lps, offset) if lps and req.logprobs is not None else None
+            offset += len(text)
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
+        return _sse_line(dict(head, choices=[choice]))
+
+    try:
+        if chat:
+            yield chunk({"role": "assistant", "content": ""})
+        async for piece in answer_pieces(worker, job):
+            if piece.kind == "text":
+                yield chunk({"content": piece.value}, piece.value, lps=piece.logprobs)
+            elif piece.kind == "calls":
+                calls = openai_tool_calls(piece.value, streaming_from=n_calls)
+                n_calls += len(calls)
+                yield chunk({"tool_calls": calls}, lps=piece.logprobs)
+            elif piece.kind == "error":
+                yield _sse_line(piece.value.openai_body())
+                break
+            elif piece.kind == "cancelled":
+                break
+            else:
+                yield chunk(finish=piece.value["finish_reason"])
+                if req.include_usage:
+                    yield _sse_line(dict(head, choices=[], usage=piece.value["usage"]))
+        yield "data: [DONE]\n\n"
+    finally:
+        # Starlette cancels this generator when the client disconnects
+        job.cancel()
+
+
+def _stop_reason(done) -> str:
+    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
+        done["finish_reason"], "stop_sequence" if done["stop_sequence"] is not None else "end_turn")
+
+
+def _anthropic_usage(usage) -> dict:
+    """Anthropic's split: input_tokens are the prompt tokens not read from the prompt cache."""
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def anthropic_tool_uses(calls) -> List[dict]:
+    return [{"type": "tool_use", "id": _call_id("toolu_"), "name": c["name"], "input": c["arguments"]} for c in calls]
+
+
+async def anthropic_complete(worker: "Worker", request: Request, job: Job, rid):
+    blocks, done = [], None
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        async for piece in answer_pieces(worker, job):
+            if piece.kind == "text" and piece.value:
+                if blocks and blocks[-1]["type"] == "text":
+                    blocks[-1]["text"] += piece.value
+                else:
+                    blocks.append({"type": "text", "text": piece.value})
+            elif piece.kind == "calls":
+                blocks.extend(anthropic_tool_uses(piece.value))
+            elif piece.kind == "error":
+                return _anthropic_error(piece.value)
+            elif piece.kind == "cancelled":
+                return JSONResponse({}, status_code=499)
+            elif piece.kind == "done":
+                done = piece.value
+    finally:
+        watcher.cancel()
+    body = P.MessageResponse(id=rid, model=worker.model_name, content=blocks, stop_reason=_stop_reason(done),
+                             stop_sequence=done["stop_sequence"], usage=_anthropic_usage(done["usage"]))
+    return JSONResponse(body.model_dump())
+
+
+def _event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def anthropic_stream(worker: "Worker", job: Job, rid):
+    """Anthropic's event sequence: message_start, content blocks (start, deltas, stop),
+    message_delta (stop reason, usage), message_stop."""
+    n_prompt = len(job.request.prompt_ids)
+    index, open_text = -1, False
+    try:
+        yield _event("message_start", {"type": "message_start", "message": {
+            "id": rid, "type": "message", "role": "assistant", "model": worker.model_name, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
+        async for piece in answer_pieces(worker, job):
+            if piece.kind in ("calls", "done") and open_text:
+                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+                open_text = False
+            if piece.kind == "text" and piece.value:
+                if not open_text:
+                    index += 1
+                    open_text = True
+                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                         "content_block": {"type": "text", "text": ""}})
+                yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                     "delta": {"type": "text_delta", "text": piece.value}})
+            elif piece.kind == "calls":
+                for use in anthropic_tool_uses(piece.value):
+                    index += 1
+                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                         "content_block": dict(use, input={})})
+                    yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
+                        "type": "input_json_delta", "partial_json": json.dumps(use["input"], ensure_ascii=False)}})
+                    yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+            elif piece.kind == "error":
+                yield _event("error", piece.value.anthropic_body())
+                break
+            elif piece.kind == "cancelled":
+                break
+            elif piece.kind == "done":
+                done = piece.value
+                yield _event("message_delta", {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": _stop_reason(done), "stop_sequence": done["stop_sequence"]},
+                    "usage": _anthropic_usage(done["usage"])})
+                yield _event("message_stop", {"type": "message_stop"})
+    finally:
+        job.cancel()
 
 
 async def _watch_disconnect(request, job: Job):
@@ -555,77 +825,162 @@ async def _watch_disconnect(request, job: Job):
             return
 
 
-async def _complete(request, job: Job, kind, rid, created, model):
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    pieces = []
-    try:
-        while True:
-            event, payload = await job.events.get()
-            if event == "text":
-                pieces.append(payload)
-            elif event == "error":
-                return _error_response(payload)
-            elif payload is None:  # cancelled: nobody is listening
-                return JSONResponse({}, status_code=499)
-            else:
-                break
-    finally:
-        watcher.cancel()
-    text = "".join(pieces)
-    if kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "finish_reason": payload["finish_reason"], "logprobs": None}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": payload["finish_reason"], "logprobs": None}
-        obj = "text_completion"
-    return JSONResponse({"id": rid, "object": obj, "created": created, "model": model,
-                         "choices": [choice], "usage": payload["usage"]})
+# -- the HTTP app ---------------------------------------------------------------
 
 
-def _sse_line(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+def _openai_error(err: RequestError):
+    return JSONResponse(err.openai_body(), status_code=err.status)
 
 
-async def _sse(job: Job, kind, rid, created, model):
-    """Server-sent events in OpenAI's chunk format; cancelled if the client goes away."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+def _anthropic_error(err: RequestError):
+    return JSONResponse(err.anthropic_body(), status_code=err.status)
 
-    def chunk(text=None, finish=None, role=False):
-        if kind == "chat":
-            delta = {}
-            if role:
-                delta["role"] = "assistant"
-            if text is not None:
-                delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+def _error_for(request: Request, err: RequestError):
+    """Each API's own error shape: Anthropic's on /v1/messages, OpenAI's everywhere else."""
+    return (_anthropic_error if request.url.path.startswith("/v1/messages") else _openai_error)(err)
+
+
+_TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
+_TAGS = {"system", "developer", "user", "assistant", "tool", "text", "tool_use", "tool_result"}
+
+
+def _param(loc) -> Optional[str]:
+    """pydantic's error location as a field path ("messages[0].content"), without union members' names."""
+    loc = [p for p in loc if p != "body"]
+    parts = []
+    for i, p in enumerate(loc):
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif (not isinstance(p, str) or not p.isidentifier() or p in _TYPE_NAMES or p[:1].isupper()
+              or (p in _TAGS and i > 0 and isinstance(loc[i - 1], int) and i + 1 < len(loc))):
+            continue  # a union member's type, or its tag (a list item's role or type), not a field
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+            parts.append(("." if parts else "") + p)
+    return "".join(parts) or None
 
-    try:
-        if kind == "chat":
-            yield _sse_line(chunk(text="", role=True))
-        while True:
-            event, payload = await job.events.get()
-            if event == "text":
-                yield _sse_line(chunk(text=payload))
-            elif event == "error":
-                yield _sse_line(payload.body())
-                break
-            elif payload is None:
-                break
-            else:
-                yield _sse_line(chunk(finish=payload["finish_reason"]) if kind == "chat"
-                                else chunk(text="", finish=payload["finish_reason"]))
-                if job.request.include_usage:
-                    yield _sse_line({"id": rid, "object": obj, "created": created, "model": model,
-                                     "choices": [], "usage": payload["usage"]})
-                break
-        yield "data: [DONE]\n\n"
-    finally:
-        # Starlette cancels this generator when the client disconnects
-        job.cancel()
+
+def _error_text(e) -> str:
+    kind, ctx = e.get("type"), e.get("ctx") or {}
+    if kind == "union_tag_invalid":
+        return (f"unknown {str(ctx.get('discriminator', '')).strip(chr(39))} {ctx.get('tag')!r}: "
+                f"use one of {ctx.get('expected_tags')}")
+    if kind == "union_tag_not_found":
+        return f"{ctx.get('discriminator')} is required"
+    if kind == "missing":
+        return "is required"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return "must be a JSON object"
+    return e.get("msg", "is invalid")
+
+
+def validation_message(errors) -> RequestError:
+    """pydantic's errors as one line naming the field (the alternatives of a union joined by "or")."""
+    if not errors:
+        return RequestError("invalid request body")
+    invalid_json = [e for e in errors if e.get("type") == "json_invalid"]
+    if invalid_json:
+        ctx = invalid_json[0].get("ctx") or {}
+        return RequestError(f"the request body is not valid JSON ({ctx.get('error', invalid_json[0].get('msg'))})")
+    params = [_param(e.get("loc", ())) for e in errors]
+    deepest = max(params, key=lambda p: len(p or ""))
+    texts = []
+    for p, e in zip(params, errors):
+        text = _error_text(e)
+        if p == deepest and text not in texts:
+            texts.append(text)
+    msg = " or ".join(texts[:1] + [t[0].lower() + t[1:] for t in texts[1:]])
+    if deepest is None:
+        return RequestError(f"the request body {msg[0].lower() + msg[1:]}")
+    return RequestError(f"'{deepest}': {msg}", param=deepest)
+
+
+_OPENAI_ERRORS = {s: {"model": P.OpenAIError} for s in (400, 404, 429, 500, 503)}
+_ANTHROPIC_ERRORS = {s: {"model": P.AnthropicError} for s in (400, 404, 429, 500, 503)}
+
+
+def _streamed(model, what: str) -> dict:
+    return {200: {"model": model, "description": f"{what}; with \"stream\": true, server-sent events instead",
+                  "content": {"text/event-stream": {}}}}
+
+
+def create_app(worker: Worker):
+    """The FastAPI app serving `worker`; stopping the app stops the worker."""
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.stop()
+
+    app = FastAPI(title="dflash-mlx", lifespan=lifespan,
+                  description="OpenAI- and Anthropic-compatible server on DFlash speculative decoding")
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc):
+        err = RequestError(str(exc.detail), status=exc.status_code,
+                           type="not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        return _error_for(request, err)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request, exc):
+        return _error_for(request, RequestError(f"internal error: {type(exc).__name__}: {exc}", status=500,
+                                                type="server_error"))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, exc):
+        return _error_for(request, validation_message(exc.errors()))
+
+    @app.get("/health")
+    async def health():
+        return worker.health()
+
+    @app.get("/v1/models", response_model=P.ModelList)
+    async def models():
+        return P.ModelList(data=[P.ModelCard(id=worker.model_name)])
+
+    async def run(request: Request, build, body, respond, stream_respond, error, prefix):
+        try:
+            req = build(worker, body)
+            loop = asyncio.get_running_loop()
+            job = Job(req, loop, asyncio.Queue())
+            worker.submit(job)
+        except RequestError as e:
+            return error(e)
+        rid = _call_id(prefix)
+        if req.stream:
+            return StreamingResponse(stream_respond(job, rid), media_type="text/event-stream")
+        return await respond(request, job, rid)
+
+    def openai_routes(request, build, body, prefix):
+        created = int(time.time())
+        return run(request, build, body, lambda rq, job, rid: openai_complete(worker, rq, job, rid, created),
+                   lambda job, rid: openai_stream(worker, job, rid, created), _openai_error, prefix)
+
+    @app.post("/v1/chat/completions", response_model=None, responses={**_streamed(P.ChatCompletion, "the answer"),
+                                                                     **_OPENAI_ERRORS})
+    async def chat_completions(body: P.ChatCompletionRequest, request: Request):
+        return await openai_routes(request, openai_chat_request, body, "chatcmpl-")
+
+    @app.post("/v1/completions", response_model=None, responses={**_streamed(P.Completion, "the completion"),
+                                                                **_OPENAI_ERRORS})
+    async def completions(body: P.CompletionRequest, request: Request):
+        return await openai_routes(request, completion_request, body, "cmpl-")
+
+    @app.post("/v1/messages", response_model=None, responses={**_streamed(P.MessageResponse, "the message"),
+                                                             **_ANTHROPIC_ERRORS})
+    async def messages(body: P.MessagesRequest, request: Request):
+        return await run(request, messages_request, body,
+                         lambda rq, job, rid: anthropic_complete(worker, rq, job, rid),
+                         lambda job, rid: anthropic_stream(worker, job, rid), _anthropic_error, "msg_")
+
+    @app.post("/v1/messages/count_tokens", response_model=P.TokenCount, responses=_ANTHROPIC_ERRORS)
+    async def count_tokens(body: P.AnthropicPrompt):
+        try:
+            ids, _ = anthropic_prompt(worker, body, check_window=False)  # a count, also past the window
+        except RequestError as e:
+            return _anthropic_error(e)
+        return P.TokenCount(input_tokens=len(ids))
+
+    return app
 
 
 # -- command line ---------------------------------------------------------------
@@ -651,6 +1006,21 @@ def _count(text: str) -> int:
     return value
 
 
+def _bytes(text: str) -> int:
+    """A size in bytes: a whole number, optionally with K, M, G or T (powers of 1024)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = 1
+    if t and t[-1] in "KMGT":
+        scale, t = 1024 ** ("KMGT".index(t[-1]) + 1), t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        value = -1
+    if value < 0 or value != value:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M, 2G or 1000000, got {text!r}")
+    return int(value)
+
+
 def build_parser():
     p = ArgumentParser(
         prog="dflash-mlx serve",
@@ -669,6 +1039,9 @@ def build_parser():
                    help="requests that may wait while one runs; more get 429 (default: 16)")
     p.add_argument("--snapshots", type=_count, default=4,
                    help="prompt-cache snapshots kept for prefix reuse across requests (default: 4)")
+    p.add_argument("--prompt-cache-bytes", type=_bytes, default=DEFAULT_PROMPT_CACHE_BYTES,
+                   help="most bytes the prompt-cache snapshots hold together, e.g. 512M, 2G or a number "
+                   "(default: 1G); the live cache of the current conversation comes on top")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--baseline", action="store_true", help="serve the target alone, without a draft")
@@ -680,7 +1053,8 @@ def load_worker(args) -> Worker:
     model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
                                                                dtype=args.dtype)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
-                  options=options, queue_size=args.queue_size, max_snapshots=args.snapshots)
+                  options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
+                  prompt_cache_bytes=args.prompt_cache_bytes)
 
 
 def main(argv=None) -> int:

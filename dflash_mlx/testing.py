@@ -10,6 +10,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.context_cache import ContextCache
 from dflash_mlx.target import Target
+from dflash_mlx.tool_calls import tool_calling_kwargs
 
 VOCAB = 300  # 256 byte tokens + specials + spare ids (mask token lives at the top)
 EOS_ID = 257
@@ -172,21 +173,31 @@ class ScriptedDraft:
 def chain_target(text: str, seed: int = 0):
     """(model, tokenizer) whose greedy continuation spells `text` over and over.
 
-    A tiny llama whose decoder layers are silenced (o_proj/down_proj zero), so the
-    logits depend only on the current token; the LM head maps each byte of `text`
-    to the next one. Lets tests check streamed text (multi-byte UTF-8 split over
-    tokens) against a known answer.
+    A `successor_target` over the byte tokens of `text`, the last one followed by
+    the first. Lets tests check streamed text (multi-byte UTF-8 split over tokens)
+    against a known answer.
     """
-    model, tok = tiny_target("llama", seed=seed, layer_types=None, sliding_window=None)
+    tok = byte_tokenizer()
     ids = tok.encode(text, add_special_tokens=False)
     succ = {a: b for a, b in zip(ids, ids[1:] + ids[:1])}
     if len(succ) != len(ids):
         raise ValueError("chain_target needs a text whose byte tokens are all distinct")
+    return successor_target(succ, seed=seed)[0], tok
+
+
+def successor_target(successors: Dict[int, int], seed: int = 0):
+    """(model, tokenizer): a tiny llama whose greedy next token after token a is `successors[a]`.
+
+    Its decoder layers are silenced (o_proj/down_proj zero), so the logits depend
+    only on the current token; the LM head maps each key's embedding to its
+    successor. Token ids up to `VOCAB`; tokens without a successor have flat logits.
+    """
+    model, tok = tiny_target("llama", seed=seed, layer_types=None, sliding_window=None)
     rng = np.random.default_rng(seed)
     H = model.args.hidden_size
     embed = rng.standard_normal((VOCAB, H)).astype(np.float32)
     head = np.zeros((VOCAB, H), dtype=np.float32)
-    for a, b in succ.items():
+    for a, b in successors.items():
         head[b] += embed[a] / np.linalg.norm(embed[a]) * 8.0
     for layer in model.model.layers:
         layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
@@ -195,4 +206,51 @@ def chain_target(text: str, seed: int = 0):
     model.model.norm.weight = mx.ones((H,))
     model.lm_head.weight = mx.array(head)
     mx.eval(model.parameters())
+    return model, tok
+
+
+# A tool-capable chat template in the form mlx-lm's json_tools parser reads (it infers
+# that parser from "<tool_call>" and "tool_call.name"). No generation prompt: the
+# answer follows the last message's end marker, which tells the target what to say.
+TOOL_TEMPLATE = (
+    "{%- if tools %}<|system|>Tools: {{ tools | tojson }}<|end|>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}<|system|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'user' %}<|user|>{{ m.content }}<|end_user|>"
+    "{%- elif m.role == 'assistant' %}{{ m.content or '' }}"
+    "{%- for tool_call in m.tool_calls or [] %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    '<tool_call>{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}</tool_call>'
+    "{%- endfor %}<|end|>"
+    "{%- elif m.role == 'tool' %}<tool_response>{{ m.content }}</tool_response>"
+    "{%- else %}{{ raise_exception('unknown role ' + m.role) }}{%- endif %}"
+    "{%- endfor %}"
+)
+# `tool_call_target` emits the first after a user turn and the second after a tool result.
+TOOL_CALL_TOKENS = ["<tool_call>", '{"name": "', "get_weather", '", "arguments": ', '{"city": "', "Paris", '"}}',
+                    "</tool_call>"]
+TOOL_ANSWER_TOKENS = ["Sunny", " and 22°C", " in Paris."]
+TOOL_MARKERS = ["<|system|>", "<|end|>", "<|user|>", "<|end_user|>", "<tool_response>", "</tool_response>"]
+
+
+def tool_call_tokenizer() -> TokenizerWrapper:
+    """The byte tokenizer with the tool-call pieces and markers as added tokens and
+    `TOOL_TEMPLATE`, wrapped with the tool parser mlx-lm infers for it."""
+    hf = byte_tokenizer()._tokenizer
+    hf.add_tokens(TOOL_CALL_TOKENS + TOOL_ANSWER_TOKENS + TOOL_MARKERS)
+    hf.chat_template = TOOL_TEMPLATE
+    return TokenizerWrapper(hf, **tool_calling_kwargs(hf))
+
+
+def tool_call_target(seed: int = 3):
+    """(model, tokenizer): a `successor_target` whose greedy answer to a user turn is the tool
+    call `"".join(TOOL_CALL_TOKENS)` and to a tool result `"".join(TOOL_ANSWER_TOKENS)`, each
+    followed by EOS (every token of both occurs once, so a one-token context suffices)."""
+    tok = tool_call_tokenizer()
+    ids = {t: tok.convert_tokens_to_ids(t) for t in TOOL_CALL_TOKENS + TOOL_ANSWER_TOKENS + TOOL_MARKERS}
+    succ = {}
+    for chain, after in ((TOOL_CALL_TOKENS, "<|end_user|>"), (TOOL_ANSWER_TOKENS, "</tool_response>")):
+        seq = [ids[after]] + [ids[t] for t in chain] + [EOS_ID]
+        succ.update(zip(seq, seq[1:]))
+    model, _ = successor_target(succ, seed=seed)
     return model, tok

@@ -66,7 +66,7 @@ def tiny_qwen2(seed=0, **overrides):
 
 
 def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, version=None,
-                    rope_freqs=None, **overrides):
+                    rope_freqs=None, chat_template=None, **overrides):
     """Write a tiny random model as GGUF; returns the mlx-lm model it came from.
 
     `rope_freqs`: per-pair RoPE divisors written as llama.cpp's `rope_freqs`
@@ -111,6 +111,8 @@ def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, vers
     w.add_bos_token_id(256)
     w.add_eos_token_id(257)
     w.add_add_bos_token(False)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     if rope_freqs is not None:
         from dflash_mlx.gguf_loader import _apply_rope_freqs
 

@@ -106,6 +106,30 @@ def test_snapshots_are_bounded_least_recently_used_first():
     assert prefill == 21  # evicted: nothing to reuse
 
 
+def test_snapshots_are_bounded_in_bytes_least_recently_used_first():
+    from dflash_mlx.prompt_cache import nbytes
+
+    model, tok = tiny_target("qwen3_5", seed=9)
+    draft = random_draft(model, block_size=4)
+    probe = make_prompt_cache(model, draft, max_snapshots=8)
+    prompts = [list(range(s, s + 20)) for s in (10, 50, 90, 130)]
+    run(model, draft, tok, prompts[0], probe, max_tokens=3)
+    run(model, draft, tok, prompts[1], probe, max_tokens=3)  # the first conversation is now a snapshot
+    (one,) = probe.snapshots.values()
+    # what a snapshot holds: the target's caches (KV buffers, recurrent state), the draft's context, pending features
+    assert one.nbytes == nbytes(one.target_cache) + nbytes(one.draft_cache) + nbytes(one.pending) > 0
+    assert nbytes(one.target_cache) == sum(c.nbytes for c in one.target_cache)  # mlx-lm's own count
+    cache = make_prompt_cache(model, draft, max_snapshots=8, max_bytes=int(2.5 * one.nbytes))
+    for p in prompts:
+        run(model, draft, tok, p, cache, max_tokens=3)
+    assert [k[:20] for k in cache.snapshots] == [tuple(prompts[1]), tuple(prompts[2])]  # two fit, the oldest went
+    assert cache.snapshot_bytes <= cache.max_bytes and cache.stats()["snapshot_bytes"] == cache.snapshot_bytes
+    tiny = make_prompt_cache(model, draft, max_snapshots=8, max_bytes=one.nbytes - 1)
+    for p in prompts[:2]:
+        run(model, draft, tok, p, tiny, max_tokens=3)
+    assert not tiny.snapshots  # larger than the bound: not kept
+
+
 def test_snapshot_is_refused_while_the_caches_are_mid_cycle():
     model, _ = tiny_target("qwen3_5", seed=9)
     cache = make_prompt_cache(model, None, max_snapshots=2)

@@ -514,3 +514,17 @@ def test_stream_generate_always_accept_fails(monkeypatch):
     out, exact, _, _ = engine_first_tokens("argmax")
     _, pval = chi_square(encode(out, 4), exact)
     assert pval < 1e-6
+
+
+def test_a_vanishing_temperature_or_top_p_is_greedy_in_the_library():
+    """1/T overflows float32 below ~3e-39 and a top-p of 1e-300 is 0 there: both are the
+    greedy limit, for library callers as for the server."""
+    assert isinstance(accept.make_acceptor(1e-300), accept.GreedyAcceptor)
+    assert isinstance(accept.make_acceptor(1.0, top_p=1e-300), accept.GreedyAcceptor)
+    assert isinstance(accept.make_acceptor(0.5, top_p=0.9), accept.SamplingAcceptor)
+    model, tok = tiny("llama")
+    draft = random_draft(model, block_size=4, seed=2)
+    prompt = list(range(10, 30))
+    want = greedy_reference(model, prompt, 8, stop_ids=[])
+    for sampling in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}):
+        assert tokens_of(model, draft, tok, prompt, max_tokens=8, stop_token_ids=[], seed=0, **sampling) == want

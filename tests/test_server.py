@@ -41,8 +41,10 @@ MODEL = "tiny"
 
 
 @contextlib.contextmanager
-def serving(model, draft, tok, **worker_args):
-    tok._tokenizer.chat_template = TEMPLATE
+def serving(model, draft, tok, template=TEMPLATE, **worker_args):
+    """A server on a free loopback port; `template`: the chat template set first (None: keep the tokenizer's)."""
+    if template is not None:
+        tok._tokenizer.chat_template = template
     worker = Worker(model, draft, tok, model_name=MODEL, draft_name="random", **worker_args)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -168,12 +170,23 @@ def test_sampling_request_reaches_the_engine(attn):
     assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
 
 
+def test_a_vanishing_temperature_or_top_p_is_greedy(attn):
+    # 1/T overflows float32 below ~3e-39 and a top-p of 1e-300 is 0 there: both are greedy in the limit
+    text, _ = expected(attn, attn.worker.encode_text("limit"), 8)
+    for sampling in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}):
+        r = attn.client.completions.create(model=MODEL, prompt="limit", max_tokens=8, **sampling)
+        assert r.choices[0].text == text, sampling
+
+
 def test_models_and_health(attn):
     assert [m.id for m in attn.client.models.list().data] == [MODEL]
     h = httpx.get(attn.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL
     assert h["scheduling"].startswith("one request at a time") and h["queue_size"] == 16
     assert {"busy", "queued", "served", "cancelled", "rejected"} <= set(h)
+    pc = h["prompt_cache"]
+    assert pc["max_bytes"] == attn.worker.cache.max_bytes == 1 << 30 and pc["max_snapshots"] == 4
+    assert 0 <= pc["snapshot_bytes"] <= pc["max_bytes"] and pc["live_bytes"] >= 0
 
 
 # -- stop strings -----------------------------------------------------------------
@@ -383,30 +396,50 @@ def test_interleaved_token_conversations_reuse_everything(target, request):
 # -- bad requests -------------------------------------------------------------------
 
 
+HI = [{"role": "user", "content": "hi"}]
 BAD = [
     ("/v1/chat/completions", b'{"model": "tiny", "messages": [', 400, None, "not valid JSON"),
-    ("/v1/chat/completions", b'\xff\xfe{"messages": []}', 400, None, "not valid UTF-8"),
+    ("/v1/chat/completions", b'\xff\xfe{"messages": []}', 400, None, "not valid JSON"),
     ("/v1/chat/completions", b"[1, 2]", 400, None, "JSON object"),
-    ("/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least 1 item"),
     ("/v1/chat/completions", {"model": MODEL}, 400, "messages", "required"),
-    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "must be"),
-    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0]", "role"),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "unknown role robot"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}, 400, "max_tokens", "integer"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400, "max_tokens", "at least 1"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, 400, "temperature", "number"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_p": 2}, 400, "top_p", "(0, 1]"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": -1}, 400, "top_k", ">= 0"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}, 400, "seed", "integer"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "stream", "true or false"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "stop": 5}, 400, "stop", "string"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "n", "must be 1"),
-    ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "hi"}]}, 404, "model", "not served"),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages", "valid list"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0]", "'role' is required"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0]", "unknown role 'wizard'"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages[0].content[0].type", "'text'"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": "ten"}, 400, "max_tokens", "integer"),
+    ("/v1/chat/completions", {"messages": HI, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("/v1/chat/completions", {"messages": HI, "temperature": "hot"}, 400, "temperature", "number"),
+    ("/v1/chat/completions", {"messages": HI, "top_p": 2}, 400, "top_p", "less than or equal to 1"),
+    ("/v1/chat/completions", {"messages": HI, "top_k": -1}, 400, "top_k", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"messages": HI, "seed": 1.5}, 400, "seed", "integer"),
+    ("/v1/chat/completions", {"messages": HI, "seed": -5}, 400, "seed", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"messages": HI, "seed": 2**70}, 400, "seed", "less than 18446744073709551616"),
+    ("/v1/chat/completions", {"messages": HI, "stream": "yes"}, 400, "stream", "boolean"),
+    ("/v1/chat/completions", {"messages": HI, "stop": 5}, 400, "stop", "valid string or input should be a valid list"),
+    ("/v1/chat/completions", {"messages": HI, "n": 2}, 400, "n", "must be 1"),
+    ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format", "does not constrain"),
+    ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    ("/v1/chat/completions", {"messages": HI, "functions": [{"name": "f"}]}, 400, "functions", "send 'tools'"),
+    ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "needs 'logprobs'"),
+    ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "cannot force"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools[0].function", "required"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {}}]}, 400,
+     "tools[0].function.name", "required"),
+    ("/v1/chat/completions", {"messages": [{"role": "tool", "content": "x"}]}, 400, "messages[0].tool_call_id", "required"),
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     400, "messages[0].tool_calls[0].function.arguments", "not JSON"),
+    ("/v1/chat/completions", {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", "no tool support"),
+    ("/v1/chat/completions", {"model": "gpt-4o", "messages": HI}, 404, "model", "not served"),
     ("/v1/completions", {"prompt": "x" * 5000}, 400, "prompt", "context window"),
     ("/v1/completions", {"prompt": [1, 2, 100000]}, 400, "prompt", "token ids"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "less than or equal to 20"),
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
 ]
 
 
@@ -436,7 +469,11 @@ def test_serve_options_are_checked():
     p = build_parser()
     args = p.parse_args(["--block-size", "auto", "--port", "9000", "--queue-size", "3"])
     assert (args.block_size, args.port, args.queue_size, args.host) == ("auto", 9000, 3, "127.0.0.1")
-    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--snapshots", "-1"]):
+    assert p.parse_args(["--prompt-cache-bytes", "512M"]).prompt_cache_bytes == 512 << 20
+    assert p.parse_args(["--prompt-cache-bytes", "2GiB"]).prompt_cache_bytes == 2 << 30
+    assert p.parse_args(["--prompt-cache-bytes", "1000"]).prompt_cache_bytes == 1000
+    for bad in (["--block-size", "0"], ["--block-size", "big"], ["--queue-size", "0"], ["--snapshots", "-1"],
+                ["--prompt-cache-bytes", "lots"], ["--prompt-cache-bytes", "-5M"]):
         with pytest.raises(CLIError, match=bad[0]):
             p.parse_args(bad)
     with pytest.raises(CLIError, match="max tokens"):
@@ -537,3 +574,36 @@ def test_text_held_back_for_a_stop_string_is_sent_when_the_answer_ends():
             else:
                 text = s.client.completions.create(**args).choices[0].text
             assert text == "bc"  # "c" waited to see whether "X" followed; EOS came instead
+
+
+# -- the typed protocol -------------------------------------------------------------
+
+
+def test_openapi_describes_every_body(attn):
+    spec = httpx.get(attn.url + "/openapi.json").json()
+    schemas = spec["components"]["schemas"]
+    for path, request, answer in (
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletion"),
+        ("/v1/completions", "CompletionRequest", "Completion"),
+        ("/v1/messages", "MessagesRequest", "MessageResponse"),
+        ("/v1/messages/count_tokens", "AnthropicPrompt", "TokenCount"),
+    ):
+        op = spec["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + request)
+        assert op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + answer)
+        error = "AnthropicError" if path.startswith("/v1/messages") else "OpenAIError"
+        assert op["responses"]["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/" + error)
+    roles = {m["properties"]["role"].get("const") or tuple(m["properties"]["role"].get("enum", ()))
+             for m in (schemas[n] for n in ("SystemMessage", "UserMessage", "AssistantMessage", "ToolMessage"))}
+    assert roles == {("system", "developer"), "user", "assistant", "tool"}
+
+
+def test_fields_that_change_nothing_are_accepted(attn):
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "harmless"}]},
+                {"role": "user", "content": "fields"}]
+    text, _ = expected(attn, chat_ids(attn, [{"role": "system", "content": "harmless"}, messages[1]]), 6)
+    r = attn.client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, user="u1", metadata={"k": "v"}, store=False, n=1,
+        response_format={"type": "text"}, frequency_penalty=0, presence_penalty=0, tool_choice="none",
+        extra_body={"some_future_field": 1})
+    assert r.choices[0].message.content == text
