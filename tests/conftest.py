@@ -15,3 +15,17 @@ def smollm2():
     from dflash_mlx import load
 
     return load("smollm2-135m", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def verifier():
+    """The tiny verifier (target) of the speculators fixtures, as mlx-lm loads it, float32."""
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(__file__).parent / "fixtures" / "speculators" / "verifier")
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model

@@ -23,15 +23,6 @@ FIX = Path(__file__).parent / "fixtures" / "speculators"
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 
 
-@pytest.fixture(scope="module")
-def verifier():
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(FIX / "verifier")
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
-
 
 def features(model, layer_ids):
     t = Target(model)
