@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 256,1024,2048,4096,0)")
     p.add_argument("--depth-widths", type=_int_list, default=None,
                    help="depth suite: fixed widths to compare the default width with (default: 2,4,8)")
+    p.add_argument("--compare-draft", action="append", default=[], metavar="LABEL=DRAFT",
+                   help="depth suite: another draft run beside --draft at the default width "
+                   "(before/after in one process); repeatable")
     p.add_argument("--from-json", metavar="RESULTS_JSON", default=None,
                    help="run nothing: rewrite results.md and the plots next to an existing "
                    "results.json (e.g. of an interrupted run)")
@@ -170,15 +173,20 @@ def depth_main(args, argv) -> int:
         raise CLIError("the depth suite needs a draft: pass --draft", EXIT_USAGE)
     cfg = depth.DepthConfig(
         depths=args.depths or list(depth.DEFAULT_DEPTHS), documents=args.limit,
-        max_tokens=options.max_tokens, widths=args.depth_widths or [2, 4, 8],
+        max_tokens=options.max_tokens, widths=[2, 4, 8] if args.depth_widths is None else
+        [w for w in args.depth_widths if w > 0],
+        compare=dict(c.split("=", 1) if "=" in c else (c, c) for c in args.compare_draft),
         warmup=not args.no_warmup, model=args.model, draft=draft_name, command=_command(argv))
     out = Path(args.out or Path("benchmarks") / "results" / (
         datetime.now(timezone.utc).strftime("%Y%m%d") + "-depth-"
         + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(draft_name).name)))
     print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
     model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
+    from dflash_mlx import load_draft
+
+    others = {label: load_draft(name, model, quiet=True) for label, name in cfg.compare.items()}
     try:
-        doc = depth.run(model, draft, tokenizer, cfg,
+        doc = depth.run(model, draft, tokenizer, cfg, others=others,
                         on_record=lambda d: depth.write_all(d, out, with_plot=False))
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None

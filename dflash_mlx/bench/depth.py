@@ -39,6 +39,9 @@ class DepthConfig:
     documents: int = 3  # per depth
     max_tokens: int = 32
     widths: List[int] = field(default_factory=lambda: [2, 4, 8])
+    # other drafts run beside the first at the default width, each from an empty cache
+    # (a before/after comparison in one process); label -> draft name or folder
+    compare: Dict[str, str] = field(default_factory=dict)
     warmup: bool = True
     model: str = ""
     draft: str = ""
@@ -120,7 +123,8 @@ def settled_width(widths: Sequence[int]) -> Optional[int]:
     return Counter(late).most_common(1)[0][0] if late else None
 
 
-def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None) -> dict:
+def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optional[Dict[str, object]] = None) -> dict:
+    """`others`: label -> a loaded draft, run at the default width beside `draft`."""
     from dflash_mlx import adaptive
     from dflash_mlx.bench.runner import environment
     from dflash_mlx.generate import _target_for, make_prompt_cache, stream_generate
@@ -144,14 +148,18 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None) -> dict:
     def plain(ids):
         return _run(stream_generate(model, draft, tokenizer, ids, max_tokens=cfg.max_tokens, baseline=True))
 
-    def dflash(ids, block, cache):
-        return _run(stream_generate(model, draft, tokenizer, ids, max_tokens=cfg.max_tokens,
+    others = dict(others or {})
+
+    def dflash(ids, block, cache, d=None):
+        return _run(stream_generate(model, d or draft, tokenizer, ids, max_tokens=cfg.max_tokens,
                                     block_size=block, prompt_cache=cache))
 
     if cfg.warmup:
         ids = prompt_at_depth(tokenizer, docs[0], 128)
         plain(ids)
         dflash(ids, "auto", None)
+        for d in others.values():
+            dflash(ids, "auto", None, d)
         adaptive.forget_sizers()
 
     n = 0
@@ -161,9 +169,15 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None) -> dict:
             ids = prompt_at_depth(tokenizer, d, depth)
             cache = make_prompt_cache(model, draft)
             runs: Dict[str, dict] = {}
-            order = ["plain", "auto"] if n % 2 == 0 else ["auto", "plain"]
+            order = ["plain", "auto"] + [f"auto {k}" for k in others]
+            order = order[n % len(order):] + order[: n % len(order)]  # rotates from document to document
             for name in order:
-                runs[name] = plain(ids) if name == "plain" else dflash(ids, "auto", cache)
+                if name == "plain":
+                    runs[name] = plain(ids)
+                elif name == "auto":
+                    runs[name] = dflash(ids, "auto", cache)
+                else:
+                    runs[name] = dflash(ids, "auto", None, others[name[len("auto "):]])
             for w in cfg.widths:  # the prompt's prefix comes from the auto run's cache
                 runs[f"block {w}"] = dflash(ids, w, cache)
             ref = runs["plain"]["tokens"]
@@ -178,6 +192,9 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None) -> dict:
             doc["records"].append(rec)
             n += 1
             a, p = runs["auto"], runs["plain"]
+            for k in others:
+                o = runs[f"auto {k}"]
+                _log(f"  {k}: {o['decode_tps']:.2f} tok/s tau {o['tau'] or 0:.2f} ttft {o['ttft_s']:.1f}s")
             _log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {p['ttft_s']:.1f}s | "
                  f"auto {a['decode_tps']:.2f} tok/s tau {a['tau'] or 0:.2f} ttft {a['ttft_s']:.1f}s "
                  f"width {rec['settled_width']} | "
@@ -190,6 +207,10 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None) -> dict:
     doc["environment"]["loadavg_end"] = environment(model)["loadavg"]
     doc["summary"] = summarize(doc["records"], cfg.widths)
     return doc
+
+
+def _others(records: List[dict]) -> List[str]:
+    return sorted({k[len("auto "):] for r in records for k in r["runs"] if k.startswith("auto ")})
 
 
 def summarize(records: List[dict], widths: Sequence[int]) -> Dict[str, dict]:
@@ -220,6 +241,11 @@ def summarize(records: List[dict], widths: Sequence[int]) -> Dict[str, dict]:
             "best_fixed_width": best,
             "auto_vs_best_fixed": (auto / fixed[best]) if auto and best else None,
             "mismatches": sum(not run["identical"] for r in rows for run in r["runs"].values()),
+            "others": {k: {"speedup": geomean(speed(f"auto {k}")),
+                           "speedup_cpu": geomean(speed(f"auto {k}", "decode_tps_cpu")),
+                           "tau": geomean([r["runs"][f"auto {k}"]["tau"] for r in rows]),
+                           "ttft_s": geomean([r["runs"][f"auto {k}"]["ttft_s"] for r in rows])}
+                       for k in _others(rows)},
         }
     return out
 
@@ -253,6 +279,19 @@ def markdown(doc: dict) -> str:
             f"**{_f(s['speedup'])}x** | {_f(s['tau'])} | {_f(s['ttft_plain_s'])} | {_f(s['ttft_auto_s'])} | "
             f"{_f(s['speedup_cpu'])}x | {settled} | {fixed} | {_f(s['auto_vs_best_fixed'], '{:.3f}')} (best: {s['best_fixed_width']}) | "
             f"{'yes' if not s['mismatches'] else 'NO: ' + str(s['mismatches'])} |")
+    others = sorted({k for s in doc["summary"].values() for k in s.get("others", {})})
+    if others:
+        lines += ["", f"Beside it, at the default width from empty caches: {', '.join(others)} "
+                  f"(the first draft above: `{cfg['draft']}`).", "",
+                  "| depth | draft | speed-up | speed-up (CPU time) | tau | TTFT s |", "|---:|---|---:|---:|---:|---:|"]
+        for depth, s in doc["summary"].items():
+            lines.append(f"| {depth} | {cfg['draft']} | {_f(s['speedup'])}x | {_f(s['speedup_cpu'])}x | "
+                         f"{_f(s['tau'])} | {_f(s['ttft_auto_s'])} |")
+            for k in others:
+                o = s["others"].get(k)
+                if o:
+                    lines.append(f"| {depth} | {k} | {_f(o['speedup'])}x | {_f(o['speedup_cpu'])}x | "
+                                 f"{_f(o['tau'])} | {_f(o['ttft_s'])} |")
     lines += [
         "",
         "Fixed-width columns: speed-up over plain decoding (geometric mean); tau at each: "
@@ -295,11 +334,17 @@ def plot(doc: dict, path: Path) -> Optional[Path]:
     ax.plot(depths, [s[str(d)]["speedup"] for d in depths], "o-", label="auto")
     for w in doc["config"]["widths"]:
         ax.plot(depths, [s[str(d)]["fixed_speedup"][str(w)] for d in depths], ".--", alpha=0.6, label=f"block {w}")
+    others = sorted({k for v in s.values() for k in v.get("others", {})})
+    for k in others:
+        ax.plot(depths, [s[str(d)]["others"].get(k, {}).get("speedup") for d in depths], "s-", label=f"auto, {k}")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="prompt tokens", ylabel="speed-up over plain", title="decode speed-up")
     ax.legend(fontsize=7)
     ax = axes[1]
-    ax.plot(depths, [s[str(d)]["tau"] for d in depths], "o-")
+    ax.plot(depths, [s[str(d)]["tau"] for d in depths], "o-", label=doc["config"]["draft"])
+    for k in others:
+        ax.plot(depths, [s[str(d)]["others"].get(k, {}).get("tau") for d in depths], "s-", label=k)
+    ax.legend(fontsize=7)
     ax.set(xscale="log", xlabel="prompt tokens", ylabel="tau (auto)", title="tokens per target forward")
     ax = axes[2]
     ax.plot(depths, [s[str(d)]["ttft_plain_s"] for d in depths], "o-", label="plain")
