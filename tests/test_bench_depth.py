@@ -52,5 +52,5 @@ def test_cli_depth_suite_runs_alone():
 
     with pytest.raises(CLIError, match="runs alone"):
         cli.main(["--suite", "depth,gsm8k"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(CLIError, match="whole numbers"):
         cli.main(["--suite", "depth", "--depths", "256,x"])
