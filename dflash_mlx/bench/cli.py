@@ -3,6 +3,7 @@
 import argparse
 import re
 import sys
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -71,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-draft", action="append", default=[], metavar="LABEL=DRAFT",
                    help="depth suite: another draft run beside --draft at the default width "
                    "(before/after in one process); repeatable")
+    p.add_argument("--resume", action="store_true",
+                   help="depth suite: keep the records already in --out's results.json, measure the rest")
     p.add_argument("--from-json", metavar="RESULTS_JSON", default=None,
                    help="run nothing: rewrite results.md and the plots next to an existing "
                    "results.json (e.g. of an interrupted run)")
@@ -185,8 +188,18 @@ def depth_main(args, argv) -> int:
     from dflash_mlx import load_draft
 
     others = {label: load_draft(name, model, quiet=True) for label, name in cfg.compare.items()}
+    previous = None
+    if args.resume:
+        import json
+
+        path = out / "results.json"
+        previous = json.loads(path.read_text()) if path.exists() else None
+        keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill")
+        if previous and any(k in previous["config"] and previous["config"][k] != asdict(cfg).get(k) for k in keep):
+            raise CLIError(f"--resume: {path} was measured with other settings ({', '.join(keep)}); "
+                           "give the same ones or another --out", EXIT_USAGE)
     try:
-        doc = depth.run(model, draft, tokenizer, cfg, others=others,
+        doc = depth.run(model, draft, tokenizer, cfg, others=others, resume=previous,
                         on_record=lambda d: depth.write_all(d, out, with_plot=False))
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None

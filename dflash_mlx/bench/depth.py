@@ -42,6 +42,7 @@ class DepthConfig:
     # other drafts run beside the first at the default width, each from an empty cache
     # (a before/after comparison in one process); label -> draft name or folder
     compare: Dict[str, str] = field(default_factory=dict)
+    shared_plain_prefill: bool = True  # plain decoding's TTFT on each depth's first document only
     warmup: bool = True
     model: str = ""
     draft: str = ""
@@ -123,8 +124,10 @@ def settled_width(widths: Sequence[int]) -> Optional[int]:
     return Counter(late).most_common(1)[0][0] if late else None
 
 
-def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optional[Dict[str, object]] = None) -> dict:
-    """`others`: label -> a loaded draft, run at the default width beside `draft`."""
+def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optional[Dict[str, object]] = None,
+        resume: Optional[dict] = None) -> dict:
+    """`others`: label -> a loaded draft, run at the default width beside `draft`;
+    `resume`: an interrupted run's results (its records are kept, the rest is measured)."""
     from dflash_mlx import adaptive
     from dflash_mlx.bench.runner import environment
     from dflash_mlx.generate import _target_for, make_prompt_cache, stream_generate
@@ -163,14 +166,24 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
         adaptive.forget_sizers()
 
     n = 0
+    done = {(r["depth"], r["document"]): r for r in (resume or {}).get("records", [])}
     for depth in depths:
         adaptive.forget_sizers()
         for i, d in enumerate(docs):
+            if (depth, d.name) in done:  # measured by the run this one continues
+                doc["records"].append(done[(depth, d.name)])
+                n += 1
+                continue
             ids = prompt_at_depth(tokenizer, d, depth)
             cache = make_prompt_cache(model, draft)
             runs: Dict[str, dict] = {}
+            # The first document at a depth times plain decoding's prefill (TTFT) from an
+            # empty cache; the others decode from the auto run's target cache (a prefill
+            # at depth costs minutes here and plain decoding's TTFT is the same for each).
             order = ["plain", "auto"] + [f"auto {k}" for k in others]
             order = order[n % len(order):] + order[: n % len(order)]  # rotates from document to document
+            if i > 0 and cfg.shared_plain_prefill:
+                order.remove("plain")
             for name in order:
                 if name == "plain":
                     runs[name] = plain(ids)
@@ -180,6 +193,13 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
                     runs[name] = dflash(ids, "auto", None, others[name[len("auto "):]])
             for w in cfg.widths:  # the prompt's prefix comes from the auto run's cache
                 runs[f"block {w}"] = dflash(ids, w, cache)
+            if "plain" not in runs:
+                from dflash_mlx.prompt_cache import PromptCache
+
+                shared = PromptCache(model=model, target_cache=cache.target_cache, tokens=list(cache.tokens))
+                runs["plain"] = _run(stream_generate(model, draft, tokenizer, ids, max_tokens=cfg.max_tokens,
+                                                     baseline=True, prompt_cache=shared))
+                runs["plain"]["ttft_s"] = None  # 1 prompt token run: no TTFT
             ref = runs["plain"]["tokens"]
             rec = {"depth": depth, "document": d.name, "prompt_tokens": len(ids), "runs": {}}
             for name, r in runs.items():
@@ -195,7 +215,7 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
             for k in others:
                 o = runs[f"auto {k}"]
                 _log(f"  {k}: {o['decode_tps']:.2f} tok/s tau {o['tau'] or 0:.2f} ttft {o['ttft_s']:.1f}s")
-            _log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {p['ttft_s']:.1f}s | "
+            _log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {_f(p['ttft_s'], '{:.1f}')}s | "
                  f"auto {a['decode_tps']:.2f} tok/s tau {a['tau'] or 0:.2f} ttft {a['ttft_s']:.1f}s "
                  f"width {rec['settled_width']} | "
                  + " ".join(f"{w}: {runs[f'block {w}']['decode_tps']:.2f}" for w in cfg.widths)
@@ -235,6 +255,9 @@ def summarize(records: List[dict], widths: Sequence[int]) -> Dict[str, dict]:
             "tau": geomean([r["runs"]["auto"]["tau"] for r in rows]),
             "ttft_plain_s": geomean([r["runs"]["plain"]["ttft_s"] for r in rows]),
             "ttft_auto_s": geomean([r["runs"]["auto"]["ttft_s"] for r in rows]),
+            # on the documents whose plain prefill was timed too
+            "ttft_ratio": geomean([r["runs"]["auto"]["ttft_s"] / r["runs"]["plain"]["ttft_s"] for r in rows
+                                   if r["runs"]["plain"]["ttft_s"] and r["runs"]["auto"]["ttft_s"]]),
             "settled_widths": dict(sorted(settled.items())),
             "fixed_speedup": {str(w): fixed[w] for w in widths},
             "fixed_tau": {str(w): geomean([r["runs"][f"block {w}"]["tau"] for r in rows]) for w in widths},
@@ -263,13 +286,15 @@ def markdown(doc: dict) -> str:
         f"Held-out documents: {', '.join(d['name'] for d in doc['documents'])}; each cut so the whole "
         f"prompt is the depth's length, then one question. {cfg['max_tokens']} tokens, greedy, "
         "plain decoding (`baseline=True`) and the default width (`block_size=\"auto\"`) from empty "
-        "caches, interleaved; fixed widths from the auto run's prompt cache. Geometric means over "
-        "documents; the width policy reset at each depth.",
+        "caches, interleaved; fixed widths from the auto run's prompt cache"
+        + ("; plain decoding's prefill timed on each depth's first document, the others decode from "
+           "the auto run's target cache" if cfg.get("shared_plain_prefill", True) else "")
+        + ". Geometric means over documents; the width policy reset at each depth.",
         "",
-        "| depth | docs | plain tok/s | auto tok/s | speed-up | tau | TTFT plain s | TTFT auto s | "
+        "| depth | docs | plain tok/s | auto tok/s | speed-up | tau | TTFT plain s | TTFT auto s | TTFT auto / plain | "
         "speed-up (CPU time) | auto settled on | " + " | ".join(f"block {w}" for w in widths)
         + " | auto / best fixed | identical |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(widths) + "---:|---|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(widths) + "---:|---|",
     ]
     for depth, s in doc["summary"].items():
         settled = ", ".join(f"{w} ({n})" for w, n in s["settled_widths"].items()) or "–"
@@ -277,6 +302,7 @@ def markdown(doc: dict) -> str:
         lines.append(
             f"| {depth} | {s['documents']} | {_f(s['plain_tps'])} | {_f(s['auto_tps'])} | "
             f"**{_f(s['speedup'])}x** | {_f(s['tau'])} | {_f(s['ttft_plain_s'])} | {_f(s['ttft_auto_s'])} | "
+            f"{_f(s['ttft_ratio'])} | "
             f"{_f(s['speedup_cpu'])}x | {settled} | {fixed} | {_f(s['auto_vs_best_fixed'], '{:.3f}')} (best: {s['best_fixed_width']}) | "
             f"{'yes' if not s['mismatches'] else 'NO: ' + str(s['mismatches'])} |")
     others = sorted({k for s in doc["summary"].values() for k in s.get("others", {})})

@@ -450,6 +450,16 @@ def main(argv=None):
         trainer.stop_requested = True
 
     signal.signal(signal.SIGTERM, stop)
+    if args.init_from and trainer.step == 0 and tcfg.eval_every:
+        ev = trainer.evaluate()  # where the exported draft starts, short and deep
+        if ev:
+            if depth_eval:
+                ev["depth"] = trainer.evaluate(depth_eval)
+            trainer.evals.append(ev)
+            log(f"eval step 0 (the exported draft): loss {ev['val_loss']:.3f} acc {ev['val_acc']:.3f} "
+                f"tau^ {ev['val_tau_hat']:.2f} pos 1-4 {ev['val_pos_acc'][:4]}"
+                + (f" | depth: loss {ev['depth']['val_loss']:.3f} acc {ev['depth']['val_acc']:.3f} "
+                   f"pos 1-4 {ev['depth']['val_pos_acc'][:4]}" if depth_eval else ""))
     if not args.export_only:
         trainer.train(deadline=deadline)
     state = trainer.state_dict()
