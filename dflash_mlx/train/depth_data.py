@@ -74,7 +74,8 @@ def _answered(records: Sequence[dict], eos: int) -> List[dict]:
 
 
 def make_recipe(records: Sequence[dict], tokenizer, n_train_chats: int, n_eval_chats: int,
-                doc_cuts: Sequence[int], max_len: int = 8192, min_len: int = 2048, seed: int = 0) -> dict:
+                doc_cuts: Sequence[int], max_len: int = 8192, min_len: int = 2048, seed: int = 0,
+                n_docs: Optional[int] = None) -> dict:
     """Which records form which conversation, and which documents are cut where."""
     from dflash_mlx.train.trainer import split_by_hash
 
@@ -101,7 +102,7 @@ def make_recipe(records: Sequence[dict], tokenizer, n_train_chats: int, n_eval_c
             chats.append({"id": f"chat:{split}:{k}", "split": split, "turns": turns})
     docs = []
     found, _ = read_documents(TRAIN_DOCUMENTS)
-    for d in found:
+    for d in found[:n_docs]:
         for j, cut in enumerate(doc_cuts):
             q = int(rng.integers(len(QUESTIONS[d.kind])))
             docs.append({"id": f"doc:{d.name}:{cut}:{q}", "split": "train", "document": d.name,
@@ -194,7 +195,8 @@ def main(argv=None) -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--train-chats", type=int, default=12)
     r.add_argument("--eval-chats", type=int, default=3)
-    r.add_argument("--doc-cuts", default="4096,8000")
+    r.add_argument("--doc-cuts", default="6000")
+    r.add_argument("--docs", type=int, default=None, help="training documents used (default: all)")
     r.add_argument("--max-len", type=int, default=8192)
     r.add_argument("--seed", type=int, default=0)
     b = sub.add_parser("build", help="token ids of a recipe's records, labelled by one target forward each")
@@ -215,7 +217,7 @@ def main(argv=None) -> int:
     if args.cmd == "recipe":
         cuts = [int(x) for x in args.doc_cuts.split(",") if x]
         recipe = make_recipe(records, tokenizer, args.train_chats, args.eval_chats, cuts, args.max_len,
-                             seed=args.seed)
+                             seed=args.seed, n_docs=args.docs)
         Path(args.out).write_text(json.dumps(recipe, indent=1))
         print(f"{len(recipe['chats'])} chats, {len(recipe['documents'])} document cuts -> {args.out}")
         return 0
