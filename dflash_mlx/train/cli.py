@@ -408,8 +408,6 @@ def main(argv=None):
         log_every=args.log_every,
     )
     if args.overfit:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(draft, train, held, feats, tcfg, tmp, log=log, feature_scale=scale)
             before = trainer.evaluate()
