@@ -40,10 +40,9 @@ def test_depth_run_is_lossless_and_summarised(tmp_path):
     assert s["documents"] == 2 and s["speedup"] > 0 and s["tau"] >= 1.0
     assert set(s["fixed_speedup"]) == {"2", "3"} and s["best_fixed_width"] in (2, 3)
     assert s["others"]["other"]["tau"] >= 1.0
-    paths = depth.write_all(doc, tmp_path)
+    paths = depth.write_all(doc, tmp_path, with_plot=False)  # the plot costs matplotlib's import
     text = (tmp_path / "README.md").read_text()
-    assert "| 110 | 2 |" in text and "other" in text and (tmp_path / "depth.png").exists()
-    assert len(paths) == 3
+    assert "| 110 | 2 |" in text and "other" in text and len(paths) == 2
 
 
 def test_cli_depth_suite_runs_alone():
