@@ -377,6 +377,10 @@ def plot(doc: dict, path: Path) -> Optional[Path]:
     ax.plot(depths, [s[str(d)]["ttft_auto_s"] for d in depths], "s--", label="auto")
     ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds", title="time to first token")
     ax.legend(fontsize=7)
+    for ax in axes:
+        ax.set_xticks(depths, [str(d) for d in depths], minor=False)
+        ax.set_xticks([], minor=True)
+        ax.tick_params(axis="x", labelsize=7)
     fig.suptitle(f"{doc['config']['model']} + {doc['config']['draft']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
