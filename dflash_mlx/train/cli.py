@@ -392,7 +392,7 @@ def main(argv=None):
             np.save(vocab_path, vocab)
     if grown is not None and args.grow_from:
         log(f"grown from {args.grow_from}: {draft.config.num_hidden_layers} layers")
-    elif args.init == "target":
+    elif args.init == "target" and grown is None:
         log(f"initialised from the target: layers {done['copied_layers']}, "
             f"fc passes tap {done.get('passthrough_tap')}, {len(done['skipped'])} tensors left random")
     if vocab is not None:
