@@ -14,9 +14,12 @@ class ContextCache:
     """Context-only K/V of one draft layer, with absolute positions.
 
     Full-attention layers keep everything (mlx-lm's KVCache, grown in steps);
-    sliding layers keep only the last `window - 1` entries, the most any block
-    query can see.
+    sliding layers keep the last `window - 1` entries, the most any block query
+    can see, plus `TRIM_SLACK` more (masked out) so that a prompt cache can trim
+    a few tokens (an edited answer's tail) without rebuilding the window.
     """
+
+    TRIM_SLACK = 32
 
     def __init__(self, window: Optional[int] = None):
         self.window = window
@@ -33,16 +36,29 @@ class ContextCache:
         if self.keys is not None:
             keys = mx.concatenate([self.keys, keys], axis=2)
             values = mx.concatenate([self.values, values], axis=2)
-        keep = self.window - 1
+        keep = self.window - 1 + self.TRIM_SLACK
         self.keys, self.values = keys[..., -keep:, :], values[..., -keep:, :]
         return self.keys, self.values
 
+    def trimmable(self, n: int) -> bool:
+        """Whether dropping the newest n entries leaves all a later block can see: always on
+        full layers; on sliding ones only while the older entries it needs are still held."""
+        if self._full is not None:
+            return True
+        held = 0 if self.keys is None else self.keys.shape[2]
+        return n <= held and held - n >= min(self.window - 1, self.offset - n)
+
     def trim(self, n: int) -> int:
-        """Drop the newest n context entries (full-attention layers only)."""
-        if self._full is None:
-            raise RuntimeError("a sliding-window draft cache cannot be trimmed; rebuild it")
+        """Drop the newest n context entries (`trimmable(n)` must hold)."""
+        if not self.trimmable(n):
+            raise RuntimeError("this sliding-window draft cache no longer holds what a trim would "
+                               "leave visible; rebuild it from the target's features")
         self.offset -= n
-        return self._full.trim(n)
+        if self._full is not None:
+            return self._full.trim(n)
+        if n:
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+        return n
 
     def fetch(self):
         if self._full is not None:

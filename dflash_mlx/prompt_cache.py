@@ -159,13 +159,7 @@ class PromptCache:
             return n
         if shared == 0 or not can_trim_prompt_cache(snap.target_cache):
             return 0
-        if draft is not None and snap.draft_cache is not None:
-            draft_len = n - _pending_len(snap)
-            if shared < draft_len and any(
-                getattr(c, "window", None) is not None for c in snap.draft_cache
-            ):
-                return 0  # a sliding-window draft cache cannot be trimmed
-        return shared
+        return shared - _draft_replay(snap, shared, draft)
 
     def _restore(self, snap: Snapshot, keep: int, draft):
         """Make `snap` (owned by this call) the live caches, trimmed to `keep` tokens."""
@@ -178,13 +172,40 @@ class PromptCache:
                 if keep >= draft_len:
                     snap.pending = snap.pending[:, : keep - draft_len] if keep > draft_len else None
                 else:
-                    for c in snap.draft_cache:
-                        c.trim(draft_len - keep)
+                    fresh = draft.make_cache()
+                    for i, c in enumerate(snap.draft_cache):
+                        if c.trimmable(draft_len - keep):
+                            c.trim(draft_len - keep)
+                        else:
+                            # A sliding window that no longer holds what the trim leaves
+                            # visible: `_usable` kept `keep` a window short of the shared
+                            # prefix, so the prefill injects the whole window again.
+                            fresh[i].offset = keep
+                            snap.draft_cache[i] = fresh[i]
                     snap.pending = None
         self.target_cache = snap.target_cache
         self.draft_cache = snap.draft_cache
         self.pending = snap.pending
         self.tokens = list(snap.tokens[:keep])
+
+
+def _draft_replay(snap: Snapshot, keep: int, draft) -> int:
+    """Tokens before `keep` the prefill must run again so the draft's context is right.
+
+    Trimming a draft cache to `keep` tokens is exact on full-attention layers. A
+    sliding-window layer keeps only its last `window - 1` entries, so once it is past
+    its window a trim would leave it short of what the next block sees: the target
+    cache is then trimmed a window further back and the prefill runs that window
+    again, rebuilding the draft's context from fresh target features (instead of
+    throwing both caches away).
+    """
+    if draft is None or snap.draft_cache is None:
+        return 0
+    draft_len = len(snap.tokens) - _pending_len(snap)
+    if keep >= draft_len:
+        return 0  # only waiting features are dropped
+    windows = [c.window for c in snap.draft_cache if not c.trimmable(draft_len - keep)]
+    return min(max(windows) - 1, keep) if windows else 0
 
 
 def _pending_len(snap: Snapshot) -> int:

@@ -3,6 +3,7 @@
 import argparse
 import re
 import sys
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -24,6 +25,16 @@ def _block_sizes(spec: str):
     return sizes
 
 
+def _int_list(spec: str):
+    try:
+        values = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers, got {spec!r}") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected a comma list of whole numbers >= 0, got {spec!r}")
+    return values
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="dflash-mlx bench",
@@ -32,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
         "time split per cycle. Writes results.json, results.md and PNG plots.",
     )
     p.add_argument("--suite", default="gsm8k,humaneval,mtbench",
-                   help=f"comma list of {', '.join(SUITES)}, or 'all' (default: %(default)s)")
+                   help=f"comma list of {', '.join(SUITES)}, or 'all' (default: %(default)s); "
+                   "or 'depth' alone: long held-out documents at growing prompt lengths "
+                   "(dflash_mlx/bench/depth.py; --limit = documents per depth, default 3; "
+                   "--max-tokens default 32)")
     p.add_argument("--limit", type=int, default=10, help="prompts per suite (seeded subset)")
     add_generation_args(p, GenerationOptions(seed=0))
     p.add_argument("--block-sizes", type=_block_sizes, default=None,
@@ -49,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the profiled pass (no draft/verify/rollback split)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--depths", type=_int_list, default=None,
+                   help="depth suite: prompt lengths, 0 = the context window less the answer "
+                   "(default: 256,1024,2048,4096,0)")
+    p.add_argument("--depth-widths", type=_int_list, default=None,
+                   help="depth suite: fixed widths to compare the default width with (default: 2,4,8)")
+    p.add_argument("--compare-draft", action="append", default=[], metavar="LABEL=DRAFT",
+                   help="depth suite: another draft run beside --draft at the default width "
+                   "(before/after in one process); repeatable")
+    p.add_argument("--resume", action="store_true",
+                   help="depth suite: keep the records already in --out's results.json, measure the rest")
     p.add_argument("--from-json", metavar="RESULTS_JSON", default=None,
                    help="run nothing: rewrite results.md and the plots next to an existing "
                    "results.json (e.g. of an interrupted run)")
@@ -86,6 +110,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
         return rerender(Path(args.from_json), with_plots=not args.no_plots)
+    if args.suite.strip() == "depth":
+        return depth_main(args, argv)
+    if "depth" in args.suite.split(","):
+        raise usage_error("the depth suite runs alone: --suite depth")
     options = checked_options(args)
     try:
         suites = parse_suites(args.suite)
@@ -128,6 +156,56 @@ def main(argv=None) -> int:
     mismatches = sum(s["mismatches"] for per in doc["summary"].values() for k, s in per.items()
                      if k == "all")
     return 1 if mismatches or errors else 0
+
+
+def depth_main(args, argv) -> int:
+    """`--suite depth`: the depth benchmark (dflash_mlx/bench/depth.py)."""
+    from . import depth
+
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--max-tokens" or a.startswith("--max-tokens=") for a in raw):
+        args.max_tokens = depth.DepthConfig.max_tokens
+    if not any(a == "--limit" or a.startswith("--limit=") for a in raw):
+        args.limit = depth.DepthConfig.documents
+    options = checked_options(args)
+    if args.limit < 1:
+        raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
+    draft_name = draft_for(args.model, args.draft)
+    if draft_name is None:
+        raise CLIError("the depth suite needs a draft: pass --draft", EXIT_USAGE)
+    cfg = depth.DepthConfig(
+        depths=args.depths or list(depth.DEFAULT_DEPTHS), documents=args.limit,
+        max_tokens=options.max_tokens, widths=[2, 4, 8] if args.depth_widths is None else
+        [w for w in args.depth_widths if w > 0],
+        compare=dict(c.split("=", 1) if "=" in c else (c, c) for c in args.compare_draft),
+        warmup=not args.no_warmup, model=args.model, draft=draft_name, command=_command(argv))
+    out = Path(args.out or Path("benchmarks") / "results" / (
+        datetime.now(timezone.utc).strftime("%Y%m%d") + "-depth-"
+        + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(draft_name).name)))
+    print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
+    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
+    from dflash_mlx import load_draft
+
+    others = {label: load_draft(name, model, quiet=True) for label, name in cfg.compare.items()}
+    previous = None
+    if args.resume:
+        import json
+
+        path = out / "results.json"
+        previous = json.loads(path.read_text()) if path.exists() else None
+        keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill")
+        if previous and any(k in previous["config"] and previous["config"][k] != asdict(cfg).get(k) for k in keep):
+            raise CLIError(f"--resume: {path} was measured with other settings ({', '.join(keep)}); "
+                           "give the same ones or another --out", EXIT_USAGE)
+    try:
+        doc = depth.run(model, draft, tokenizer, cfg, others=others, resume=previous,
+                        on_record=lambda d: depth.write_all(d, out, with_plot=False))
+    except ValueError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
+    paths = depth.write_all(doc, out, with_plot=not args.no_plots)
+    print(depth.markdown(doc).split("## Per document")[0])
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return 1 if depth.mismatches(doc) else 0
 
 
 if __name__ == "__main__":

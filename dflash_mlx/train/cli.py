@@ -13,6 +13,7 @@ faster machine raise --gen-minutes/--minutes/--steps and --batch-tokens.
 import json
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,6 +41,12 @@ def build_parser():
     g.add_argument("--data", default=None,
                    help="packed responses (.jsonl.gz from --pack) merged into the run first, so generation "
                         "continues where an earlier machine stopped")
+    g.add_argument("--depth-data", default=None, metavar="DIR",
+                   help="deep records built by `python -m dflash_mlx.train.depth_data build` "
+                   "(DIR/depth-train.jsonl joins the training records, DIR/depth-eval.jsonl is "
+                   "evaluated apart); use with --max-seq-len 8192")
+    g.add_argument("--depth-repeat", type=int, default=1, metavar="N",
+                   help="each deep training record appears N times per epoch (default: 1)")
     g.add_argument("--pack", default=None, metavar="PATH",
                    help="write the run's responses compactly to PATH (token ids only, committable) and exit")
     g.add_argument("--no-feature-cache", action="store_true",
@@ -67,12 +74,28 @@ def build_parser():
                    help="start from another run folder's checkpoint (its taps, feature scale and vocabulary), "
                         "grown to --layers: new layers copy its last ones with zeroed output matrices, so "
                         "training starts at its loss (train/init.py grow_draft)")
+    g.add_argument("--sliding-window", type=int, default=None, metavar="N",
+                   help="sliding-window attention over the context, N tokens (z-lab's sliding_window); "
+                   "every layer unless --layer-types says which")
+    g.add_argument("--layer-types", default=None, metavar="LIST",
+                   help="per draft layer, comma list of full|sliding (e.g. full,sliding), or one "
+                   "value for all; sliding needs --sliding-window")
+    g.add_argument("--block-causal", action="store_true",
+                   help="causal attention inside each block (z-lab's default on sliding layers); "
+                   "without it the block is bidirectional, as the recipe trains, and is_causal "
+                   "is written as false into the config so loaders do not guess")
+    g.add_argument("--init-from", default=None, metavar="DRAFT",
+                   help="start from an exported draft (packaged name or folder, e.g. smollm2-135m's "
+                   "shipped one): its weights, vocabulary and layout; the window flags may change its "
+                   "attention. Exported drafts carry no Adam moments: use a low --lr")
     g.add_argument("--rebuild-vocab", action="store_true",
                    help="recount the draft vocabulary from the data now present (the weights do not depend on it)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=1000)
     g.add_argument("--batch-tokens", type=int, default=1024, help="block tokens per step")
     g.add_argument("--blocks-per-seq", type=int, default=16)
+    g.add_argument("--max-seq-len", type=int, default=512,
+                   help="tokens of each record trained on (depth records: up to the target's window, 8192)")
     g.add_argument("--lr", type=float, default=5e-4)
     g.add_argument("--warmup", type=float, default=0.04)
     g.add_argument("--gamma", type=float, default=7.0)
@@ -149,6 +172,77 @@ def _grown_draft(src: Path, target, layers: int):
         raise SystemExit(f"--grow-from {src}: {e}")
 
 
+def attention_overrides(args, num_layers: int) -> dict:
+    """DraftConfig fields for --sliding-window / --layer-types / --block-causal ({} when none given)."""
+    if args.sliding_window is None and args.layer_types is None and not args.block_causal:
+        return {}
+    if args.sliding_window is not None and args.sliding_window < 2:
+        raise SystemExit(f"--sliding-window must be at least 2 tokens, got {args.sliding_window}")
+    names = {"full": "full_attention", "sliding": "sliding_attention",
+             "full_attention": "full_attention", "sliding_attention": "sliding_attention"}
+    if args.layer_types is None:
+        kinds = ["sliding" if args.sliding_window else "full"]
+    else:
+        kinds = [k.strip() for k in args.layer_types.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in names]
+    if bad or not kinds:
+        raise SystemExit(f"--layer-types takes full or sliding per layer (e.g. full,sliding), got {args.layer_types!r}")
+    if len(kinds) == 1:
+        kinds = kinds * num_layers
+    if len(kinds) != num_layers:
+        raise SystemExit(f"--layer-types names {len(kinds)} layers but the draft has {num_layers}: "
+                         "give one per layer or one for all")
+    types = [names[k] for k in kinds]
+    if "sliding_attention" in types and not args.sliding_window:
+        raise SystemExit("--layer-types has sliding layers: give --sliding-window N")
+    # Pinned either way: z-lab's loaders make sliding layers block-causal when the config is silent.
+    return {"layer_types": types, "sliding_window": args.sliding_window if "sliding_attention" in types else None,
+            "is_causal": bool(args.block_causal)}
+
+
+def _draft_from_export(spec: str, target, model, overrides: dict, records, feature_dir, run: Path):
+    """An exported draft as the start of a run: weights in training space (its feature
+    scale, measured again on the run's records, taken back out of `fc`), its vocabulary
+    and the attention `overrides`. Writes draft_config.json, feature_scale.npy and
+    draft_vocab.npy into the run folder."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    from dflash_mlx.draft import DFlashDraftModel
+    from dflash_mlx.draft_config import DraftConfig, DraftMismatchError
+    from dflash_mlx.draft_loading import load_draft
+    from dflash_mlx.train.init import measure_feature_scale
+    from dflash_mlx.train.trainer import FeatureSource
+
+    try:
+        src = load_draft(spec, model, dtype=mx.float32, quiet=True)
+    except (DraftMismatchError, FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"--init-from {spec}: {e}")
+    if src.config.version != 1:
+        raise SystemExit(f"--init-from {spec}: only DFlash 1 drafts can be continued")
+    d = src.config.to_dict() | {k: v for k, v in overrides.items() if v is not None}
+    if overrides and overrides.get("sliding_window") is None:
+        d.pop("sliding_window", None)
+    cfg = DraftConfig.from_dict(d)
+    draft = DFlashDraftModel(cfg)
+    draft.bind(target)
+    feats = FeatureSource(target, cfg.target_layer_ids, feature_dir, save_missing=feature_dir is not None)
+    scale = measure_feature_scale([feats(r) for r in records[:32]])
+    weights = dict(tree_flatten(src.parameters()))
+    weights["fc.weight"] = weights["fc.weight"] / mx.array(scale)[None, :]  # undo the export's fold
+    draft.load_weights(list(weights.items()))
+    vocab = None if src.vocab_ids is None else np.array(src.vocab_ids)
+    if vocab is not None:
+        draft.set_vocab(src.vocab_ids)
+    mx.eval(draft.parameters())
+    (run / "draft_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    np.save(run / "feature_scale.npy", scale)
+    if vocab is not None:
+        np.save(run / "draft_vocab.npy", vocab)
+    return draft
+
+
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--export-for" or a.startswith("--export-for=") for a in argv):
@@ -186,6 +280,10 @@ def main(argv=None):
     grown = None
     if args.grow_from and args.overfit:
         raise SystemExit("--overfit checks the recipe from its initialisation; leave out --grow-from")
+    if args.grow_from and args.init_from:
+        raise SystemExit("--grow-from and --init-from both name where the draft starts: give one")
+    # bad flags fail before anything runs (an exported draft's layer count is checked when it loads)
+    attn = attention_overrides(args, args.layers) if not args.init_from else {}
     if args.grow_from and not cfg_path.exists():  # checked before any generation
         grown = _grown_draft(Path(args.grow_from), target, args.layers)
         layer_ids = list(grown.config.target_layer_ids)
@@ -219,14 +317,33 @@ def main(argv=None):
     held = held[:48]
     if not held and len(records) > 1:  # tiny data sets: keep one record aside anyway
         train, held = split_records(records, 1)
+    depth_train, depth_eval = _depth_records(args.depth_data) if args.depth_data else ([], [])
+    if depth_train:
+        train = train + depth_train * max(args.depth_repeat, 1)
+        log(f"depth data: {len(depth_train)} deep training records (x{max(args.depth_repeat, 1)}), "
+            f"{len(depth_eval)} held out")
+        if args.max_seq_len < max(len(r["prompt"]) + len(r["response"]) for r in depth_train):
+            log(f"note: --max-seq-len {args.max_seq_len} cuts the deep records; 8192 keeps them whole")
     if args.overfit:
-        train = train[: args.overfit]
-        held = train  # the check: can the recipe fit exactly what it trains on?
+        # the check: can the recipe fit exactly what it trains on? (deep records first when given)
+        train = (depth_train + train)[: args.overfit]
+        held = train
 
     scale_path = run / "feature_scale.npy"
     vocab_path = run / "draft_vocab.npy"
+    if args.init_from and not (cfg_path.exists() and not args.overfit):
+        if args.overfit:
+            run = Path(tempfile.mkdtemp(prefix="overfit-init-"))
+            scale_path, vocab_path, cfg_path = run / "feature_scale.npy", run / "draft_vocab.npy", run / "draft_config.json"
+        grown = _draft_from_export(args.init_from, target, model, attention_overrides(
+            args, _export_layers(args.init_from, model)), train, feat_dir, run)
+        log(f"starting from exported draft {args.init_from}: {grown.config.num_hidden_layers} layers, "
+            f"layer types {grown.config.layer_types}, window {grown.config.sliding_window}, "
+            f"is_causal {grown.config.is_causal}; no Adam moments (exported drafts have none)")
     resumed = cfg_path.exists() and not args.overfit  # a resumed run keeps its architecture and vocabulary
-    if grown is not None and not args.overfit:
+    if args.init_from and args.overfit:
+        resumed = True
+    if grown is not None and not args.overfit and not args.init_from:
         cfg_path.write_text(json.dumps(grown.config.to_dict(), indent=2))
         for name in ("feature_scale.npy", "draft_vocab.npy"):
             if (Path(args.grow_from) / name).exists():
@@ -236,8 +353,17 @@ def main(argv=None):
         from dflash_mlx.draft_config import DraftConfig
 
         dcfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
+        if attn and not args.init_from:
+            # a new leg may change the attention (same weights): the run folder records it
+            n = dcfg.num_hidden_layers
+            dcfg = DraftConfig.from_dict({k: v for k, v in dcfg.to_dict().items() if k != "sliding_window"}
+                                         | {k: v for k, v in attention_overrides(args, n).items() if v is not None})
+            if not args.overfit:
+                cfg_path.write_text(json.dumps(dcfg.to_dict(), indent=2))
     else:
-        extra = {}
+        extra = dict(attn)
+        if extra.get("sliding_window") is None:
+            extra.pop("sliding_window", None)
         if args.intermediate_size:
             extra["intermediate_size"] = args.intermediate_size
         if args.kv_heads:
@@ -259,7 +385,7 @@ def main(argv=None):
             vocab = build_vocab(train, args.draft_vocab, target.vocab_size, always=eos)
     mx.random.seed(args.seed)
     if grown is not None:
-        draft, done = grown, {"copied_layers": [], "skipped": [], "grown_from": args.grow_from}
+        draft, done = grown, {"copied_layers": [], "skipped": [], "grown_from": args.grow_from or args.init_from}
         if vocab is not None:
             draft.set_vocab(mx.array(vocab))
     else:
@@ -272,9 +398,9 @@ def main(argv=None):
             np.save(scale_path, scale)
         if vocab is not None:
             np.save(vocab_path, vocab)
-    if grown is not None:
+    if grown is not None and args.grow_from:
         log(f"grown from {args.grow_from}: {draft.config.num_hidden_layers} layers")
-    elif args.init == "target":
+    elif args.init == "target" and grown is None:
         log(f"initialised from the target: layers {done['copied_layers']}, "
             f"fc passes tap {done.get('passthrough_tap')}, {len(done['skipped'])} tensors left random")
     if vocab is not None:
@@ -284,13 +410,12 @@ def main(argv=None):
         steps=args.steps, batch_tokens=args.batch_tokens, blocks_per_seq=args.blocks_per_seq, lr=args.lr,
         warmup=args.warmup, grad_clip=args.grad_clip, gamma=args.gamma, seed=args.seed,
         weight_decay=args.weight_decay, distill=args.distill, dropout=args.dropout,
+        max_seq_len=args.max_seq_len,
         checkpoint_every=args.checkpoint_every,
         snapshot_every=args.snapshot_every, eval_every=0 if args.overfit else args.eval_every,
         log_every=args.log_every,
     )
     if args.overfit:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             trainer = Trainer(draft, train, held, feats, tcfg, tmp, log=log, feature_scale=scale)
             before = trainer.evaluate()
@@ -299,6 +424,7 @@ def main(argv=None):
         log(overfit_report(len(train), trainer.step, before, after))
         return 0
     trainer = Trainer(draft, train, held, feats, tcfg, run, log=log, feature_scale=scale)
+    trainer.depth_eval_records = depth_eval
     if args.resume and trainer.resume():
         log(f"resumed at step {trainer.step} ({trainer.tokens} supervised tokens)")
         if vocab is not None:  # the run folder's vocabulary is the current one
@@ -306,7 +432,7 @@ def main(argv=None):
 
             draft.set_vocab(mx.array(vocab))
             trainer.vocab_index = index_map(vocab, dcfg.vocab_size)
-    elif grown is not None:
+    elif grown is not None and args.grow_from:
         from dflash_mlx.train.trainer import CHECKPOINT
 
         n = trainer.adopt_moments(Path(args.grow_from) / CHECKPOINT)
@@ -330,6 +456,16 @@ def main(argv=None):
         trainer.stop_requested = True
 
     signal.signal(signal.SIGTERM, stop)
+    if args.init_from and trainer.step == 0 and tcfg.eval_every:
+        ev = trainer.evaluate()  # where the exported draft starts, short and deep
+        if ev:
+            if depth_eval:
+                ev["depth"] = trainer.evaluate(depth_eval)
+            trainer.evals.append(ev)
+            log(f"eval step 0 (the exported draft): loss {ev['val_loss']:.3f} acc {ev['val_acc']:.3f} "
+                f"tau^ {ev['val_tau_hat']:.2f} pos 1-4 {ev['val_pos_acc'][:4]}"
+                + (f" | depth: loss {ev['depth']['val_loss']:.3f} acc {ev['depth']['val_acc']:.3f} "
+                   f"pos 1-4 {ev['depth']['val_pos_acc'][:4]}" if depth_eval else ""))
     if not args.export_only:
         trainer.train(deadline=deadline)
     state = trainer.state_dict()
@@ -368,6 +504,24 @@ def main(argv=None):
         (run / "tau_final.json").write_text(json.dumps(info["tau"], indent=2))
         (out / "README.md").write_text(model_card(info))
     return 0
+
+
+def _depth_records(folder):
+    from dflash_mlx.train import data as D
+
+    folder = Path(folder)
+    if not (folder / "depth-train.jsonl").exists():
+        raise SystemExit(f"--depth-data {folder}: no depth-train.jsonl there; build it with "
+                         "`python -m dflash_mlx.train.depth_data build ... --run-dir` first")
+    train = D.read_records(folder / "depth-train.jsonl")
+    held = D.read_records(folder / "depth-eval.jsonl") if (folder / "depth-eval.jsonl").exists() else []
+    return train, held
+
+
+def _export_layers(spec: str, model) -> int:
+    from dflash_mlx.draft_loading import load_draft
+
+    return load_draft(spec, model, quiet=True).config.num_hidden_layers
 
 
 def _tau_prompts(text: str) -> dict:

@@ -122,6 +122,7 @@ class FeatureSource:
         self.memory_bytes = memory_bytes
         self._memory: "OrderedDict[tuple, tuple]" = OrderedDict()
         self._memory_used = 0
+        self._last_labels = None
         # A cache may hold more layers than this draft taps (`feature_layers.json`,
         # written by data generation): then this draft reads its columns of them.
         self.stored = self.layer_ids
@@ -146,18 +147,22 @@ class FeatureSource:
             self._memory.move_to_end(self._memory_key(rec))
         return hit
 
-    def _remember(self, rec: dict, features: np.ndarray, teacher) -> None:
-        size = features.nbytes + (sum(a.nbytes for a in teacher) if teacher else 0)
-        if size > self.memory_bytes:
-            return
+    def _remember(self, rec: dict, features: np.ndarray, teacher=None, labels=None) -> None:
+        """Keep (features, teacher, labels) of `rec`; what an earlier forward gave stays."""
         key = self._memory_key(rec)
         old = self._memory.pop(key, None)
         if old is not None:
-            self._memory_used -= old[2]
-        self._memory[key] = (features, teacher, size)
+            self._memory_used -= old[3]
+            teacher = teacher if teacher is not None else old[1]
+            labels = labels if labels is not None else old[2]
+        size = features.nbytes + (sum(a.nbytes for a in teacher) if teacher else 0)
+        size += labels.nbytes if labels is not None else 0
+        if size > self.memory_bytes:
+            return
+        self._memory[key] = (features, teacher, labels, size)
         self._memory_used += size
         while self._memory_used > self.memory_bytes:
-            self._memory_used -= self._memory.popitem(last=False)[1][2]
+            self._memory_used -= self._memory.popitem(last=False)[1][3]
 
     def __call__(self, rec: dict) -> np.ndarray:
         """[len-1, n_tl*H] features of positions 0..len-2 (float16 or float32)."""
@@ -195,10 +200,42 @@ class FeatureSource:
         self._run_target(rec, save_features=not cached)
         return self._last_teacher[1]
 
-    def _run_target(self, rec: dict, save_features: bool) -> np.ndarray:
+    def labels(self, rec: dict) -> np.ndarray:
+        """[len-1] int32: the target's own argmax after each position 0..len-2 (records
+        with `target_labels`: text the target did not write, or wrote in another context),
+        from the same forward as the features, cached beside them."""
+        n = len(rec["prompt"]) + len(rec["response"]) - 1
+        if self._last_labels is not None and self._last_labels[0] == rec["id"]:
+            return self._last_labels[1]
+        remembered = self._remembered(rec)
+        if remembered is not None and remembered[2] is not None:
+            return remembered[2]
+        if self.feature_dir is not None:
+            path = labels_file(self.feature_dir, rec["id"])
+            if path.exists():
+                lab = np.load(path)
+                if lab.shape[0] >= n:
+                    return lab[:n]
+        cached = self.feature_dir is not None and feature_file(self.feature_dir, rec["id"]).exists()
+        self._run_target(rec, save_features=not cached, with_labels=True)
+        return self._last_labels[1]
+
+    def _run_target(self, rec: dict, save_features: bool, with_labels: bool = False) -> np.ndarray:
         """One target forward over the record: its features (returned) and, with a
-        teacher, its top-k next-token log-probs; saved when the source keeps what it computes."""
+        teacher, its top-k next-token log-probs (with `target_labels`, its argmax);
+        saved when the source keeps what it computes."""
         seq = rec["prompt"] + rec["response"][:-1]
+        with_labels = with_labels or bool(rec.get("target_labels"))
+        if len(seq) > LONG_RECORD or with_labels:
+            f, lab = target_pass(self.target, seq, self.stored, with_labels=with_labels)
+            self._remember(rec, f, labels=lab)
+            if with_labels:
+                self._last_labels = (rec["id"], lab)
+                if self.save_missing:
+                    _save_npy(labels_file(self.feature_dir, rec["id"]), lab)
+            if self.save_missing and save_features:
+                _save_npy(feature_file(self.feature_dir, rec["id"]), f)
+            return f
         h, feats, _ = self.target.forward(mx.array([seq]), None, self.stored)
         f = np.array(feats[0].astype(mx.float16))
         k = self.teacher_topk
@@ -223,6 +260,42 @@ class FeatureSource:
                 np.savez(tmp, ids=ids, logp=logp)
                 tmp.replace(tpath)
         return f
+
+
+# Longer records go through the target in chunks with a KV cache (one pass over
+# 8k tokens would build 8k x 8k attention scores per head).
+LONG_RECORD = 1024
+
+
+def target_pass(target, seq: Sequence[int], layer_ids: Sequence[int], with_labels: bool = True,
+                chunk: int = 512):
+    """Features [len, n_tl*H] (fp16) and the target's argmax after every position
+    [len] (int32, or None) of one forward over `seq`, run in chunks with a KV cache."""
+    cache = target.make_cache()
+    feats, labels = [], []
+    for start in range(0, len(seq), chunk):
+        h, f, _ = target.forward(mx.array([list(seq[start:start + chunk])]), cache, layer_ids)
+        out = [f[0].astype(mx.float16)]
+        if with_labels:
+            out.append(mx.argmax(target.logits(h[0]), axis=-1).astype(mx.int32))
+        mx.eval(out, [c.state for c in cache])
+        feats.append(np.array(out[0]))
+        if with_labels:
+            labels.append(np.array(out[1]))
+    return np.concatenate(feats), (np.concatenate(labels) if with_labels else None)
+
+
+def _save_npy(path: Path, a: np.ndarray):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, a)
+    tmp.replace(path)
+
+
+def labels_file(feature_dir, record_id: str) -> Path:
+    """Where a record's cached target argmax labels live (beside its features)."""
+    f = feature_file(feature_dir, record_id)
+    return f.with_name(f"{f.stem}.argmax.npy")
 
 
 def load_run_draft(run_dir, target) -> DFlashDraftModel:
@@ -275,10 +348,15 @@ def make_batch(
     max_seq_len: int = 512,
     feature_scale: Optional[np.ndarray] = None,
     teacher: Optional[Callable[[dict], tuple]] = None,
+    target_labels: Optional[Callable[[dict], np.ndarray]] = None,
 ) -> Batch:
     """K random anchors in each record's response; blocks past the end are masked.
     `feature_scale` [n_tl*H] preconditions the features (folded into fc at export).
-    `teacher(rec)` -> (ids [len-1, k], log-probs [len-1, k]): soft labels as well."""
+    `teacher(rec)` -> (ids [len-1, k], log-probs [len-1, k]): soft labels as well.
+    Depth records (`train/depth_data.py`) may carry `spans` ([start, end) positions
+    anchors are drawn from: the target's own responses in a chained conversation) and
+    `target_labels` (labels are then `target_labels(rec)`, the target's argmax after
+    each position, instead of the next token of the text)."""
     B, K = block_size, blocks_per_seq
     feats, blocks, anchors, labels, valid, exists = [], [], [], [], [], []
     soft_ids, soft_probs = [], []
@@ -287,6 +365,11 @@ def make_batch(
         T = len(seq)
         P = min(len(rec["prompt"]), T - 2)
         cand = np.arange(P, T - 1)  # anchors need at least one label after them
+        if rec.get("spans"):
+            inside = np.zeros(T, dtype=bool)
+            for a0, a1 in rec["spans"]:
+                inside[max(a0, 0):min(a1, T)] = True
+            cand = cand[inside[cand]]
         take = min(K, len(cand))
         a = np.sort(rng.choice(cand, size=take, replace=False)) if take else np.zeros(0, np.int64)
         a_ok = np.arange(K) < take
@@ -294,12 +377,18 @@ def make_batch(
         pos = a[:, None] + np.arange(1, B)[None]  # label positions [K, B-1]
         ex = (pos < T) & a_ok[:, None]
         seq_np = np.asarray(seq, dtype=np.int64)
-        lab_full = np.where(ex, seq_np[np.minimum(pos, T - 1)], 0)
+        feats.append(np.asarray(features(rec))[: T - 1])  # first: the same forward may give the labels
+        if rec.get("target_labels"):
+            if target_labels is None:
+                raise ValueError(f"record {rec['id']} is labelled by the target: pass target_labels")
+            argmax = np.asarray(target_labels(rec), dtype=np.int64)  # [len-1]: token after position j
+            lab_full = np.where(ex, argmax[np.minimum(pos - 1, len(argmax) - 1)], 0)
+        else:
+            lab_full = np.where(ex, seq_np[np.minimum(pos, T - 1)], 0)
         lab = vocab_index[lab_full]
         va = ex & (lab >= 0)
         blk = np.full((K, B), mask_token_id, dtype=np.int64)
         blk[:, 0] = seq_np[a]
-        feats.append(np.asarray(features(rec))[: T - 1])
         blocks.append(blk.reshape(-1))
         anchors.append(a)
         labels.append(np.maximum(lab, 0))
@@ -377,6 +466,9 @@ class Trainer:
         # steps, returns new training records (the data order then follows the new set).
         self.refresh: Optional[Callable[[], List[dict]]] = None
         self.refresh_every = 0
+        # Held-out deep records (train/depth_data.py), evaluated apart: their positions
+        # and labels are another distribution than the short held-out records'.
+        self.depth_eval_records: List[dict] = []
 
     # -- data order ---------------------------------------------------------
 
@@ -397,6 +489,7 @@ class Trainer:
         return make_batch(
             self.batch_records(step), self.features, rng, c.block_size, self.cfg.blocks_per_seq,
             c.mask_token_id, self.vocab_index, self.cfg.max_seq_len, self.feature_scale, self._teacher(),
+            getattr(self.features, "labels", None),
         )
 
     def _teacher(self):
@@ -431,20 +524,22 @@ class Trainer:
             "supervised": int(n.item()),
         }
 
-    def evaluate(self) -> Dict:
-        """Held-out loss, accuracy and expected accept length (fixed anchors)."""
-        if not self.eval_records:
+    def evaluate(self, records: Optional[Sequence[dict]] = None) -> Dict:
+        """Held-out loss, accuracy and expected accept length (fixed anchors) on
+        `records` (default: the held-out records)."""
+        records = self.eval_records if records is None else list(records)
+        if not records:
             return {}
         c = self.draft.config
         rng = np.random.default_rng([self.cfg.seed, 7])
         tot = {"loss": 0.0, "w": 0.0, "corr": 0, "n": 0, "acc": 0, "blocks": 0}
         pos_corr = np.zeros(c.block_size - 1)
         pos_n = np.zeros(c.block_size - 1)
-        for i in range(0, len(self.eval_records), self.seqs_per_step):
+        for i in range(0, len(records), self.seqs_per_step):
             b = make_batch(
-                self.eval_records[i : i + self.seqs_per_step], self.features, rng, c.block_size,
+                records[i : i + self.seqs_per_step], self.features, rng, c.block_size,
                 self.cfg.blocks_per_seq, c.mask_token_id, self.vocab_index, self.cfg.max_seq_len,
-                self.feature_scale,
+                self.feature_scale, target_labels=getattr(self.features, "labels", None),
             )
             logits = training_logits(self.draft, b.features, b.block_ids, b.anchors)
             loss, w = block_loss(logits, b.labels, b.valid, self.cfg.gamma)
@@ -608,11 +703,16 @@ class Trainer:
             if cfg.eval_every and self.step % cfg.eval_every == 0:
                 ev = self.evaluate()
                 if ev:
-                    self.evals.append(ev)
                     self.log(
                         f"eval step {self.step}: loss {ev['val_loss']:.3f} acc {ev['val_acc']:.3f} "
                         f"tau^ {ev['val_tau_hat']:.2f}"
                     )
+                    if self.depth_eval_records:
+                        ev["depth"] = self.evaluate(self.depth_eval_records)
+                        self.log(f"depth eval step {self.step}: loss {ev['depth']['val_loss']:.3f} "
+                                 f"acc {ev['depth']['val_acc']:.3f} tau^ {ev['depth']['val_tau_hat']:.2f} "
+                                 f"pos 1-4 {ev['depth']['val_pos_acc'][:4]}")
+                    self.evals.append(ev)
             if cfg.snapshot_every and self.step % cfg.snapshot_every == 0:
                 self.save_snapshot()
             if time.perf_counter() - last_ck > cfg.checkpoint_every:

@@ -1,0 +1,146 @@
+"""Depth in the training recipe: sliding-window drafts from the CLI, deep records labelled by
+the target's own argmax (chunked target pass), anchors inside answers, starting from an export."""
+
+import json
+from types import SimpleNamespace
+
+import dflash_mlx  # noqa: F401
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from dflash_mlx.draft_loading import load_draft
+from dflash_mlx.target import Target
+from dflash_mlx.testing import tiny_target
+from dflash_mlx.train import cli
+from dflash_mlx.train.depth_data import agreement, chain
+from dflash_mlx.train.trainer import FeatureSource, labels_file, make_batch, target_pass
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_target("llama")
+
+
+def _flags(**kw):
+    return SimpleNamespace(**({"sliding_window": None, "layer_types": None, "block_causal": False} | kw))
+
+
+def test_attention_flags_pin_is_causal_and_check_their_values():
+    assert cli.attention_overrides(_flags(), 2) == {}
+    o = cli.attention_overrides(_flags(sliding_window=64), 2)
+    assert o == {"layer_types": ["sliding_attention"] * 2, "sliding_window": 64, "is_causal": False}
+    o = cli.attention_overrides(_flags(sliding_window=64, layer_types="full,sliding", block_causal=True), 2)
+    assert o["layer_types"] == ["full_attention", "sliding_attention"] and o["is_causal"] is True
+    with pytest.raises(SystemExit, match="give --sliding-window"):
+        cli.attention_overrides(_flags(layer_types="sliding"), 2)
+    with pytest.raises(SystemExit, match="names 3 layers but the draft has 2"):
+        cli.attention_overrides(_flags(sliding_window=8, layer_types="full,sliding,full"), 2)
+    with pytest.raises(SystemExit, match="full or sliding"):
+        cli.attention_overrides(_flags(sliding_window=8, layer_types="local"), 2)
+
+
+def test_chunked_target_pass_equals_one_forward_and_gives_the_argmax(tiny):
+    model, _ = tiny
+    target = Target(model)
+    seq = np.random.default_rng(0).integers(0, 256, 70).tolist()
+    f, lab = target_pass(target, seq, [0, 1], chunk=16)
+    h, ref, _ = target.forward(mx.array([seq]), None, [0, 1])
+    np.testing.assert_allclose(f.astype(np.float32), np.array(ref[0].astype(mx.float16)).astype(np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_array_equal(lab, np.array(mx.argmax(target.logits(h[0]), axis=-1)))
+
+
+def test_deep_records_anchor_inside_spans_and_train_on_the_targets_argmax(tiny):
+    model, _ = tiny
+    target = Target(model)
+    rng = np.random.default_rng(1)
+    seq = rng.integers(0, 256, 60).tolist()
+    rec = {"id": "chat:train:0", "prompt": seq[:5], "response": seq[5:], "spans": [[20, 30], [45, 55]],
+           "target_labels": True}
+    src = FeatureSource(target, [0, 1])
+    argmax = src.labels(rec)
+    assert argmax.shape == (59,)
+    batch = make_batch([rec], src, np.random.default_rng(2), 4, 8, 300, np.arange(300), 512,
+                       target_labels=src.labels)
+    anchors = np.array(batch.anchors[0])
+    assert all(20 <= a < 30 or 45 <= a < 55 for a in anchors)
+    pos = anchors[:, None] + np.arange(1, 4)[None]
+    np.testing.assert_array_equal(np.array(batch.labels[0]), argmax[pos - 1])  # not the text's tokens
+    hit = agreement(rec, argmax)
+    inside = np.concatenate([np.arange(19, 29), np.arange(44, 54)])
+    assert hit["inside"] == (int((argmax[inside] == np.array(seq)[inside + 1]).sum()), 20)
+    with pytest.raises(ValueError, match="pass target_labels"):
+        make_batch([rec], src, np.random.default_rng(2), 4, 8, 300, np.arange(300), 512)
+
+
+def test_chain_joins_answers_with_the_templates_turn_break():
+    head, between, eos = [1, 2], [9, 7, 8], 9  # between starts with the answer's own end token
+    recs = [{"id": "a", "prompt": [1, 2, 30, 31], "response": [40, 41, 9]},
+            {"id": "b", "prompt": [1, 2, 32], "response": [42, 9]}]
+    ids, spans = chain(recs, head, between, eos)
+    assert ids == [1, 2, 30, 31, 40, 41, 9, 7, 8, 32, 42, 9]
+    assert spans == [[4, 7], [10, 12]]
+    with pytest.raises(ValueError, match="does not start with"):
+        chain([{"id": "c", "prompt": [5, 30], "response": [9]}], head, between, eos)
+
+
+def test_train_cli_sliding_window_then_init_from_its_export_with_deep_records(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(cli, "load_target", lambda spec: (model, tok))
+    base = ["--target", "tiny", "--gsm8k", "4", "--sharegpt", "0", "--max-new-tokens", "10",
+            "--max-prompt-tokens", "400", "--gen-batch", "4", "--layers", "2", "--block-size", "4",
+            "--draft-vocab", "100", "--steps", "2", "--batch-tokens", "32", "--blocks-per-seq", "4",
+            "--eval-every", "2", "--tau-prompts", "0"]
+    out = tmp_path / "win"
+    assert cli.main(base + ["--out", str(out), "--sliding-window", "8"]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 8
+    assert cfg["is_causal"] is False  # pinned: loaders would make sliding layers block-causal
+    assert load_draft(out, model).layers[0].self_attn.window == 8
+
+    # a new run from that export: a mix of full and sliding layers, deep records beside the short ones
+    run = tmp_path / "mix.run"
+    run.mkdir()
+    (run / "responses.jsonl").write_text((tmp_path / "win.run" / "responses.jsonl").read_text())
+    rng = np.random.default_rng(3)
+    deep = [{"id": f"chat:{s}:{i}", "prompt": [1, 2, 3], "response": rng.integers(0, 256, 90).tolist(),
+             "spans": [[10, 40], [60, 90]], "target_labels": True} for s, i in (("train", 0), ("eval", 0))]
+    (run / "depth-train.jsonl").write_text(json.dumps(deep[0]) + "\n")
+    (run / "depth-eval.jsonl").write_text(json.dumps(deep[1]) + "\n")
+    args = base + ["--out", str(tmp_path / "mix"), "--run-dir", str(run), "--skip-gen", "--init-from", str(out),
+                   "--layer-types", "full,sliding", "--sliding-window", "16", "--depth-data", str(run),
+                   "--depth-repeat", "3", "--max-seq-len", "128", "--lr", "1e-4"]
+    assert cli.main(args) == 0
+    log = (run / "train.log").read_text()
+    assert "starting from exported draft" in log and "depth eval step 2" in log
+    cfg = json.loads((tmp_path / "mix" / "config.json").read_text())
+    assert cfg["layer_types"] == ["full_attention", "sliding_attention"] and cfg["sliding_window"] == 16
+    assert cfg["is_causal"] is False
+    assert labels_file(run / "features", "chat:train:0").exists()  # the argmax, cached beside the features
+    src, mixed = load_draft(out, model), load_draft(tmp_path / "mix", model)
+    np.testing.assert_array_equal(np.array(src.vocab_ids), np.array(mixed.vocab_ids))
+
+
+def test_overfit_check_from_an_export_on_deep_records(tiny, tmp_path, monkeypatch):
+    model, tok = tiny
+    monkeypatch.setattr(cli, "load_target", lambda spec: (model, tok))
+    base = ["--target", "tiny", "--gsm8k", "4", "--sharegpt", "0", "--max-new-tokens", "10",
+            "--max-prompt-tokens", "400", "--gen-batch", "4", "--layers", "1", "--block-size", "4",
+            "--draft-vocab", "100", "--batch-tokens", "32", "--blocks-per-seq", "4", "--tau-prompts", "0"]
+    assert cli.main(base + ["--out", str(tmp_path / "d"), "--steps", "1"]) == 0
+    run = tmp_path / "d.run"
+    rng = np.random.default_rng(4)
+    deep = {"id": "chat:train:0", "prompt": [1, 2], "response": rng.integers(0, 256, 60).tolist(),
+            "spans": [[5, 60]], "target_labels": True}
+    (run / "depth-train.jsonl").write_text(json.dumps(deep) + "\n")
+    logs = []
+    monkeypatch.setattr(cli.sys, "stderr", type("W", (), {"write": lambda self, s: logs.append(s),
+                                                          "flush": lambda self: None})())
+    assert cli.main(base + ["--out", str(tmp_path / "o"), "--run-dir", str(run), "--skip-gen", "--init-from",
+                            str(tmp_path / "d"), "--depth-data", str(run), "--overfit", "1", "--steps", "30",
+                            "--lr", "3e-3"]) == 0
+    report = "".join(logs)
+    assert "overfit check: 1 sequences, 30 steps" in report
+    before, after = (float(x) for x in report.split("top-1 ")[1].split()[0:3:2])
+    assert after > before + 0.1  # the long-context path learns (0.08 -> 0.25 measured)
