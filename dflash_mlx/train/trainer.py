@@ -748,7 +748,9 @@ def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
         axes[1].plot(t, [e["val_acc"] for e in evals], "o-", label="held-out")
         axes[2].plot(t, [e["val_tau_hat"] for e in evals], "o-", label="held-out tau (estimate)")
         # The first steps' losses (tens of nats) would flatten the rest of the curve.
-        axes[0].set_ylim(0, 1.5 * max(e["val_loss"] for e in evals))
+        top = 1.5 * max(e["val_loss"] for e in evals)
+        if top > 0:  # a held-out set with no label to score gives loss 0
+            axes[0].set_ylim(0, top)
     if tau_points:
         axes[2].plot([p["tokens"] for p in tau_points], [p["tau"] for p in tau_points], "s-",
                      label="engine tau (greedy, B=16)")
