@@ -306,7 +306,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     # Sampled up front and again after every prompt, so on a shared machine the
     # forward times see the same load as the generations they are compared with.
     ctx = sorted(encoded, key=len)[len(encoded) // 2]
-    log(f"timing target forwards of 1 and {fixed} tokens after {len(ctx)} context tokens")
+    widths = ", ".join(str(w) for w in [1, *fixed])
+    log(f"timing target forwards of {widths} token{'s' if fixed else ''} after {len(ctx)} context tokens")
     samples = measure_forward_times(model, ctx, [1, *fixed], reps=cfg.forward_reps)
 
     def ratios():
