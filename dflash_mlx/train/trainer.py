@@ -113,16 +113,14 @@ class FeatureSource:
         self.feature_dir = Path(feature_dir) if feature_dir else None
         self.save_missing = save_missing and self.feature_dir is not None
         self.teacher_topk = teacher_topk
-        # The teacher of the record whose features were just computed: make_batch asks
-        # for features then teacher, and without a cache that would be two forwards.
-        self._last_teacher = None
-        # What the target computed, kept in memory (least recently used first out, at most
-        # `memory_bytes`): a small set trained on for many steps (the overfit check, a run
-        # without a feature folder) then runs the target once per record, not once per step.
+        # What the target computed (features, teacher, labels), kept in memory, least recently
+        # used first out, at most `memory_bytes` beyond the latest record, which always stays:
+        # make_batch asks for a record's features and then its teacher or labels, one forward;
+        # a small set trained on for many steps (the overfit check, a run without a feature
+        # folder) runs the target once per record, not once per step.
         self.memory_bytes = memory_bytes
         self._memory: "OrderedDict[tuple, tuple]" = OrderedDict()
         self._memory_used = 0
-        self._last_labels = None
         # A cache may hold more layers than this draft taps (`feature_layers.json`,
         # written by data generation): then this draft reads its columns of them.
         self.stored = self.layer_ids
@@ -157,11 +155,9 @@ class FeatureSource:
             labels = labels if labels is not None else old[2]
         size = features.nbytes + (sum(a.nbytes for a in teacher) if teacher else 0)
         size += labels.nbytes if labels is not None else 0
-        if size > self.memory_bytes:
-            return
         self._memory[key] = (features, teacher, labels, size)
         self._memory_used += size
-        while self._memory_used > self.memory_bytes:
+        while self._memory_used > self.memory_bytes and len(self._memory) > 1:
             self._memory_used -= self._memory.popitem(last=False)[1][3]
 
     def __call__(self, rec: dict) -> np.ndarray:
@@ -185,8 +181,6 @@ class FeatureSource:
         if not self.teacher_topk:
             raise ValueError("this FeatureSource was made without teacher_topk: no teacher distribution")
         n = len(rec["prompt"]) + len(rec["response"]) - 1
-        if self._last_teacher is not None and self._last_teacher[0] == rec["id"]:
-            return self._last_teacher[1]
         remembered = self._remembered(rec)
         if remembered is not None and remembered[1] is not None:
             return remembered[1]
@@ -198,15 +192,17 @@ class FeatureSource:
                         return z["ids"][:n], z["logp"][:n]
         cached = self.feature_dir is not None and feature_file(self.feature_dir, rec["id"]).exists()
         self._run_target(rec, save_features=not cached)
-        return self._last_teacher[1]
+        teacher = self._remembered(rec)[1]
+        if teacher is None:
+            raise ValueError(f"record {rec['id']} is longer than {LONG_RECORD} tokens: its chunked target "
+                             "forward gives no teacher distribution; train it without --distill")
+        return teacher
 
     def labels(self, rec: dict) -> np.ndarray:
         """[len-1] int32: the target's own argmax after each position 0..len-2 (records
         with `target_labels`: text the target did not write, or wrote in another context),
         from the same forward as the features, cached beside them."""
         n = len(rec["prompt"]) + len(rec["response"]) - 1
-        if self._last_labels is not None and self._last_labels[0] == rec["id"]:
-            return self._last_labels[1]
         remembered = self._remembered(rec)
         if remembered is not None and remembered[2] is not None:
             return remembered[2]
@@ -218,7 +214,7 @@ class FeatureSource:
                     return lab[:n]
         cached = self.feature_dir is not None and feature_file(self.feature_dir, rec["id"]).exists()
         self._run_target(rec, save_features=not cached, with_labels=True)
-        return self._last_labels[1]
+        return self._remembered(rec)[2]
 
     def _run_target(self, rec: dict, save_features: bool, with_labels: bool = False) -> np.ndarray:
         """One target forward over the record: its features (returned) and, with a
@@ -229,36 +225,27 @@ class FeatureSource:
         if len(seq) > LONG_RECORD or with_labels:
             f, lab = target_pass(self.target, seq, self.stored, with_labels=with_labels)
             self._remember(rec, f, labels=lab)
-            if with_labels:
-                self._last_labels = (rec["id"], lab)
-                if self.save_missing:
-                    _save_npy(labels_file(self.feature_dir, rec["id"]), lab)
+            if with_labels and self.save_missing:
+                _save_npy(labels_file(self.feature_dir, rec["id"]), lab)
             if self.save_missing and save_features:
                 _save_npy(feature_file(self.feature_dir, rec["id"]), f)
             return f
         h, feats, _ = self.target.forward(mx.array([seq]), None, self.stored)
         f = np.array(feats[0].astype(mx.float16))
         k = self.teacher_topk
+        teacher = None
         if k:
             logits = self.target.logits(h[0]).astype(mx.float32)
             top = mx.argpartition(-logits, kth=k - 1, axis=-1)[:, :k]
             lp = mx.take_along_axis(logits, top, axis=-1) - mx.logsumexp(logits, axis=-1, keepdims=True)
-            ids, logp = np.array(top.astype(mx.int32)), np.array(lp.astype(mx.float16))
-            self._last_teacher = (rec["id"], (ids, logp))
-        self._remember(rec, f, self._last_teacher[1] if k else None)
+            teacher = np.array(top.astype(mx.int32)), np.array(lp.astype(mx.float16))
+        self._remember(rec, f, teacher)
         if self.save_missing:
             if save_features:
-                path = feature_file(self.feature_dir, rec["id"])
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp.npy")
-                np.save(tmp, f)
-                tmp.replace(path)
-            if k:
-                tpath = teacher_file(self.feature_dir, rec["id"], k)
-                tpath.parent.mkdir(parents=True, exist_ok=True)
-                tmp = tpath.with_name(tpath.stem + ".tmp.npz")
-                np.savez(tmp, ids=ids, logp=logp)
-                tmp.replace(tpath)
+                _save_npy(feature_file(self.feature_dir, rec["id"]), f)
+            if teacher is not None:
+                _save_atomic(teacher_file(self.feature_dir, rec["id"], k),
+                             lambda tmp: np.savez(tmp, ids=teacher[0], logp=teacher[1]))
         return f
 
 
@@ -285,11 +272,16 @@ def target_pass(target, seq: Sequence[int], layer_ids: Sequence[int], with_label
     return np.concatenate(feats), (np.concatenate(labels) if with_labels else None)
 
 
-def _save_npy(path: Path, a: np.ndarray):
+def _save_atomic(path: Path, write: Callable[[Path], None]):
+    """`write(tmp)` beside `path`, then renamed into place: a killed run leaves no half file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, a)
+    tmp = path.with_name(f"{path.stem}.tmp{path.suffix}")
+    write(tmp)
     tmp.replace(path)
+
+
+def _save_npy(path: Path, a: np.ndarray):
+    _save_atomic(path, lambda tmp: np.save(tmp, a))
 
 
 def labels_file(feature_dir, record_id: str) -> Path:
