@@ -60,3 +60,19 @@ def ids_from_offsets(d2t: mx.array, vocab_size: int, source: str) -> mx.array:
     if len(set(ids.tolist())) != ids.shape[0]:
         raise ForeignDraftError(f"{source}: 'd2t' maps two draft tokens to the same target token")
     return ids.astype(mx.int32)
+
+
+def reduced_vocab_ids(draft_vocab, vocab_size: int, d2t: Optional[mx.array], source: str) -> Optional[mx.array]:
+    """The target ids of an EAGLE-3-style reduced vocabulary (`draft_vocab_size` + `d2t`
+    offsets), or None when the draft scores the whole vocabulary (equal sizes: no mapping)."""
+    if draft_vocab == vocab_size:
+        return None
+    if not isinstance(draft_vocab, int) or not isinstance(vocab_size, int) or not 0 < draft_vocab < vocab_size:
+        raise ForeignDraftError(f"{source}: draft_vocab_size {draft_vocab!r} is not between 1 and the "
+                                f"verifier's vocabulary of {vocab_size!r}")
+    if d2t is None:
+        raise ForeignDraftError(f"{source}: draft_vocab_size is {draft_vocab} (reduced) but the weights "
+                                "have no 'd2t' (draft -> target token offsets)")
+    if d2t.shape != (draft_vocab,):
+        raise ForeignDraftError(f"{source}: 'd2t' has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
+    return ids_from_offsets(d2t, vocab_size, source)

@@ -29,7 +29,7 @@ from dflash_mlx.interop.common import (
     ForeignDraftError,
     check_verifier_tensor,
     head_rows,
-    ids_from_offsets,
+    reduced_vocab_ids,
     sample_rows,
 )
 
@@ -119,17 +119,8 @@ def to_zlab(cfg: dict, weights: Dict[str, mx.array], target=None, source: str = 
     weights = dict(weights)
     d2t, t2d = weights.pop("d2t", None), weights.pop("t2d", None)
     draft_vocab = cfg.get("draft_vocab_size", vocab)
-    ids = None
-    if draft_vocab != vocab:  # their rule: equal sizes mean no mapping (d2t/t2d are ignored)
-        if not isinstance(draft_vocab, int) or not 0 < draft_vocab < vocab:
-            raise ForeignDraftError(f"{source}: draft_vocab_size {draft_vocab!r} is not between 1 and the "
-                                    f"verifier's vocabulary of {vocab}")
-        if d2t is None:
-            raise ForeignDraftError(f"{source}: draft_vocab_size is {draft_vocab} (reduced) but the weights "
-                                    "have no 'd2t' (draft -> target token map)")
-        if d2t.shape != (draft_vocab,):
-            raise ForeignDraftError(f"{source}: 'd2t' has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
-        ids = ids_from_offsets(d2t, vocab, source)
+    ids = reduced_vocab_ids(draft_vocab, vocab, d2t, source)  # their rule: equal sizes, no mapping
+    if ids is not None:
         if t2d is not None:
             mask = t2d.astype(mx.bool_)
             if mask.shape != (vocab,) or int(mask.sum()) != draft_vocab or not bool(mask[ids].all()):

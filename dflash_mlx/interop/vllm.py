@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from dflash_mlx.interop.common import ForeignDraftError, check_verifier_tensor, head_rows, ids_from_offsets, sample_rows
+from dflash_mlx.interop.common import ForeignDraftError, check_verifier_tensor, head_rows, reduced_vocab_ids, sample_rows
 
 
 def is_vllm_reduced(cfg: dict, weights: Dict[str, mx.array]) -> bool:
@@ -31,19 +31,10 @@ def to_zlab(cfg: dict, weights: Dict[str, mx.array], target=None, source: str = 
     weights.pop("t2d", None)
     embed = weights.pop("embed_tokens.weight", None)
     H = cfg.get("hidden_size")
-    ids = None
-    if draft_vocab != vocab:
-        if not isinstance(draft_vocab, int) or not isinstance(vocab, int) or not 0 < draft_vocab < vocab:
-            raise ForeignDraftError(f"{source}: draft_vocab_size {draft_vocab!r} is not between 1 and vocab_size {vocab!r}")
-        if d2t is None:
-            raise ForeignDraftError(f"{source}: draft_vocab_size is {draft_vocab} but the weights have no 'd2t' "
-                                    "(draft -> target token offsets)")
-        if head is None:
-            raise ForeignDraftError(f"{source}: draft_vocab_size is {draft_vocab} but the weights have no "
-                                    "'lm_head.weight' (the draft's own reduced head)")
-        if d2t.shape != (draft_vocab,):
-            raise ForeignDraftError(f"{source}: 'd2t' has shape {tuple(d2t.shape)}, expected ({draft_vocab},)")
-        ids = ids_from_offsets(d2t, vocab, source)
+    ids = reduced_vocab_ids(draft_vocab, vocab, d2t, source)
+    if ids is not None and head is None:
+        raise ForeignDraftError(f"{source}: draft_vocab_size is {draft_vocab} but the weights have no "
+                                "'lm_head.weight' (the draft's own reduced head)")
     if head is not None and tuple(head.shape) != (draft_vocab, H):
         raise ForeignDraftError(f"{source}: 'lm_head.weight' has shape {tuple(head.shape)}, expected ({draft_vocab}, {H})")
     if target is not None and head is not None:
