@@ -50,6 +50,10 @@ TRAIN_DOCUMENTS = (
                  ("python:textwrap.py", "python:shlex.py", "python:fractions.py")),
     DocumentSpec("json+csv.py", "code", ("python:json/decoder.py", "python:json/encoder.py", "python:csv.py")),
     DocumentSpec("statistics.py", "code", ("python:statistics.py",)),
+    DocumentSpec("configparser.py", "code", ("python:configparser.py",)),
+    DocumentSpec("pathlib.py", "code", ("python:pathlib.py",)),
+    DocumentSpec("functools.py", "code", ("python:functools.py",)),
+    DocumentSpec("random.py", "code", ("python:random.py",)),
 )
 
 # What is asked after a document (the benchmark asks the first; training data may ask any).
@@ -72,6 +76,31 @@ class Document:
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+def document_prompt_parts(tokenizer, doc: Document, length: int, question: int = 0):
+    """(head, document, tail) token ids, `length` in all: the chat template before the
+    document, the document's first tokens, then `QUESTIONS[doc.kind][question]` and the
+    template up to the answer. Prompts of one document share `head + document` prefixes."""
+    from dflash_mlx.loading import apply_chat_template
+
+    marker = "\x00DOC\x00"
+    text = apply_chat_template(tokenizer, [{"role": "user", "content": marker + "\n\n"
+                                            + QUESTIONS[doc.kind][question]}])
+    head, tail = text.split(marker)
+    head_ids = tokenizer.encode(head, add_special_tokens=False)
+    tail_ids = tokenizer.encode(tail, add_special_tokens=False)
+    room = length - len(head_ids) - len(tail_ids)
+    doc_ids = tokenizer.encode(doc.text, add_special_tokens=False)
+    if room < 1 or room > len(doc_ids):
+        raise ValueError(f"document {doc.name} ({len(doc_ids)} tokens) cannot fill a {length}-token prompt")
+    return head_ids, doc_ids[:room], tail_ids
+
+
+def document_prompt(tokenizer, doc: Document, length: int, question: int = 0) -> List[int]:
+    """Exactly `length` token ids: the document's first tokens and a question, as the user's turn."""
+    head, body, tail = document_prompt_parts(tokenizer, doc, length, question)
+    return head + body + tail
 
 
 def read_documents(specs: Sequence[DocumentSpec]) -> Tuple[List[Document], List[str]]:

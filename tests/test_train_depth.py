@@ -13,7 +13,7 @@ from dflash_mlx.draft_loading import load_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import tiny_target
 from dflash_mlx.train import cli
-from dflash_mlx.train.depth_data import agreement, chain
+from dflash_mlx.train.depth_data import agreement, chain, label, label_shared
 from dflash_mlx.train.trainer import FeatureSource, labels_file, make_batch, target_pass
 
 
@@ -72,6 +72,73 @@ def test_deep_records_anchor_inside_spans_and_train_on_the_targets_argmax(tiny):
     assert hit["inside"] == (int((argmax[inside] == np.array(seq)[inside + 1]).sum()), 20)
     with pytest.raises(ValueError, match="pass target_labels"):
         make_batch([rec], src, np.random.default_rng(2), 4, 8, 300, np.arange(300), 512)
+
+
+def test_answers_to_one_document_share_its_target_pass_and_match_their_own_passes(tiny, tmp_path):
+    model, _ = tiny
+    target = Target(model)
+    rng = np.random.default_rng(3)
+    doc = rng.integers(0, 256, 90).tolist()
+    recs = []
+    for i, (p, tail) in enumerate([(70, 9), (30, 7), (50, 12)]):  # unsorted on purpose
+        ids = doc[:p] + rng.integers(0, 256, 5).tolist()  # the question after the cut
+        answer = rng.integers(0, 256, tail).tolist()
+        recs.append({"id": f"answer:d:{p}:{i}", "prompt": ids, "response": answer, "spans": [[len(ids), len(ids) + tail]],
+                     "target_labels": True, "prefix_group": "d", "prefix_len": p, "split": "train"})
+    feats = tmp_path / "run" / "features"
+    assert label_shared(target, recs, [0, 1], feats)
+    shared = FeatureSource(target, [0, 1], feats)  # reads what label_shared wrote
+    for r in recs:
+        seq = r["prompt"] + r["response"][:-1]
+        f, lab = target_pass(target, seq, [0, 1], chunk=16)
+        got = shared(r)
+        assert got.shape == f.shape
+        np.testing.assert_allclose(got.astype(np.float32), f.astype(np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_array_equal(shared.labels(r), lab)
+    # a record whose prefix is not the document's is refused, not silently mislabelled
+    bad = dict(recs[0], id="answer:d:bad", prompt=[(t + 1) % 256 for t in recs[0]["prompt"]])
+    with pytest.raises(ValueError, match="not the document prefix"):
+        label_shared(target, [recs[2], bad], [0, 1], tmp_path / "bad" / "features")
+    # label() takes the shared pass for grouped records and reports their agreement by split
+    via = tmp_path / "via-label" / "features"
+    stats = label(target, recs, [0, 1], via, log=lambda s: None)
+    assert stats["answer:train:inside"]["positions"] == 9 + 7 + 12
+    assert all(labels_file(via, r["id"]).exists() for r in recs)
+
+
+def test_answered_documents_are_the_targets_greedy_answers_and_anchor_in_them(tmp_path):
+    from dflash_mlx.documents import TRAIN_DOCUMENTS, document_prompt, read_documents
+    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.testing import greedy_reference
+    from dflash_mlx.train.depth_data import answer_documents, answer_plan, answered_records
+
+    docs, missing = read_documents(TRAIN_DOCUMENTS)
+    if len(docs) < 2:
+        pytest.skip(f"training documents not on this machine: {missing}")
+    model, tok = tiny_target("qwen3", seed=3)
+    draft = random_draft(model, block_size=4)
+    plan = answer_plan(docs[:2], tok, [120, 90, 10 ** 6], context=200, max_tokens=7)
+    # a cut past the window is clamped to it (the answer must fit); one past the document is dropped
+    assert sorted({p["tokens"] for p in plan}) == [90, 120, 200 - 7 - 8]
+    assert len({p["id"] for p in plan}) == len(plan) == 6
+    assert answer_plan(docs[:1], tok, [10 ** 6], context=10 ** 7, max_tokens=7) == []
+    assert {p["question"] for p in plan if p["document"] == docs[0].name} == {0, 1, 2}
+    out = tmp_path / "answers.jsonl"
+    assert answer_documents(model, draft, tok, plan[:3], 7, out, log=lambda s: None) == 3
+    assert answer_documents(model, draft, tok, plan[:4], 7, out, log=lambda s: None) == 1  # resumes
+    answers = [json.loads(x) for x in out.read_text().splitlines()]
+    for a in answers:
+        d = next(x for x in docs if x.name == a["document"])
+        ids = document_prompt(tok, d, a["tokens"], a["question"])
+        assert a["response"] == greedy_reference(model, ids, 7)  # the target's own greedy answer
+    recs = answered_records(answers, tok)["train"]
+    assert len(recs) == 4
+    for r, a in zip(recs, answers):
+        assert len(r["prompt"]) == a["tokens"] and r["response"] == a["response"]
+        assert r["spans"] == [[a["tokens"], a["tokens"] + 7]]
+        assert r["prefix_len"] < a["tokens"] and r["prefix_group"] == a["document"]
+    stats = label(Target(model), recs, [0, 1], tmp_path / "run" / "features", log=lambda s: None)
+    assert stats["answer:train:inside"]["rate"] == 1.0  # greedy answers: argmax agrees everywhere
 
 
 def test_chain_joins_answers_with_the_templates_turn_break():

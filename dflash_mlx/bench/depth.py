@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from dflash_mlx.documents import EVAL_DOCUMENTS, QUESTIONS, read_documents
+from dflash_mlx.documents import EVAL_DOCUMENTS, document_prompt, read_documents
 
 SCHEMA = "dflash-mlx-bench-depth/1"
 DEFAULT_DEPTHS = (256, 1024, 2048, 4096, 0)  # 0: as deep as the context window allows
@@ -73,20 +73,8 @@ def resolve_depths(depths: Sequence[int], context: Optional[int], max_tokens: in
 
 
 def prompt_at_depth(tokenizer, doc, depth: int) -> List[int]:
-    """Exactly `depth` token ids: template + the document's first tokens + the question."""
-    from dflash_mlx.loading import apply_chat_template
-
-    marker = "\x00DOC\x00"
-    question = QUESTIONS[doc.kind][0]
-    text = apply_chat_template(tokenizer, [{"role": "user", "content": marker + "\n\n" + question}])
-    head, tail = text.split(marker)
-    head_ids = tokenizer.encode(head, add_special_tokens=False)
-    tail_ids = tokenizer.encode(tail, add_special_tokens=False)
-    room = depth - len(head_ids) - len(tail_ids)
-    doc_ids = tokenizer.encode(doc.text, add_special_tokens=False)
-    if room < 1 or room > len(doc_ids):
-        raise ValueError(f"document {doc.name} ({len(doc_ids)} tokens) cannot fill a {depth}-token prompt")
-    return head_ids + doc_ids[:room] + tail_ids
+    """Exactly `depth` token ids: template + the document's first tokens + the first question."""
+    return document_prompt(tokenizer, doc, depth, 0)
 
 
 def _run(stream) -> dict:

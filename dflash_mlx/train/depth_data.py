@@ -7,7 +7,12 @@ draft trained on them has never seen a position past ~500. Two kinds of deep rec
   chat template between turns), up to the target's context window; anchors are drawn
   inside the target's own answers only (`spans`);
 - **documents**: a long text from `dflash_mlx.documents.TRAIN_DOCUMENTS` cut to a
-  length, then a question; anchors inside the document.
+  length, then a question; anchors inside the document;
+- **answered documents**: the same prompts with the target's own greedy answer after
+  them (`answer_documents`: decoded once, with DFlash, which returns the target's own
+  tokens, and committed, ~100 tokens each); anchors inside the answer. This is the
+  text a summarizer or a code assistant drafts at depth, and the one kind whose labels
+  are the target's greedy continuation by construction.
 
 Labels are not generated (decoding at depth runs ~5 tok/s here): one target forward
 over the record gives its features and its own argmax after every position
@@ -22,6 +27,7 @@ Chats built from the training split's held-out records (`split_by_hash`, as `dfl
 train` holds them out) form the depth evaluation records.
 
     python -m dflash_mlx.train.depth_data recipe --target smollm2-135m --out recipe.json
+    python -m dflash_mlx.train.depth_data answer --target smollm2-135m --out answers.jsonl
     python -m dflash_mlx.train.depth_data build --target smollm2-135m --recipe recipe.json --run-dir RUN
 """
 
@@ -33,9 +39,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_mlx.documents import QUESTIONS, TRAIN_DOCUMENTS, read_documents
+from dflash_mlx.documents import QUESTIONS, TRAIN_DOCUMENTS, document_prompt, document_prompt_parts, read_documents
 
 RECIPE_SCHEMA = "dflash-mlx-depth-recipe/1"
+ANSWER_CUTS = (1024, 3072, 6144)
+ANSWER_EVAL_DOCUMENTS = ("statistics.py",)  # answered documents held out for the curves
 
 
 def chat_pieces(tokenizer) -> Tuple[List[int], List[int]]:
@@ -143,6 +151,86 @@ def build_records(recipe: dict, records: Sequence[dict], tokenizer) -> Dict[str,
     return out
 
 
+def answer_plan(docs, tokenizer, cuts: Sequence[int], context: int, max_tokens: int) -> List[dict]:
+    """Which (document, length, question) to answer: every cut a document can fill within
+    the window (the answer included), questions rotating so each document is asked each."""
+    plan = []
+    for i, d in enumerate(docs):
+        n_doc = len(tokenizer.encode(d.text, add_special_tokens=False))
+        fit = sorted({c for c in (min(c, context - max_tokens - 8) for c in cuts) if c <= n_doc})
+        for j, cut in enumerate(fit):
+            q = (i + j) % len(QUESTIONS[d.kind])
+            plan.append({"id": f"answer:{d.name}:{cut}:{q}", "document": d.name, "sha256": d.sha256,
+                         "tokens": cut, "question": q,
+                         "split": "eval" if d.name in ANSWER_EVAL_DOCUMENTS else "train"})
+    return plan
+
+
+def answer_documents(model, draft, tokenizer, plan: Sequence[dict], max_tokens: int, out: Path,
+                     log=print) -> int:
+    """Decode the target's greedy answer to each planned prompt, appending one JSON line
+    per answer to `out` as it finishes (a rerun skips the ids already there). One prompt
+    cache per document, in increasing length: each prompt shares the shorter one's
+    document prefix, so a document is prefilled about once. Returns answers written."""
+    import time
+
+    from dflash_mlx.generate import make_prompt_cache, stream_generate
+
+    done = set()
+    if out.exists():
+        for line in out.read_text().splitlines():
+            try:
+                done.add(json.loads(line)["id"])
+            except (ValueError, KeyError):
+                pass  # a line cut short by an interrupted run is answered again
+    docs = {d.name: d for d in read_documents(TRAIN_DOCUMENTS)[0]}
+    todo = [p for p in plan if p["id"] not in done]
+    caches: Dict[str, object] = {}
+    tic, written, decoded = time.perf_counter(), 0, 0
+    with out.open("a") as f:
+        for k, spec in enumerate(sorted(todo, key=lambda p: (p["document"], p["tokens"]))):
+            d = docs[spec["document"]]
+            if d.sha256 != spec["sha256"]:
+                raise ValueError(f"{spec['id']}: document {d.name} on this machine is not the planned text")
+            ids = document_prompt(tokenizer, d, spec["tokens"], spec["question"])
+            cache = caches.setdefault(d.name, make_prompt_cache(model, draft))
+            caches = {d.name: cache}  # one document's cache alive at a time
+            tokens, finish = [], "length"
+            for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, prompt_cache=cache):
+                tokens.extend(r.tokens)
+                if r.finish_reason:
+                    finish = r.finish_reason
+            f.write(json.dumps(spec | {"response": tokens, "finish": finish}, separators=(",", ":")) + "\n")
+            f.flush()
+            written += 1
+            decoded += len(tokens)
+            el = time.perf_counter() - tic
+            log(f"answered {spec['id']} ({len(tokens)} tokens, {finish}) [{k + 1}/{len(todo)}, "
+                f"{el:.0f}s, ETA {el / (k + 1) * (len(todo) - k - 1):.0f}s]")
+    return written
+
+
+def answered_records(answers: Sequence[dict], tokenizer) -> Dict[str, List[dict]]:
+    """Depth records from committed answers: prompt rebuilt from the document, the answer
+    as the response and the one span anchors are drawn from."""
+    docs = {d.name: d for d in read_documents(TRAIN_DOCUMENTS)[0]}
+    out: Dict[str, List[dict]] = {"train": [], "eval": []}
+    for a in answers:
+        d = docs.get(a["document"])
+        if d is None or d.sha256 != a["sha256"]:
+            print(f"depth data: document {a['document']} is not on this machine as answered; skipped",
+                  file=sys.stderr)
+            continue
+        head, body, tail = document_prompt_parts(tokenizer, d, a["tokens"], a["question"])
+        ids = head + body + tail
+        rec = _record(a["id"], ids + list(a["response"]), len(ids), [[len(ids), len(ids) + len(a["response"])]])
+        # one target pass over the document serves every answer to it (`label_shared`)
+        rec["prefix_group"], rec["prefix_len"] = a["document"], len(head) + len(body)
+        rec["split"] = a["split"]
+        out[a["split"]].append(rec)
+    return out
+
+
 def _record(rid: str, ids: List[int], prompt_len: int, spans) -> dict:
     return {"id": rid, "prompt": ids[:prompt_len], "response": ids[prompt_len:], "spans": spans,
             "target_labels": True}
@@ -161,22 +249,72 @@ def agreement(rec: dict, labels: np.ndarray) -> Dict[str, Tuple[int, int]]:
             "outside": (int(hit[rest].sum()), int(rest.sum()))}
 
 
+def label_shared(target, group: Sequence[dict], layer_ids: Sequence[int], feature_dir) -> bool:
+    """Features and argmax labels of records that share one document prefix (`prefix_len`
+    tokens each, of the longest one's), written where `FeatureSource` reads them: each
+    document token goes through the target once, then each record's own tail, which is
+    rolled back off the cache again (`Target.rollback`). False (nothing done) for a target
+    with recurrent layers, whose state cannot be rolled back without a verify tape: then
+    each record takes its own pass."""
+    from dflash_mlx.train.trainer import _save_npy, feature_file, labels_file, target_pass
+
+    if target.recurrent:
+        return False
+    cache = target.make_cache()
+    group = sorted(group, key=lambda r: r["prefix_len"])
+    longest = group[-1]
+    doc = (longest["prompt"] + longest["response"])[: longest["prefix_len"]]
+    feats, labels, pos = [], [], 0
+    for r in group:
+        seq = r["prompt"] + r["response"][:-1]  # what FeatureSource runs the target over
+        p = r["prefix_len"]
+        if seq[:p] != doc[:p]:
+            raise ValueError(f"{r['id']}: its first {p} tokens are not the document prefix of {longest['id']}")
+        if p > pos:
+            f, lab = target_pass(target, doc[pos:p], layer_ids, cache=cache)
+            feats.append(f)
+            labels.append(lab)
+            pos = p
+        tail = seq[p:]
+        # one update, as the rollback of a sliding-window cache requires
+        f, lab = target_pass(target, tail, layer_ids, cache=cache, chunk=max(len(tail), 1))
+        target.rollback(cache, len(tail), len(tail), None)
+        _save_npy(labels_file(feature_dir, r["id"]), np.concatenate(labels + [lab]))
+        _save_npy(feature_file(feature_dir, r["id"]), np.concatenate(feats + [f]))
+    return True
+
+
 def label(target, recs: Sequence[dict], layer_ids: Sequence[int], feature_dir, log=print) -> dict:
     """Run the target once over each record (features and argmax into the feature cache);
     return the agreement of its argmax with the text, per kind and split."""
     from dflash_mlx.train.trainer import FeatureSource
+
+    from dflash_mlx.train.trainer import feature_file, labels_file
 
     src = FeatureSource(target, layer_ids, feature_dir, save_missing=True)
     stats: Dict[str, List[int]] = {}
     import time
 
     tic = time.perf_counter()
+    groups: Dict[str, List[dict]] = {}
+    for r in recs:
+        if r.get("prefix_group") and not (feature_file(feature_dir, r["id"]).exists()
+                                          and labels_file(feature_dir, r["id"]).exists()):
+            groups.setdefault(r["prefix_group"], []).append(r)
+    for name, group in groups.items():
+        t0 = time.perf_counter()
+        if label_shared(target, group, src.stored, feature_dir):  # the columns FeatureSource reads
+            n = max(r["prefix_len"] for r in group) + sum(len(r["prompt"]) + len(r["response"]) - r["prefix_len"]
+                                                           for r in group)
+            log(f"labelled {len(group)} answers to {name} in one pass ({n} tokens, "
+                f"{n / (time.perf_counter() - t0):.0f} tok/s)")
     done = 0
     for r in recs:
         lab = src.labels(r)
         src(r)  # features: cached by the same forward
         done += len(r["prompt"]) + len(r["response"])
-        kind = r["id"].split(":")[0] + ":" + ("eval" if ":eval:" in r["id"] else "train")
+        split = r.get("split") or ("eval" if ":eval:" in r["id"] else "train")
+        kind = r["id"].split(":")[0] + ":" + split
         for where, (a, n) in agreement(r, lab).items():
             s = stats.setdefault(f"{kind}:{where}", [0, 0])
             s[0] += a
@@ -199,12 +337,24 @@ def main(argv=None) -> int:
     r.add_argument("--docs", type=int, default=None, help="training documents used (default: all)")
     r.add_argument("--max-len", type=int, default=8192)
     r.add_argument("--seed", type=int, default=0)
+    a = sub.add_parser("answer", help="the target's own greedy answers to questions on the training "
+                       "documents at depth (one JSON line each, resumable)")
+    a.add_argument("--target", required=True)
+    a.add_argument("--draft", default=None, help="draft that speeds the decoding (default: the target's packaged one)")
+    a.add_argument("--out", required=True)
+    a.add_argument("--cuts", default=",".join(map(str, ANSWER_CUTS)), help="prompt lengths")
+    a.add_argument("--max-tokens", type=int, default=96)
+    a.add_argument("--documents", default=None, help="comma list of training documents to answer (default: all)")
     b = sub.add_parser("build", help="token ids of a recipe's records, labelled by one target forward each")
     b.add_argument("--target", required=True)
     b.add_argument("--responses", default=None)
     b.add_argument("--recipe", required=True)
     b.add_argument("--run-dir", required=True, help="writes depth-train.jsonl, depth-eval.jsonl, features/")
     b.add_argument("--layers", default="1,10,18,27", help="target layers to cache features of")
+    b.add_argument("--answers", default=None, metavar="JSONL",
+                   help="answered documents (`answer`'s output) to add to the records")
+    b.add_argument("--kinds", default="chat,doc,answer",
+                   help="which kinds of records to write and label: chat, doc (document cuts), answer")
     b.add_argument("--no-label", action="store_true", help="write the records only")
     b.add_argument("--train-limit", type=int, default=None, metavar="N",
                    help="only the recipe's first N training records (labelling costs one target "
@@ -215,7 +365,7 @@ def main(argv=None) -> int:
     from dflash_mlx.train import data as D
 
     model, tokenizer = load(args.target, quiet=True)
-    packed = args.responses or str(Path(__file__).parent / "data" / "smollm2-135m-responses.jsonl.gz")
+    packed = getattr(args, "responses", None) or str(Path(__file__).parent / "data" / "smollm2-135m-responses.jsonl.gz")
     records = D.unpack_responses(packed, tokenizer)
     if args.cmd == "recipe":
         cuts = [int(x) for x in args.doc_cuts.split(",") if x]
@@ -224,10 +374,38 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps(recipe, indent=1))
         print(f"{len(recipe['chats'])} chats, {len(recipe['documents'])} document cuts -> {args.out}")
         return 0
+    if args.cmd == "answer":
+        from dflash_mlx import load_draft
+        from dflash_mlx.target import target_for
+
+        draft = load_draft(args.draft or args.target, model, quiet=True)
+        docs = read_documents(TRAIN_DOCUMENTS)[0]
+        if args.documents:
+            wanted = args.documents.split(",")
+            unknown = sorted(set(wanted) - {d.name for d in docs})
+            if unknown:
+                raise SystemExit(f"--documents: {', '.join(unknown)} not among the training documents here "
+                                 f"({', '.join(d.name for d in docs)})")
+            docs = [d for d in docs if d.name in wanted]
+        context = target_for(model, draft).max_context or 8192
+        plan = answer_plan(docs, tokenizer, [int(x) for x in args.cuts.split(",") if x], context, args.max_tokens)
+        n = answer_documents(model, draft, tokenizer, plan, args.max_tokens, Path(args.out),
+                             log=lambda s: print(s, file=sys.stderr, flush=True))
+        print(f"{n} answers -> {args.out}")
+        return 0
     from dflash_mlx.target import Target
 
     recipe = json.loads(Path(args.recipe).read_text())
     built = build_records(recipe, records, tokenizer)
+    if args.answers:
+        answers = D.read_records(args.answers)
+        for split, recs in answered_records(answers, tokenizer).items():
+            built[split].extend(recs)
+    kinds = set(args.kinds.split(","))
+    if kinds - {"chat", "doc", "answer"}:
+        raise SystemExit(f"--kinds: {', '.join(sorted(kinds - {'chat', 'doc', 'answer'}))} unknown; "
+                         "use chat, doc, answer")
+    built = {split: [r for r in recs if r["id"].split(":")[0] in kinds] for split, recs in built.items()}
     if args.train_limit is not None:
         built["train"] = built["train"][: args.train_limit]
     run = Path(args.run_dir)

@@ -6,15 +6,17 @@ Prompts come from the benchmark suites (evaluation splits: never used in trainin
 """
 
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import mlx.core as mx
 
 
 def measure_tau(model, tokenizer, draft, suites: Sequence[str] = ("gsm8k", "humaneval", "mtbench"),
-                limit: int = 4, max_tokens: int = 128, block_size: Optional[int] = None,
+                limit: int = 4, max_tokens: int = 128, block_size: Union[int, str] = "draft",
                 seed: int = 0, log=None) -> Dict[str, dict]:
-    """{suite: {"tau", "prompts", "tokens", "cycles", "seconds"}}."""
+    """{suite: {"tau", "prompts", "tokens", "cycles", "seconds"}}, greedy. At the draft's
+    own width by default: tau there measures the draft alone, where `auto`'s widths
+    depend on timings."""
     from dflash_mlx.bench.suites import format_prompt, load_suite
     from dflash_mlx.generate import encode_prompt, stream_generate, tau as pooled_tau
 

@@ -255,10 +255,11 @@ LONG_RECORD = 1024
 
 
 def target_pass(target, seq: Sequence[int], layer_ids: Sequence[int], with_labels: bool = True,
-                chunk: int = 512):
+                chunk: int = 512, cache=None):
     """Features [len, n_tl*H] (fp16) and the target's argmax after every position
-    [len] (int32, or None) of one forward over `seq`, run in chunks with a KV cache."""
-    cache = target.make_cache()
+    [len] (int32, or None) of one forward over `seq`, run in chunks with a KV cache
+    (`cache`: one holding the tokens before `seq`, which it is extended by)."""
+    cache = target.make_cache() if cache is None else cache
     feats, labels = [], []
     for start in range(0, len(seq), chunk):
         h, f, _ = target.forward(mx.array([list(seq[start:start + chunk])]), cache, layer_ids)
