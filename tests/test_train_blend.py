@@ -39,6 +39,16 @@ def test_blend_interpolates_every_tensor_and_loads(tmp_path):
                                   np.array(mx.load(str(tmp_path / "b" / "model.safetensors"))["fc.weight"]))
 
 
+def test_blend_takes_the_tuned_drafts_window(tmp_path):
+    model, _ = tiny_target("llama")
+    _saved(model, tmp_path / "full", 0)
+    _saved(model, tmp_path / "windowed", 1, layer_types=["sliding_attention"], sliding_window=8)
+    out = blend(tmp_path / "full", tmp_path / "windowed", 0.5, tmp_path / "mix")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] and cfg["sliding_window"] == 8
+    assert load_draft(out, model).config.sliding_window == 8
+
+
 def test_blend_refuses_other_layouts_vocabularies_and_weights(tmp_path, capsys):
     model, _ = tiny_target("llama")
     _saved(model, tmp_path / "a", 0)

@@ -21,8 +21,11 @@ import numpy as np
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 import mlx.core as mx
 
-# what may differ between the two configs (everything else must match)
-_FREE_KEYS = {"_name_or_path", "torch_dtype", "dtype", "transformers_version"}
+# What may differ between the two configs (everything else must match): bookkeeping, and
+# the attention's reach over the context, which no weight depends on (a draft continued
+# with a window from a full-attention one blends in the window it was tuned with).
+_FREE_KEYS = {"_name_or_path", "torch_dtype", "dtype", "transformers_version",
+              "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "is_causal"}
 
 
 def _folder(name_or_path: str) -> Path:
@@ -46,7 +49,8 @@ def _weights(folder: Path) -> dict:
 
 def blend(base, tuned, weight: float, out_dir) -> Path:
     """Write `(1 - weight) * base + weight * tuned` to `out_dir` (the tuned draft's dtype,
-    config and vocabulary); `weight` 0 is the base, 1 the tuned draft."""
+    config, attention layout included, and vocabulary); `weight` 0 is the base's weights,
+    1 the tuned draft."""
     from dflash_mlx.draft_loading import DRAFT_VOCAB_FILE
 
     if not 0.0 <= weight <= 1.0:
