@@ -53,3 +53,23 @@ def test_cli_depth_suite_runs_alone():
         cli.main(["--suite", "depth,gsm8k"])
     with pytest.raises(CLIError, match="whole numbers"):
         cli.main(["--suite", "depth", "--depths", "256,x"])
+
+
+@needs_docs
+def test_runs_of_different_depths_merge_into_one_result(tmp_path):
+    model, tok = tiny_target("qwen3", seed=3)
+    draft = random_draft(model, block_size=4)
+    runs = [depth.run(model, draft, tok, depth.DepthConfig(depths=[d], documents=2, max_tokens=5, widths=[2],
+                                                            warmup=False, model="tiny", draft="random"))
+            for d in (120, 90)]
+    merged = depth.merge(runs)
+    assert [r["depth"] for r in merged["records"]] == [90, 90, 120, 120]
+    assert set(merged["summary"]) == {"90", "120"}
+    assert merged["summary"]["120"] == runs[0]["summary"]["120"]
+    depth.write_all(merged, tmp_path, with_plot=False)
+    assert "| 90 |" in (tmp_path / "README.md").read_text()
+    with pytest.raises(ValueError, match="measured twice"):
+        depth.merge([runs[0], runs[0]])
+    other = dict(runs[1], config=dict(runs[1]["config"], max_tokens=9))
+    with pytest.raises(ValueError, match="max_tokens"):
+        depth.merge([runs[0], other])

@@ -183,6 +183,10 @@ def test_tau_trend_recovers_a_log_linear_curve(tmp_path):
     assert tokens_for_tau({"per_doubling": -0.01, "intercept": 1.0}, 2.0) == float("inf")
     plot_curves({"history": [], "evals": []}, tmp_path / "curve.png", pts)
     assert (tmp_path / "curve.png").stat().st_size > 10_000
+    ev = {"tokens": 10, "val_loss": 3.0, "val_acc": 0.2, "val_tau_hat": 1.8}
+    deep = {"val_loss": 4.0, "val_acc": 0.1, "val_tau_hat": 1.6}
+    drawn = plot_curves({"history": [], "evals": [ev | {"depth": deep}, ev | {"tokens": 20}]}, tmp_path / "c2.png")
+    assert all("held-out, deep" in panel for panel in drawn[:3]) and "held-out" in drawn[0]
 
 
 def test_tau_prompts_per_suite():

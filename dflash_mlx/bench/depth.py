@@ -218,6 +218,36 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
     return doc
 
 
+def merge(docs: Sequence[dict]) -> dict:
+    """One result from runs that measured different depths with the same settings (a
+    benchmark split across processes, one per core): records in depth order, summary
+    recomputed, the elapsed time the longest run's."""
+    keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "model", "draft")
+    first = docs[0]
+    for d in docs[1:]:
+        differ = [k for k in keep if d["config"].get(k) != first["config"].get(k)]
+        if differ or d["documents"] != first["documents"]:
+            raise ValueError(f"depth results measured with other settings ({', '.join(differ) or 'documents'}) "
+                             "do not merge")
+    seen = set()
+    records = []
+    for d in docs:
+        for r in d["records"]:
+            if (r["depth"], r["document"]) in seen:
+                raise ValueError(f"depth {r['depth']}, {r['document']} is measured twice")
+            seen.add((r["depth"], r["document"]))
+            records.append(r)
+    records.sort(key=lambda r: r["depth"])
+    depths = sorted({r["depth"] for r in records})
+    out = dict(first)
+    out["config"] = dict(first["config"], resolved_depths=depths,
+                         command=" & ".join(d["config"].get("command", "") for d in docs))
+    out["records"] = records
+    out["elapsed_s"] = max(d.get("elapsed_s", 0.0) for d in docs)
+    out["summary"] = summarize(records, first["config"]["widths"])
+    return out
+
+
 def _others(records: List[dict]) -> List[str]:
     return sorted({k[len("auto "):] for r in records for k in r["runs"] if k.startswith("auto ")})
 

@@ -719,7 +719,7 @@ class Trainer:
 
 def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
     """Training curve PNG: loss/accuracy vs supervised tokens, held-out tau estimate
-    (and engine-measured tau where given)."""
+    (and engine-measured tau where given; the deep held-out records where evaluated)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -740,8 +740,13 @@ def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
         axes[0].plot(t, [e["val_loss"] for e in evals], "o-", label="held-out")
         axes[1].plot(t, [e["val_acc"] for e in evals], "o-", label="held-out")
         axes[2].plot(t, [e["val_tau_hat"] for e in evals], "o-", label="held-out tau (estimate)")
+        deep = [e for e in evals if e.get("depth")]
+        if deep:  # held-out deep records (--depth-data), another distribution: plotted apart
+            t = [e["tokens"] for e in deep]
+            for ax, key in zip(axes, ("val_loss", "val_acc", "val_tau_hat")):
+                ax.plot(t, [e["depth"][key] for e in deep], "s--", label="held-out, deep")
         # The first steps' losses (tens of nats) would flatten the rest of the curve.
-        top = 1.5 * max(e["val_loss"] for e in evals)
+        top = 1.5 * max([e["val_loss"] for e in evals] + [e["depth"]["val_loss"] for e in deep])
         if top > 0:  # a held-out set with no label to score gives loss 0
             axes[0].set_ylim(0, top)
     if tau_points:
@@ -759,6 +764,7 @@ def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
         ax.axvline(pts[-1]["tokens"], color="grey", alpha=0.4)
     titles = ["weighted CE loss", "top-1 accuracy (mask positions)", "tau",
               "engine tau, log-linear trend (extrapolated 128x)"]
+    drawn = [[ln.get_label() for ln in ax.get_lines()] for ax in axes]
     for ax, title in zip(axes, titles):
         ax.set_title(title)
         ax.set_xlabel("supervised tokens")
@@ -768,3 +774,4 @@ def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+    return drawn  # the curves' labels, per panel
