@@ -156,6 +156,19 @@ def test_train_cli_export_only_measures_tau_into_the_card(tmp_path, monkeypatch)
     assert not (out / DRAFT_VOCAB_FILE).exists()  # full vocabulary: no extra file
 
 
+def test_model_card_of_a_continued_windowed_draft_says_so():
+    dcfg = {"layer_types": ["sliding_attention"] * 2, "sliding_window": 2048, "num_hidden_layers": 2}
+    card = model_card({"target": "t", "init": "target", "init_from": "smollm2-135m", "records": 10,
+                       "depth_records": 30, "depth_tokens": 100_000, "depth_repeat": 180,
+                       "state": {"draft_config": dcfg}})
+    assert "continued from the exported draft `smollm2-135m`" in card
+    assert "initialised from the target" not in card
+    assert "30 deep records (100000 tokens, each 180x per epoch" in card
+    assert "sliding_attention, sliding_attention, window 2048" in card
+    plain = model_card({"target": "t", "init": "target", "state": {"draft_config": {}}})
+    assert "initialised from the target" in plain and "deep records" not in plain
+
+
 def test_model_card_thins_long_held_out_curves():
     from dflash_mlx.train.export import thin
 

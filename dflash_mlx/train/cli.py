@@ -473,11 +473,17 @@ def main(argv=None):
         state["config"] = trainer.resumed_config  # the card describes how it was trained, not this call's flags
     tau_curve = read_tau_curve(run / "tau_curve.jsonl")
     plot_curves(state, run / "training_curve.png", tau_curve)
-    trained = list(trainer.train_records) + list(held)  # with what --follow-data added
+    # with what --follow-data added; deep records once each, however often they repeat
+    trained = list({r["id"]: r for r in list(trainer.train_records) + list(held)}.values())
+    short = [r for r in trained if not r.get("target_labels")]
     info = {
         "target": args.target,
-        "records": len(trained),
-        "response_tokens": sum(len(r["response"]) for r in trained),
+        "records": len(short),
+        "response_tokens": sum(len(r["response"]) for r in short),
+        "depth_records": len(depth_train),
+        "depth_tokens": sum(len(r["prompt"]) + len(r["response"]) for r in depth_train),
+        "depth_repeat": max(args.depth_repeat, 1),
+        "init_from": args.init_from,
         "steps": trainer.step,
         "supervised_tokens": trainer.tokens,
         "train_seconds": trainer.elapsed,

@@ -78,6 +78,16 @@ def model_card(info: dict) -> str:
         f"- {info.get('records')} prompts answered greedily by the target itself "
         f"({info.get('response_tokens')} response tokens): GSM8K *train* split and ShareGPT first turns. "
         "No evaluation split was used.",
+    ]
+    if info.get("depth_records"):
+        lines.append(f"- {info['depth_records']} deep records ({info['depth_tokens']} tokens, each "
+                     f"{info.get('depth_repeat', 1)}x per epoch; `dflash_mlx/train/depth_data.py`), "
+                     "labelled by the target's own argmax")
+    layer_types = dcfg.get("layer_types") or []
+    if "sliding_attention" in layer_types:
+        lines.append(f"- attention over the context: {', '.join(layer_types)}, window "
+                     f"{dcfg.get('sliding_window')}")
+    lines += [
         "",
         "## Training",
         f"- {info.get('steps')} steps, {info.get('supervised_tokens')} supervised (mask-position) tokens, "
@@ -93,7 +103,10 @@ def model_card(info: dict) -> str:
             lines.append(f"  - steps {g['start_step'] + 1}-{g['end_step']}: {g['minutes']:.0f} min, cosine to "
                          f"{g['schedule_steps']} steps (lr {g['start_lr']:.2g} -> {g['end_lr']:.2g}), data "
                          f"{g['start_records']} -> {g['end_records']} training records")
-    if info.get("init") == "target":
+    if info.get("init_from"):
+        lines.append(f"- continued from the exported draft `{info['init_from']}` (its weights, vocabulary "
+                     "and layout; fresh Adam moments): the steps above are this continuation's only")
+    elif info.get("init") == "target":
         lines.append("- initialised from the target (`dflash_mlx/train/init.py`): its last layers copied into "
                      "the draft layers, `fc` passing the feeding tap through, q/k norms at the target's q/k "
                      "RMS; features preconditioned per dimension in training, folded into `fc` here")
