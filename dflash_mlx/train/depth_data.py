@@ -185,7 +185,7 @@ def answer_documents(model, draft, tokenizer, plan: Sequence[dict], max_tokens: 
                 pass  # a line cut short by an interrupted run is answered again
     docs = {d.name: d for d in read_documents(TRAIN_DOCUMENTS)[0]}
     todo = [p for p in plan if p["id"] not in done]
-    caches: Dict[str, object] = {}
+    cached_doc, cache = None, None
     tic, written, decoded = time.perf_counter(), 0, 0
     with out.open("a") as f:
         for k, spec in enumerate(sorted(todo, key=lambda p: (p["document"], p["tokens"]))):
@@ -193,8 +193,8 @@ def answer_documents(model, draft, tokenizer, plan: Sequence[dict], max_tokens: 
             if d.sha256 != spec["sha256"]:
                 raise ValueError(f"{spec['id']}: document {d.name} on this machine is not the planned text")
             ids = document_prompt(tokenizer, d, spec["tokens"], spec["question"])
-            cache = caches.setdefault(d.name, make_prompt_cache(model, draft))
-            caches = {d.name: cache}  # one document's cache alive at a time
+            if d.name != cached_doc:  # one document's cache alive at a time
+                cached_doc, cache = d.name, make_prompt_cache(model, draft)
             tokens, finish = [], "length"
             for r in stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens, prompt_cache=cache):
                 tokens.extend(r.tokens)
