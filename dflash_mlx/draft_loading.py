@@ -232,7 +232,7 @@ def random_draft(target, seed: int = 0, dtype=mx.float32, version: int = 1, **co
     return model.bind(target)
 
 
-def _resolve_draft_dir(name_or_path: str) -> Optional[Path]:
+def draft_folder(name_or_path: str) -> Optional[Path]:
     """Folder for a local path, a packaged draft name, or a hub id (downloaded); None: packaged but not shipped."""
     try:
         kind, path = resolve_source(name_or_path, "draft")
@@ -261,7 +261,7 @@ def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet
             dtype = target.text_model.embed_tokens.weight.dtype
             if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized embedding
                 dtype = target.text_model.embed_tokens.scales.dtype
-    folder = _resolve_draft_dir(str(name_or_path))
+    folder = draft_folder(str(name_or_path))
     if folder is None:
         if target is None:
             raise ValueError(f"packaged draft '{name_or_path}' is not shipped yet; pass the target model")

@@ -73,3 +73,25 @@ def test_runs_of_different_depths_merge_into_one_result(tmp_path):
     other = dict(runs[1], config=dict(runs[1]["config"], max_tokens=9))
     with pytest.raises(ValueError, match="max_tokens"):
         depth.merge([runs[0], other])
+
+
+@needs_docs
+def test_repeats_decode_every_setting_again_and_keep_the_median(tmp_path):
+    import statistics
+
+    model, tok = tiny_target("qwen3", seed=3)
+    draft = random_draft(model, block_size=4)
+    other = random_draft(model, block_size=4, seed=1)
+    cfg = depth.DepthConfig(depths=[100], documents=2, max_tokens=5, widths=[2], warmup=False, repeats=3,
+                            model="tiny", draft="random")
+    doc = depth.run(model, draft, tok, cfg, others={"other": other})
+    assert depth.mismatches(doc) == 0
+    for rec in doc["records"]:
+        assert set(rec["runs"]) == {"plain", "auto", "auto other", "block 2"}
+        for run in rec["runs"].values():
+            assert len(run["decode_tps_runs"]) == 3 and len(run["decode_tps_cpu_runs"]) == 3
+            assert run["decode_tps"] == statistics.median(run["decode_tps_runs"])
+    assert "median of 3 runs" in depth.markdown(doc)
+    once = dict(doc, config=dict(doc["config"], repeats=1))
+    with pytest.raises(ValueError, match="repeats"):
+        depth.merge([doc, once])

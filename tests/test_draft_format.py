@@ -164,6 +164,28 @@ def test_incremental_injection_equals_one_shot(target):
     np.testing.assert_allclose(np.array(logits_one), np.array(logits_inc), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("context", [4, 23])
+def test_a_window_only_matters_past_it(target, context):
+    """The same weights with non-causal sliding layers (window 12) propose exactly what
+    they propose with full attention while the context fits the window, and differ once
+    it does not: a window added to a trained draft leaves short prompts as they were."""
+    from dflash_mlx.draft_loading import random_draft
+
+    t = Target(target[0])
+    full = random_draft(t, seed=3, num_layers=2, block_size=8)
+    windowed = random_draft(t, seed=3, num_layers=2, block_size=8, layer_types=["sliding_attention"] * 2,
+                            sliding_window=12, is_causal=False)
+    windowed.update(full.parameters())
+    feats = mx.random.normal((1, context, len(full.config.target_layer_ids) * 64))
+    last = mx.array([5])
+    a = np.array(full.propose_logits(last, feats, full.make_cache(), 8))
+    b = np.array(windowed.propose_logits(last, feats, windowed.make_cache(), 8))
+    if context + 8 <= 12:
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    else:
+        assert np.abs(a - b).max() > 1e-3
+
+
 def test_hub_id_offline_error(monkeypatch, tmp_path, target):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

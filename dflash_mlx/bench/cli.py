@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: 256,1024,2048,4096,0)")
     p.add_argument("--depth-widths", type=_int_list, default=None,
                    help="depth suite: fixed widths to compare the default width with (default: 2,4,8)")
+    p.add_argument("--depth-repeats", type=int, default=1, metavar="N",
+                   help="depth suite: decode runs per setting and document, speeds their median "
+                   "(prefills are not repeated; default: 1)")
     p.add_argument("--compare-draft", action="append", default=[], metavar="LABEL=DRAFT",
                    help="depth suite: another draft run beside --draft at the default width "
                    "(before/after in one process); repeatable")
@@ -170,6 +173,8 @@ def depth_main(args, argv) -> int:
     options = checked_options(args)
     if args.limit < 1:
         raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
+    if args.depth_repeats < 1:
+        raise CLIError(f"--depth-repeats must be at least 1, got {args.depth_repeats}", EXIT_USAGE)
     draft_name = draft_for(args.model, args.draft)
     if draft_name is None:
         raise CLIError("the depth suite needs a draft: pass --draft", EXIT_USAGE)
@@ -178,7 +183,8 @@ def depth_main(args, argv) -> int:
         max_tokens=options.max_tokens, widths=[2, 4, 8] if args.depth_widths is None else
         [w for w in args.depth_widths if w > 0],
         compare=dict(c.split("=", 1) if "=" in c else (c, c) for c in args.compare_draft),
-        warmup=not args.no_warmup, model=args.model, draft=draft_name, command=_command(argv))
+        repeats=args.depth_repeats, warmup=not args.no_warmup, model=args.model, draft=draft_name,
+        command=_command(argv))
     out = Path(args.out or Path("benchmarks") / "results" / (
         datetime.now(timezone.utc).strftime("%Y%m%d") + "-depth-"
         + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(draft_name).name)))
@@ -193,7 +199,7 @@ def depth_main(args, argv) -> int:
 
         path = out / "results.json"
         previous = json.loads(path.read_text()) if path.exists() else None
-        keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill")
+        keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "repeats")
         if previous and any(k in previous["config"] and previous["config"][k] != asdict(cfg).get(k) for k in keep):
             raise CLIError(f"--resume: {path} was measured with other settings ({', '.join(keep)}); "
                            "give the same ones or another --out", EXIT_USAGE)

@@ -20,6 +20,7 @@ and its speed against the best fixed width.
 """
 
 import math
+import statistics
 import sys
 import time
 from collections import Counter
@@ -43,6 +44,9 @@ class DepthConfig:
     # (a before/after comparison in one process); label -> draft name or folder
     compare: Dict[str, str] = field(default_factory=dict)
     shared_plain_prefill: bool = True  # plain decoding's TTFT on each depth's first document only
+    # decode runs per setting and document: decode speeds are their median, TTFT, tau and widths
+    # the first run's (one 32-token run moves by ~10% on a shared 2-core machine)
+    repeats: int = 1
     warmup: bool = True
     model: str = ""
     draft: str = ""
@@ -165,6 +169,7 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
                 continue
             ids = prompt_at_depth(tokenizer, d, depth)
             cache = make_prompt_cache(model, draft)
+            other_caches = {k: make_prompt_cache(model, o) for k, o in others.items()}
             runs: Dict[str, dict] = {}
             # The first document at a depth times plain decoding's prefill (TTFT) from an
             # empty cache; the others decode from the auto run's target cache (a prefill
@@ -179,17 +184,45 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
                 elif name == "auto":
                     runs[name] = dflash(ids, "auto", cache)
                 else:
-                    runs[name] = dflash(ids, "auto", None, others[name[len("auto "):]])
+                    k = name[len("auto "):]
+                    runs[name] = dflash(ids, "auto", other_caches[k], others[k])
             for w in cfg.widths:  # the prompt's prefix comes from the auto run's cache
                 runs[f"block {w}"] = dflash(ids, w, cache)
-            if "plain" not in runs:
-                from dflash_mlx.prompt_cache import PromptCache
 
-                shared = PromptCache(model=model, target_cache=cache.target_cache, tokens=list(cache.tokens))
-                runs["plain"] = _run(stream_generate(model, draft, tokenizer, ids, max_tokens=cfg.max_tokens,
-                                                     baseline=True, prompt_cache=shared))
+            def decode_again(name):
+                """`name` once more from its prompt cache (its prefill is not paid again)."""
+                if name == "plain":
+                    from dflash_mlx.prompt_cache import PromptCache
+
+                    shared = PromptCache(model=model, target_cache=cache.target_cache, tokens=list(cache.tokens))
+                    return _run(stream_generate(model, draft, tokenizer, ids, max_tokens=cfg.max_tokens,
+                                                baseline=True, prompt_cache=shared))
+                if name == "auto":
+                    return dflash(ids, "auto", cache)
+                if name.startswith("auto "):
+                    k = name[len("auto "):]
+                    return dflash(ids, "auto", other_caches[k], others[k])
+                return dflash(ids, int(name[len("block "):]), cache)
+
+            if "plain" not in runs:
+                runs["plain"] = decode_again("plain")
                 runs["plain"]["ttft_s"] = None  # 1 prompt token run: no TTFT
             ref = runs["plain"]["tokens"]
+            names = list(runs)
+            for name in names:
+                for key in ("decode_tps", "decode_tps_cpu"):
+                    runs[name][key + "_runs"] = [runs[name][key]]
+            for repeat in range(1, cfg.repeats):
+                for name in names[repeat % len(names):] + names[: repeat % len(names)]:
+                    again = decode_again(name)
+                    if again["tokens"] != ref:
+                        runs[name]["tokens"] = again["tokens"]  # reported as a mismatch below
+                    for key in ("decode_tps", "decode_tps_cpu"):
+                        runs[name][key + "_runs"].append(again[key])
+            for name in names:
+                for key in ("decode_tps", "decode_tps_cpu"):
+                    measured = [x for x in runs[name][key + "_runs"] if x]
+                    runs[name][key] = statistics.median(measured) if measured else None
             rec = {"depth": depth, "document": d.name, "prompt_tokens": len(ids), "runs": {}}
             for name, r in runs.items():
                 r = dict(r)
@@ -222,10 +255,11 @@ def merge(docs: Sequence[dict]) -> dict:
     """One result from runs that measured different depths with the same settings (a
     benchmark split across processes, one per core): records in depth order, summary
     recomputed, the elapsed time the longest run's."""
-    keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "model", "draft")
+    keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "model", "draft", "repeats")
     first = docs[0]
+    setting = lambda d, k: d["config"].get(k, 1 if k == "repeats" else None)  # noqa: E731 (older runs: 1)
     for d in docs[1:]:
-        differ = [k for k in keep if d["config"].get(k) != first["config"].get(k)]
+        differ = [k for k in keep if setting(d, k) != setting(first, k)]
         if differ or d["documents"] != first["documents"]:
             raise ValueError(f"depth results measured with other settings ({', '.join(differ) or 'documents'}) "
                              "do not merge")
@@ -308,6 +342,7 @@ def markdown(doc: dict) -> str:
         "caches, interleaved; fixed widths from the auto run's prompt cache"
         + ("; plain decoding's prefill timed on each depth's first document, the others decode from "
            "the auto run's target cache" if cfg.get("shared_plain_prefill", True) else "")
+        + (f"; decode speeds the median of {cfg['repeats']} runs" if cfg.get("repeats", 1) > 1 else "")
         + ". Geometric means over documents; the width policy reset at each depth.",
         "",
         "| depth | docs | plain tok/s | auto tok/s | speed-up | tau | TTFT plain s | TTFT auto s | TTFT auto / plain | "
@@ -326,8 +361,8 @@ def markdown(doc: dict) -> str:
             f"{'yes' if not s['mismatches'] else 'NO: ' + str(s['mismatches'])} |")
     others = sorted({k for s in doc["summary"].values() for k in s.get("others", {})})
     if others:
-        lines += ["", f"Beside it, at the default width from empty caches: {', '.join(others)} "
-                  f"(the first draft above: `{cfg['draft']}`).", "",
+        lines += ["", f"Other drafts beside the main draft (`{cfg['draft']}`, the table above), at the "
+                  f"default width from empty caches: {', '.join(others)}.", "",
                   "| depth | draft | speed-up | speed-up (CPU time) | tau | TTFT s |", "|---:|---|---:|---:|---:|---:|"]
         for depth, s in doc["summary"].items():
             lines.append(f"| {depth} | {cfg['draft']} | {_f(s['speedup'])}x | {_f(s['speedup_cpu'])}x | "

@@ -154,9 +154,9 @@ def main(argv=None) -> int:
 def _load_stored(name: str, target):
     """The draft with its weights in their stored dtype, checked against `target` when given."""
     from dflash_mlx.draft_config import validate_for_target
-    from dflash_mlx.draft_loading import _resolve_draft_dir, load_draft_folder
+    from dflash_mlx.draft_loading import draft_folder, load_draft_folder
 
-    folder = _resolve_draft_dir(name)
+    folder = draft_folder(name)
     if folder is None:
         raise ExportDraftError(f"no trained draft is shipped for {name!r}: nothing to export")
     draft = load_draft_folder(folder, target=target)

@@ -29,9 +29,9 @@ _FREE_KEYS = {"_name_or_path", "torch_dtype", "dtype", "transformers_version",
 
 
 def _folder(name_or_path: str) -> Path:
-    from dflash_mlx.draft_loading import _resolve_draft_dir
+    from dflash_mlx.draft_loading import draft_folder
 
-    folder = _resolve_draft_dir(str(name_or_path))
+    folder = draft_folder(str(name_or_path))
     if folder is None or not Path(folder).is_dir():
         raise FileNotFoundError(f"draft {name_or_path!r}: no exported draft folder there")
     return Path(folder)
