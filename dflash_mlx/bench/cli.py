@@ -199,7 +199,7 @@ def depth_main(args, argv) -> int:
 
         path = out / "results.json"
         previous = json.loads(path.read_text()) if path.exists() else None
-        keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "repeats")
+        keep = depth.MEASURED_WITH
         if previous and any(k in previous["config"] and previous["config"][k] != asdict(cfg).get(k) for k in keep):
             raise CLIError(f"--resume: {path} was measured with other settings ({', '.join(keep)}); "
                            "give the same ones or another --out", EXIT_USAGE)

@@ -32,6 +32,8 @@ from dflash_mlx.documents import EVAL_DOCUMENTS, document_prompt, read_documents
 
 SCHEMA = "dflash-mlx-bench-depth/1"
 DEFAULT_DEPTHS = (256, 1024, 2048, 4096, 0)  # 0: as deep as the context window allows
+# What two results must share to be merged (`merge`) or one continued (`--resume`).
+MEASURED_WITH = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "repeats")
 
 
 @dataclass
@@ -255,11 +257,10 @@ def merge(docs: Sequence[dict]) -> dict:
     """One result from runs that measured different depths with the same settings (a
     benchmark split across processes, one per core): records in depth order, summary
     recomputed, the elapsed time the longest run's."""
-    keep = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "model", "draft", "repeats")
+    keep = MEASURED_WITH + ("model", "draft")
     first = docs[0]
-    setting = lambda d, k: d["config"].get(k, 1 if k == "repeats" else None)  # noqa: E731 (older runs: 1)
     for d in docs[1:]:
-        differ = [k for k in keep if setting(d, k) != setting(first, k)]
+        differ = [k for k in keep if _setting(d, k) != _setting(first, k)]
         if differ or d["documents"] != first["documents"]:
             raise ValueError(f"depth results measured with other settings ({', '.join(differ) or 'documents'}) "
                              "do not merge")
@@ -280,6 +281,11 @@ def merge(docs: Sequence[dict]) -> dict:
     out["elapsed_s"] = max(d.get("elapsed_s", 0.0) for d in docs)
     out["summary"] = summarize(records, first["config"]["widths"])
     return out
+
+
+def _setting(doc: dict, key: str):
+    """A result's setting; results from before `repeats` existed ran each setting once."""
+    return doc["config"].get(key, 1 if key == "repeats" else None)
 
 
 def _others(records: List[dict]) -> List[str]:
