@@ -258,9 +258,9 @@ def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet
     if model is not None:
         target = model if isinstance(model, Target) else Target(model, name=str(getattr(model, "name", "")) or None)
         if dtype is None:
-            dtype = target.text_model.embed_tokens.weight.dtype
+            dtype = target.embed_tokens.weight.dtype
             if dtype not in (mx.float32, mx.float16, mx.bfloat16):  # quantized embedding
-                dtype = target.text_model.embed_tokens.scales.dtype
+                dtype = target.embed_tokens.scales.dtype
     folder = draft_folder(str(name_or_path))
     if folder is None:
         if target is None:

@@ -7,38 +7,55 @@ and put back in a `finally`. The model's own forward (masks, sliding windows,
 shared KV, embedding scales) runs unchanged.
 """
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, _BaseCache, make_prompt_cache
 
 from dflash_mlx import kernels
 from dflash_mlx.draft_config import validate_for_target
+from dflash_mlx.identity import IdentityMap
 from dflash_mlx.layout import transposed
 
-SUPPORTED_ARCHS = ("llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text")
+# Where mlx-lm's text models keep their token embedding, and their LM head when untied.
+EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings")
+HEAD_NAMES = ("lm_head", "output", "embed_out")
+
 
 class UnsupportedTargetError(ValueError):
     pass
 
 
-class _LayerTap:
-    """Stands in for one decoder layer during a forward; attribute reads pass through."""
+class _StandIn:
+    """Base of the wrappers swapped into a model for one forward: attribute reads pass
+    through to the wrapped module, and `isinstance` sees its class (some models pick a
+    layer's mask by the layer's class, e.g. OLMo hybrid)."""
+
+    _wrapped: Any
+
+    @property
+    def __class__(self):
+        return type(self._wrapped)
+
+    def __getattr__(self, name):
+        return getattr(self._wrapped, name)
+
+
+class _LayerTap(_StandIn):
+    """Stands in for one decoder layer during a forward and hands its output to `after`."""
 
     def __init__(self, layer, after):
-        self._layer = layer
+        self._wrapped = layer
         self._after = after
 
     def __call__(self, *args, **kwargs):
-        out = self._layer(*args, **kwargs)
+        out = self._wrapped(*args, **kwargs)
         self._after(out)
         return out
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
 
 
 @dataclass
@@ -57,13 +74,71 @@ class GDNTape:
 
 
 @dataclass
+class LayerReplay:
+    """A decoder layer's verify call, kept so a partial accept can rebuild a cache that
+    cannot be trimmed: the layer, the arguments it got and the states it started from."""
+
+    layer: Any
+    args: tuple
+    kwargs: dict
+    cache: Any  # the cache the layer got (an ArraysCache, or a CacheList holding one)
+    start: List[Any]  # per (sub-)cache: its ArraysCache contents before verify, None for one that trims
+
+
+@dataclass
 class VerifyRecord:
-    """What a verify forward keeps so recurrent layers can be rewound: gdn[layer index] = GDNTape."""
+    """What a verify forward keeps so recurrent layers can be rewound:
+    gdn[cache index] = GDNTape (Qwen3.5 Gated DeltaNet), replay[id(cache)] = LayerReplay (any other)."""
 
     gdn: Dict[int, GDNTape] = field(default_factory=dict)
+    replay: Dict[int, LayerReplay] = field(default_factory=dict)
 
 
-class _TapedGatedDeltaNet:
+def _sub_caches(c) -> list:
+    return list(c.caches) if isinstance(c, CacheList) else [c]
+
+
+def rollback_kind(c) -> Optional[str]:
+    """How a cache is rolled back after a partial accept: "trim" (attention KV, rotating
+    windows, lists of them), "replay" (holds recurrent state: restore it, re-run the layer
+    on the kept tokens), or None (no way known)."""
+    if isinstance(c, CacheList):
+        kinds = [rollback_kind(s) for s in c.caches]
+        if None in kinds:
+            return None
+        return "replay" if "replay" in kinds else "trim"
+    if isinstance(c, ArraysCache):
+        return "replay"
+    if isinstance(c, RotatingKVCache) or (callable(getattr(c, "trim", None)) and hasattr(c, "offset")):
+        return "trim"
+    return None
+
+
+def _cache_argument(args, kwargs):
+    c = kwargs.get("cache")
+    if isinstance(c, _BaseCache):
+        return c
+    return next((a for a in args if isinstance(a, _BaseCache)), None)
+
+
+class _ReplayTap(_StandIn):
+    """Stands in for one decoder layer during verify: when the layer gets one of the
+    caches in `watched` (recurrent state that cannot be trimmed), its call is recorded."""
+
+    def __init__(self, layer, watched: Dict[int, Any], sink):
+        self._wrapped = layer
+        self._watched = watched
+        self._sink = sink
+
+    def __call__(self, *args, **kwargs):
+        c = _cache_argument(args, kwargs)
+        if c is not None and id(c) in self._watched:
+            start = [list(s.cache) if isinstance(s, ArraysCache) else None for s in _sub_caches(c)]
+            self._sink(LayerReplay(self._wrapped, args, kwargs, c, start))
+        return self._wrapped(*args, **kwargs)
+
+
+class _TapedGatedDeltaNet(_StandIn):
     """Stands in for a Qwen3.5 `GatedDeltaNet` token mixer during verify.
 
     The same computation as mlx-lm's module for an unpadded batch, except that
@@ -72,16 +147,13 @@ class _TapedGatedDeltaNet:
     """
 
     def __init__(self, mixer, sink):
-        self._mixer = mixer
+        self._wrapped = mixer
         self._sink = sink
-
-    def __getattr__(self, name):
-        return getattr(self._mixer, name)
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
         from mlx_lm.models.gated_delta import compute_g, normalize_qk  # only hybrid targets need it
 
-        m = self._mixer
+        m = self._wrapped
         if mask is not None or cache is None or getattr(cache, "lengths", None) is not None:
             raise UnsupportedTargetError("verify with a taped Gated DeltaNet needs an unpadded batch and a cache")
         B, S, _ = inputs.shape
@@ -132,34 +204,43 @@ def _quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
     return found
 
 
-class _SmallMQuantizedLinear:
+class _SmallMQuantizedLinear(_StandIn):
     """Stands in for one QuantizedLinear during a verify forward: `kernels.quantized_linear`."""
 
     def __init__(self, layer):
-        self._layer = layer
+        self._wrapped = layer
 
     def __call__(self, x):
-        return kernels.quantized_linear(self._layer, x)
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
+        return kernels.quantized_linear(self._wrapped, x)
 
 
-def _find_text_model(model):
-    """The inner module that owns `embed_tokens` and the `layers` list."""
-    for holder in (
-        getattr(getattr(model, "language_model", None), "model", None),
-        getattr(model, "model", None),
-        getattr(model, "language_model", None),
-        model,
-    ):
-        if holder is None:
-            continue
-        if "embed_tokens" in holder and isinstance(holder.get("layers"), list):
-            return holder
+def _find_text_model(model) -> Tuple[Any, Optional[Tuple[Any, str]]]:
+    """(the inner module that owns the token embedding and the decoder `layers` list,
+    (its parent, the parent's key for it) or None when it is the model itself)."""
+    candidates = [(model, None)]
+    for key in ("language_model", "model", "backbone", "transformer"):
+        child = model.get(key) if isinstance(model, nn.Module) else None
+        if isinstance(child, nn.Module):
+            candidates.append((child, (model, key)))
+            for inner_key in ("model", "backbone", "transformer"):
+                inner = child.get(inner_key)
+                if isinstance(inner, nn.Module):
+                    candidates.append((inner, (child, inner_key)))
+    for holder, parent in reversed(candidates):  # innermost first
+        if _layer_list(holder) is not None and any(n in holder for n in EMBEDDING_NAMES):
+            return holder, parent
     raise UnsupportedTargetError(
-        f"cannot find embed_tokens/layers in {type(model).__module__}.{type(model).__name__}"
+        f"cannot find the decoder layers and token embedding of {type(model).__module__}.{type(model).__name__}: "
+        f"DFlash taps a `layers` list next to one of {', '.join(EMBEDDING_NAMES)}"
     )
+
+
+def _layer_list(holder) -> Optional[list]:
+    """The decoder layers: `holder.layers`, or the list inside a decoder module there (PLaMo 2)."""
+    layers = holder.get("layers")
+    if isinstance(layers, nn.Module):
+        layers = layers.get("layers")
+    return layers if isinstance(layers, list) else None
 
 
 def _text_args(model):
@@ -167,53 +248,112 @@ def _text_args(model):
     lm = getattr(model, "language_model", None)
     if lm is not None and hasattr(lm, "args"):
         args = lm.args
+    for key in ("text_config", "text"):  # a wrapper whose arguments nest the text model's
+        inner = getattr(args, key, None)
+        if inner is not None and hasattr(inner, "hidden_size"):
+            args = inner
     return args
 
 
+class _HiddenStates(_StandIn):
+    """Stands in for the text model inside the model's own forward and returns given
+    final hidden states, so `Model.__call__` applies exactly its own head and output
+    transforms (logit scaling, soft-capping, ...) to them. Attribute reads pass through."""
+
+    def __init__(self, text_model, h):
+        self._wrapped = text_model
+        self._h = h
+
+    def __call__(self, *args, **kwargs):
+        return self._h
+
+
+# Per model: whether `Target.logits` may compute the logits itself (the LM head, soft-capped)
+# or must run the model's own output code on the hidden states (see `Target._own_head`).
+_HEAD_CHECKS = IdentityMap()
+
+
 class Target:
-    """A DFlash view of an mlx-lm model (never modifies it)."""
+    """A DFlash view of an mlx-lm model (never modifies it).
+
+    Any mlx-lm text model runs if its decoder layers can be tapped and every cache it
+    makes has a rollback path (`rollback_kind`); otherwise construction fails naming the
+    layer and the cache kind.
+    """
 
     def __init__(self, model, name: Optional[str] = None):
         self.model = model
         self.args = _text_args(model)
         self.arch = getattr(self.args, "model_type", None) or getattr(model, "model_type", "?")
-        if self.arch not in SUPPORTED_ARCHS:
-            raise UnsupportedTargetError(
-                f"target architecture '{self.arch}' is not supported; supported: {', '.join(SUPPORTED_ARCHS)}"
-            )
         self.name = name or f"{self.arch} target"
-        self.text_model = _find_text_model(model)
-        self.hidden_size = self.args.hidden_size
-        self.vocab_size = self.args.vocab_size
-        self.num_layers = len(self.text_model.layers)
+        self.text_model, self._text_parent = _find_text_model(model)
+        self.layers = _layer_list(self.text_model)  # the model's own list: taps swap its entries
+        self.embed_tokens = next(self.text_model[n] for n in EMBEDDING_NAMES if n in self.text_model)
+        self.hidden_size = getattr(self.args, "hidden_size", None) or self.embed_tokens.weight.shape[1]
+        self.vocab_size = getattr(self.args, "vocab_size", None) or self.embed_tokens.weight.shape[0]
+        self.num_layers = len(self.layers)
         self.rms_norm_eps = getattr(self.args, "rms_norm_eps", 1e-6)
         self.max_context = getattr(self.args, "max_position_embeddings", None)
         self.softcap = getattr(model, "final_logit_softcapping", None)
         head_holder = model.language_model if "language_model" in model else model
-        self._lm_head = head_holder.get("lm_head")
+        self._lm_head = next((head_holder[n] for n in HEAD_NAMES if isinstance(head_holder.get(n), nn.Module)),
+                             None)
         self._gdn_layers = [
-            i for i, layer in enumerate(self.text_model.layers) if getattr(layer, "is_linear", False)
+            i for i, layer in enumerate(self.layers)
+            if isinstance(getattr(layer, "linear_attn", None), _gdn_class())
         ]
-        if self._gdn_layers:
-            from mlx_lm.models.qwen3_5 import GatedDeltaNet
-
-            for i in self._gdn_layers:
-                mixer = self.text_model.layers[i].get("linear_attn")
-                if not isinstance(mixer, GatedDeltaNet):
-                    # _TapedGatedDeltaNet is a port of exactly this module; another mixer needs its own.
-                    raise UnsupportedTargetError(
-                        f"layer {i}: linear mixer {type(mixer).__name__} is not Qwen3.5's GatedDeltaNet"
-                    )
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
-        self._quantized = [x for layer in self.text_model.layers for x in _quantized_linears(layer)]
+        self._quantized = [x for layer in self.layers for x in _quantized_linears(layer)]
+        self._replay_kinds = self._check_caches()
+        self._own_head = self._needs_own_head()
+
+    def _check_caches(self) -> List[Optional[str]]:
+        """Each cache entry's rollback ("trim" | "gdn" | "replay"); refuses what has none."""
+        kinds = []
+        for i, c in enumerate(self.make_cache()):
+            kind = rollback_kind(c)
+            if kind is None:
+                parts = "/".join(type(s).__name__ for s in _sub_caches(c))
+                raise UnsupportedTargetError(
+                    f"{self.arch}: cache {i} ({parts}) cannot be rolled back after a partial accept: it has no "
+                    "trim (attention KV) and is not a recurrent state (mlx-lm's ArraysCache) that can be "
+                    "restored and replayed; it needs a rollback path in dflash_mlx/target.py"
+                )
+            if kind == "replay" and i in self._gdn_layers and isinstance(c, ArraysCache):
+                kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
+            kinds.append(kind)
+        return kinds
+
+    def _needs_own_head(self) -> bool:
+        """Whether the model's output differs from the soft-capped LM head on the same
+        hidden states (logit scaling, multipliers, ...): then `logits` runs the model's own
+        output code (`_HiddenStates`), which is exact by construction. Checked once per model."""
+        known = _HEAD_CHECKS.get((self.model,))
+        if known is not None:
+            return known
+        probe = mx.random.normal((1, 2, self.hidden_size), key=mx.random.key(0)).astype(self.embed_tokens_dtype)
+        ours = self.logits(probe, own_head=False).astype(mx.float32)
+        theirs = self._model_logits(probe).astype(mx.float32) if self._text_parent is not None else ours
+        if ours.shape != theirs.shape:
+            raise UnsupportedTargetError(f"{self.arch}: the model's logits have shape {theirs.shape}, "
+                                         f"its LM head gives {ours.shape}")
+        scale = mx.abs(theirs).max().item() or 1.0
+        own = mx.abs(ours - theirs).max().item() > 1e-2 * scale
+        _HEAD_CHECKS.put((self.model,), own)
+        return own
+
+    @property
+    def embed_tokens_dtype(self):
+        w = self.embed_tokens
+        return w.scales.dtype if "scales" in w else w.weight.dtype
 
     # -- embedding and head -------------------------------------------------
 
     def embed(self, ids: mx.array) -> mx.array:
         """The target's input embedding, with its scale (the draft reuses it)."""
-        h = self.text_model.embed_tokens(ids)
+        h = self.embed_tokens(ids)
         if self.arch == "gemma3_text":
             h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
         elif self.arch == "gemma4_text":
@@ -226,7 +366,7 @@ class Target:
         An affine-quantized head goes through `kernels.qmm_small_m`, whose
         reference path is exactly the layer's own `mx.quantized_matmul`.
         """
-        layer = self._lm_head if self._lm_head is not None else self.text_model.embed_tokens
+        layer = self._lm_head if self._lm_head is not None else self.embed_tokens
         if vocab_ids is not None:
             w, scales, biases, bias = self._head_rows(layer, vocab_ids)
         else:
@@ -286,13 +426,26 @@ class Target:
         # decoding makes a Target per call); an untied lm_head laid out at load needs no copy.
         return transposed(w)
 
-    def logits(self, h: mx.array) -> mx.array:
+    def logits(self, h: mx.array, own_head: Optional[bool] = None) -> mx.array:
         """The logits mlx-lm's `Model.__call__` produces from final hidden states (on the
-        CPU through the transposed head copy: the same products, summed in another order)."""
+        CPU through the transposed head copy: the same products, summed in another order).
+        A model whose output code does more than a soft-capped head runs that code itself."""
+        if self._own_head if own_head is None else own_head:
+            return self._model_logits(h)
         out = self.head(h)
         if self.softcap:
             out = mx.tanh(out / self.softcap) * self.softcap
         return out
+
+    def _model_logits(self, h: mx.array) -> mx.array:
+        """`Model.__call__` on final hidden states `h` [B, S, H]: its text model swapped for
+        `_HiddenStates` for the duration of the call."""
+        parent, key = self._text_parent
+        parent[key] = _HiddenStates(self.text_model, h)
+        try:
+            return self.model(mx.zeros(h.shape[:-1], mx.int32))
+        finally:
+            parent[key] = self.text_model
 
     # -- caches ---------------------------------------------------------------
 
@@ -301,13 +454,19 @@ class Target:
 
     @property
     def recurrent(self) -> bool:
-        return bool(self._gdn_layers)
+        """Whether some cache holds recurrent state (it cannot be trimmed back to a prefix)."""
+        return any(kind != "trim" for kind in self._replay_kinds)
+
+    def rollback_kinds(self) -> List[str]:
+        """Each cache entry's rollback path: "trim", "gdn" (taped replay) or "replay" (re-run)."""
+        return list(self._replay_kinds)
 
     # -- forward with taps ------------------------------------------------------
 
     @contextmanager
-    def _taps(self, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool):
-        layers = self.text_model.layers
+    def _taps(self, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool,
+              cache: List[Any]):
+        layers = self.layers
         slot: Dict[int, List[int]] = {}
         for i, lid in enumerate(layer_ids):  # an id may repeat (small targets)
             slot.setdefault(lid, []).append(i)
@@ -325,6 +484,9 @@ class Target:
 
             return sink
 
+        def keep_replay(entry):
+            record.replay[id(entry.cache)] = entry
+
         # (container, key, original) for everything swapped; restored in reverse.
         swapped = []
         try:
@@ -333,6 +495,13 @@ class Target:
                     layer = layers[idx]
                     swapped.append((layer, "linear_attn", layer["linear_attn"]))
                     layer["linear_attn"] = _TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
+                watched = {id(c): c for c, kind in zip(cache, self._replay_kinds) if kind == "replay"}
+                if watched:
+                    # which layer gets which cache is the model's business: every layer is
+                    # watched, and one handed a watched cache records its call
+                    for idx in range(len(layers)):
+                        swapped.append((layers, idx, layers[idx]))
+                        layers[idx] = _ReplayTap(layers[idx], watched, keep_replay)
             if small_m:
                 for parent, key, q in self._quantized:
                     swapped.append((parent, key, q))
@@ -354,16 +523,17 @@ class Target:
     ) -> Tuple[mx.array, Optional[mx.array], Optional[VerifyRecord]]:
         """tokens: [B, S] -> final hidden [B, S, H], features [B, S, n*H] (None if no taps), record.
 
-        `record=True` marks a verify forward: Gated DeltaNet layers run taped
-        (the VerifyRecord `rollback` replays). A quantized target's projections
-        go through the small-M kernel when it is on and B*S fits its widths.
+        `record=True` marks a verify forward: Gated DeltaNet layers run taped and the
+        layers holding other recurrent state are recorded (the VerifyRecord `rollback`
+        replays). A quantized target's projections go through the small-M kernel when
+        it is on and B*S fits its widths.
         """
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
         width = tokens.shape[0] * tokens.shape[1]
         small_m = (bool(self._quantized) and kernels.QMM_MIN_M <= width <= kernels.QMM_MAX_M
                    and kernels.use_metal("qmm_small_m"))
-        with self._taps(layer_ids, features, rec, small_m):
+        with self._taps(layer_ids, features, rec, small_m, cache):
             h = self.text_model(tokens, cache=cache)
         feats = mx.concatenate(features, axis=-1) if layer_ids else None
         return h, feats, rec
@@ -373,23 +543,41 @@ class Target:
     def rollback(self, cache: List[Any], num_tokens: int, num_rejected: int, record: Optional[VerifyRecord]):
         """Undo the last `num_rejected` of the `num_tokens` tokens the last forward fed.
 
-        One path per cache kind: KVCache trims; RotatingKVCache (filled by a
-        multi-token update, so its buffer is in temporal order) drops its tail,
-        which stays correct after the window wraps; Gated DeltaNet state is
-        replayed from the pre-verify state over the accepted steps of the tape.
+        One path per cache kind (`rollback_kind`): attention caches trim (`rollback_cache`);
+        a Qwen3.5 Gated DeltaNet state is replayed from the pre-verify state over the
+        accepted steps of its tape (`replay_gdn`); any other cache that holds recurrent
+        state is restored to its pre-verify state and its layer runs again on the kept
+        tokens (`replay_layer`).
         """
         if num_rejected <= 0:
             return
         keep = num_tokens - num_rejected
-        for idx, c in enumerate(cache):
-            if isinstance(c, RotatingKVCache):
-                rollback_rotating(c, num_rejected)
-            elif isinstance(c, ArraysCache):
+        for idx, (c, kind) in enumerate(zip(cache, self._replay_kinds)):
+            if kind == "trim":
+                rollback_cache(c, num_rejected)
+            elif kind == "gdn":
                 replay_gdn(c, record.gdn[idx], keep)
-            elif isinstance(c, KVCache) or (hasattr(c, "trim") and c.is_trimmable()):
-                c.trim(num_rejected)
+            elif id(c) in record.replay:
+                replay_layer(record.replay[id(c)], num_tokens, keep)
             else:
-                raise UnsupportedTargetError(f"cannot roll back cache of type {type(c).__name__}")
+                raise RuntimeError(f"cache {idx} ({type(c).__name__}) was not fed by the verify forward")
+
+
+def _gdn_class():
+    from mlx_lm.models.qwen3_5 import GatedDeltaNet  # _TapedGatedDeltaNet is a port of exactly this module
+
+    return GatedDeltaNet
+
+
+def rollback_cache(c, n: int):
+    """Drop the last `n` entries of an attention cache (or of each cache in a CacheList)."""
+    if isinstance(c, CacheList):
+        for sub in c.caches:
+            rollback_cache(sub, n)
+    elif isinstance(c, RotatingKVCache):
+        rollback_rotating(c, n)
+    else:
+        c.trim(n)
 
 
 def rollback_rotating(c: RotatingKVCache, n: int):
@@ -413,6 +601,54 @@ def replay_gdn(c: ArraysCache, tape: GDNTape, keep: int):
     n_conv = tape.conv_input.shape[1] - tape.k.shape[1]  # K - 1
     c[0] = mx.contiguous(tape.conv_input[:, keep : keep + n_conv])
     c[1] = kernels.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)
+
+
+_SIGNATURES: Dict[type, List[str]] = {}
+
+
+def _parameter_names(layer) -> List[str]:
+    cls = type(layer)
+    if cls not in _SIGNATURES:
+        params = inspect.signature(cls.__call__).parameters
+        _SIGNATURES[cls] = [n for n in params if n != "self"]
+    return _SIGNATURES[cls]
+
+
+def _kept_input(value, name: str, num_tokens: int, keep: int):
+    """One argument of a recorded layer call cut to the first `keep` of `num_tokens` positions.
+
+    Masks (parameters named *mask*): an attention mask [..., S, K] keeps the kept queries and
+    the keys before the rejected ones (the cache's new keys come last); a per-step mask
+    [B, S] keeps the kept steps. Other arrays with the sequence on axis 1 (hidden states,
+    per-layer inputs, positions) keep the kept positions; everything else is passed as is."""
+    if not isinstance(value, mx.array) or value.ndim < 2:
+        return value
+    S, drop = num_tokens, num_tokens - keep
+    if "mask" in name:
+        if value.shape[-2] == S:
+            return value[..., :keep, : value.shape[-1] - drop]
+        if value.shape[-1] == S:
+            return value[..., :keep]
+        return value
+    if value.shape[1] == S:
+        return value[:, :keep]
+    return value
+
+
+def replay_layer(entry: LayerReplay, num_tokens: int, keep: int):
+    """Set a layer's cache to what feeding only the first `keep` of the `num_tokens` verify
+    tokens gives: every part goes back to its pre-verify state (recurrent arrays restored,
+    attention entries trimmed) and the layer runs again on the kept positions' inputs,
+    which a causal model computed exactly as a forward of the kept tokens alone would."""
+    for sub, start in zip(_sub_caches(entry.cache), entry.start):
+        if start is not None:
+            sub.cache = list(start)
+        else:
+            rollback_cache(sub, num_tokens)
+    names = _parameter_names(entry.layer)
+    args = [_kept_input(a, names[i] if i < len(names) else "", num_tokens, keep) for i, a in enumerate(entry.args)]
+    kwargs = {k: _kept_input(v, k, num_tokens, keep) for k, v in entry.kwargs.items()}
+    entry.layer(*args, **kwargs)
 
 
 def target_for(model, draft) -> Target:

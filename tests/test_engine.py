@@ -139,7 +139,7 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     want = model(ids)  # mlx-lm's forward: its own head
     h, _, _ = target.forward(ids, None)
     got = target.logits(h)
-    layer = target._lm_head if target._lm_head is not None else target.text_model.embed_tokens
+    layer = target._lm_head if target._lm_head is not None else target.embed_tokens
     assert target._transposed_head(layer) is not None  # the tests run on the CPU backend
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     assert mx.array_equal(mx.argmax(got, -1), mx.argmax(want, -1))

@@ -240,3 +240,62 @@ def test_engines_accept_the_same_lengths_on_smollm2(smollm2_prompts, reference_l
         assert our_accepts == their_accepts[: len(our_accepts)]
         compared += len(our_accepts)
     assert compared >= 10
+
+
+# -- every architecture of dflash_mlx.tiny_archs: tapped features and draft logits ------------
+
+from dflash_mlx.tiny_archs import FAMILY_ARCHS, MORE_ARCHS, build  # noqa: E402
+
+# Layouts whose features the reference cannot tap right (ours are checked against mlx-lm's own
+# decode in test_families.py); the draft is still compared on our features.
+REFERENCE_TAPS_WRONG = {
+    "olmo_hybrid": "its layer hooks hide the layer's class, by which OLMo hybrid picks each layer's mask "
+                   "(its features come out 0.87 relative off)",
+    "plamo2": "its _get_layers expects a list at model.model.layers; PLaMo 2 keeps the list in a decoder module",
+}
+
+
+def _reference_features(key, layer_ids, prompt):
+    """The reference's own taps (`_patch_model`: it swaps the layers for hooks for good)
+    on a second copy of the same weights."""
+    theirs = build(key)
+    ref._patch_model(theirs, layer_ids)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    theirs(mx.array([prompt]), cache=make_prompt_cache(theirs))
+    return mx.concatenate(theirs._hidden_states, axis=-1)
+
+
+def _reference_draft(folder, model):
+    """The reference's draft bound to `model`; where its `bind` cannot find the embedding
+    (it looks for `embed_tokens`; Nemotron-H, Mamba 2, RWKV-7 ... name it otherwise), bound
+    by hand to the embedding and head ours finds, so the draft's own arithmetic is compared."""
+    draft = ref.load_draft(str(folder))
+    draft.set_dtype(mx.float32)
+    try:
+        return draft.bind(model)
+    except AttributeError:
+        target = Target(model)
+        draft.embed_tokens = target.embed_tokens
+        draft.embed_scale = draft.config.input_embedding_scale
+        draft.lm_head = target._lm_head or target.embed_tokens.as_linear
+        return draft
+
+
+@pytest.mark.parametrize("key", list(FAMILY_ARCHS) + list(MORE_ARCHS))
+def test_features_and_draft_equal_reference_on_every_architecture(tmp_path, monkeypatch, key):
+    model = build(key)
+    draft = random_draft(model, num_layers=2, seed=1)
+    layer_ids = draft.config.target_layer_ids
+    target = Target(model)
+    _, ours, _ = target.forward(mx.array([PROMPT]), target.make_cache(), layer_ids)
+    if key not in REFERENCE_TAPS_WRONG:
+        theirs = _reference_features(key, layer_ids, PROMPT)
+        assert ours.shape == theirs.shape
+        assert _relative_error(ours, theirs) < RTOL
+    save_draft(draft, tmp_path / "d")
+    monkeypatch.setattr(ref, "snapshot_download", lambda repo, **kw: repo)
+    mine, theirs = load_draft(tmp_path / "d", model), _reference_draft(tmp_path / "d", model)
+    for logits, their_logits, _, _ in compare_cycles(mine, theirs, model, PROMPT):
+        assert logits.shape == their_logits.shape
+        assert _relative_error(logits, their_logits) < RTOL

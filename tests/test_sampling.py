@@ -477,11 +477,11 @@ E2E_FILTERS = dict(temperature=0.3)
 E2E_PROMPT = [1, 2, 3, 0]
 
 
-def engine_first_tokens(mode, n_runs=100):
+def engine_first_tokens(mode, n_runs=100, target=None):
     """First three tokens of `n_runs` seeded `stream_generate` calls on a tiny
-    transformer (vocabulary 4) with a random DFlash draft over a reduced
-    vocabulary, plus the exact joint and all accept lengths."""
-    model, tok = tiny("llama", vocab_size=4)
+    transformer (vocabulary 4; `target`: another (model, tokenizer)) with a random
+    DFlash draft over a reduced vocabulary, plus the exact joint and all accept lengths."""
+    model, tok = target or tiny("llama", vocab_size=4)
     draft = random_draft(model, block_size=3, seed=4)
     draft.set_vocab(mx.array([0, 1, 2]))  # token 3 is outside the draft vocabulary
     outs, accepts = [], []
@@ -503,6 +503,22 @@ def test_stream_generate_first_tokens_follow_target(mode):
     out, exact, accepts, again = engine_first_tokens(mode)
     assert out.shape == (100, 3)
     assert 0 < sum(accepts) < 2 * len(accepts)  # some drafts accepted, some rejected
+    _, pval = chi_square(encode(out, 4), exact)
+    assert pval > 1e-3
+    assert again == out[7].tolist()
+
+
+def test_stream_generate_first_tokens_follow_an_moe_target():
+    """The same on a mixture-of-experts target (Qwen3-MoE, 8 experts, top 2): the
+    rows of a verify route to other experts than one-token decoding would, and the
+    distribution is still the target's own."""
+    from dflash_mlx.testing import byte_tokenizer
+    from dflash_mlx.tiny_archs import build
+
+    model = build("qwen3_moe", vocab_size=4)
+    out, exact, accepts, again = engine_first_tokens("argmax", target=(model, byte_tokenizer()))
+    assert exact.max() < 0.5  # a spread distribution, not a near-deterministic one
+    assert 0 < sum(accepts) < 2 * len(accepts)
     _, pval = chi_square(encode(out, 4), exact)
     assert pval > 1e-3
     assert again == out[7].tolist()

@@ -89,6 +89,7 @@ def initial_draft(args, target, tokenizer, records):
     copy_layers = [int(x) for x in args.copy_layers.split(",")] if args.copy_layers else None
     layer_ids = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
     if args.init == "target":
+        copy_layers = copy_layers or I.target_copy_layers(target, args.layers)
         layer_ids = I.target_init_layer_ids(target.num_layers, args.layers, copy_layers, layer_ids)
     mask = None if args.mask_token == "auto" else int(args.mask_token)
     extra = {k: v for k, v in (("intermediate_size", args.intermediate_size),

@@ -163,7 +163,7 @@ def _check_verifier_tensors(weights, tl, ids, target, source, verifier):
     if "embed_tokens.weight" in weights:
         sample = sample_rows(V)
         check_verifier_tensor("embed_tokens.weight", weights["embed_tokens.weight"][sample],
-                              target.text_model.embed_tokens(sample), "embedding", source, verifier)
+                              target.embed_tokens(sample), "embedding", source, verifier)
 
 
 # ----------------------------------------------------------------------------- writing

@@ -44,7 +44,7 @@ def to_zlab(cfg: dict, weights: Dict[str, mx.array], target=None, source: str = 
         check_verifier_tensor("lm_head.weight", head[rows], head_rows(target, token_ids), "LM head", source)
     if target is not None and embed is not None:
         sample = sample_rows(embed.shape[0])
-        check_verifier_tensor("embed_tokens.weight", embed[sample], target.text_model.embed_tokens(sample),
+        check_verifier_tensor("embed_tokens.weight", embed[sample], target.embed_tokens(sample),
                               "embedding", source)
     return cfg, weights, ids
 

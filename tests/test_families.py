@@ -1,0 +1,97 @@
+"""Every target family z-lab publishes drafts for, and many more of mlx-lm's text
+architectures: DFlash greedy equals mlx-lm's own greedy decode token for token.
+
+Tiny random float32 models (`dflash_mlx.tiny_archs`): dense, MoE, sliding-window,
+latent attention (MLA, with a sparse-attention indexer) and state-space / linear
+attention hybrids. For each: widths 1, 4, 16 and `auto` with a random draft, partial
+accepts of every length with a scripted draft, a prompt past every sliding window, a
+stop id inside an accepted block, and a second chat turn that reuses the first's caches.
+"""
+
+import random
+from functools import lru_cache
+
+import pytest
+
+import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
+from dflash_mlx import stream_generate
+from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.generate import make_prompt_cache
+from dflash_mlx.target import Target
+from dflash_mlx.testing import ScriptedDraft, byte_tokenizer, clean_case, greedy_reference
+from dflash_mlx.tiny_archs import FAMILY_ARCHS, MORE_ARCHS, build
+
+ARCHS = list(FAMILY_ARCHS) + list(MORE_ARCHS)
+PROMPT_LEN = 60  # past every sliding window of the tiny configs
+MAX_TOKENS = 20
+
+
+@lru_cache(maxsize=None)
+def model_for(key):
+    return build(key)
+
+
+@lru_cache(maxsize=None)
+def case_for(key):
+    return clean_case(model_for(key), PROMPT_LEN, MAX_TOKENS, seed=11)
+
+
+def decode(model, draft, prompt, **kw):
+    tokens, responses = [], []
+    for r in stream_generate(model, draft, byte_tokenizer(), prompt, **kw):
+        tokens += r.tokens
+        responses.append(r)
+    return tokens, responses
+
+
+def test_the_issue_families_are_all_here():
+    assert set(FAMILY_ARCHS) == {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "gemma4_text_moe", "gpt_oss",
+                                 "minimax", "kimi_k25", "glm_moe_dsa"}
+    assert len(MORE_ARCHS) >= 20
+    kinds = {k: set(Target(model_for(k)).rollback_kinds()) for k in ARCHS}
+    assert sum("replay" in v for v in kinds.values()) >= 6  # state-space / linear-attention hybrids
+
+
+@pytest.mark.parametrize("key", ARCHS)
+def test_greedy_equals_mlx_lm(key):
+    """Widths 1, 4, 16 and auto with a random draft; then a scripted draft right for a
+    random number of tokens each cycle (every rollback length), at width 16."""
+    model = model_for(key)
+    prompt, ref = case_for(key)
+    assert len(set(ref)) >= 5, "the tiny model's greedy output is a near-constant run: it tests nothing"
+    for width in (1, 4, 16, "auto"):
+        draft = random_draft(model, num_layers=1, block_size=16, seed=3)
+        out, _ = decode(model, draft, prompt, max_tokens=MAX_TOKENS, block_size=width, stop_token_ids=[])
+        assert out == ref, f"width {width}"
+    rng = random.Random(key)
+    wrong = [rng.randrange(0, 16) for _ in range(100)]
+    scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=16)
+    out, responses = decode(model, scripted, prompt, max_tokens=MAX_TOKENS, block_size="draft", stop_token_ids=[])
+    assert out == ref
+    accepts = responses[-1].accept_lengths
+    assert accepts[:-1] == scripted.expected_accepts[: len(accepts) - 1]
+    assert len(set(accepts)) >= 2
+
+
+@pytest.mark.parametrize("key", ARCHS)
+def test_stop_inside_a_block_and_a_second_turn(key):
+    model = model_for(key)
+    prompt, ref = case_for(key)
+    # a stop id inside a fully accepted block: nothing past it
+    stop_pos = next((i for i in range(3, len(ref)) if ref[i] not in ref[:i]), None)
+    if stop_pos is not None:
+        oracle = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=16)
+        out, responses = decode(model, oracle, prompt, max_tokens=MAX_TOKENS, block_size="draft",
+                                stop_token_ids=[ref[stop_pos]])
+        assert out == ref[: stop_pos + 1]
+        assert responses[-1].finish_reason == "stop"
+    # two chat turns: the second prompt extends the first turn's prompt and answer
+    draft = random_draft(model, num_layers=1, block_size=16, seed=4)
+    cache = make_prompt_cache(model, draft)
+    first, _ = decode(model, draft, prompt[:40], max_tokens=8, block_size=4, stop_token_ids=[], prompt_cache=cache)
+    assert first == greedy_reference(model, prompt[:40], 8)
+    turn2 = prompt[:40] + first + prompt[40:50]
+    second, responses = decode(model, draft, turn2, max_tokens=12, block_size=4, stop_token_ids=[],
+                               prompt_cache=cache)
+    assert second == greedy_reference(model, turn2, 12)
+    assert responses[0].prefill_tokens <= len(turn2) - 40  # the first turn's caches were reused
