@@ -8,7 +8,10 @@ GGUF converter and cached as a standard `tokenizer.json` folder in the user
 cache, keyed by the file's identity.
 
 Supported architectures: llama (SmolLM2, Llama, incl. Llama 3.1 `rope_freqs`),
-gemma3 (text), qwen2 and qwen3.
+gemma3 (text), qwen2, qwen3 and qwen3moe (Qwen3-MoE: stacked expert tensors map
+to mlx-lm's `SwitchGLU`). gpt-oss is refused (MXFP4 experts, attention sinks and
+YaRN RoPE are not mapped); any other architecture too. For those, convert the
+Hugging Face checkpoint with `mlx_lm.convert` and load the folder.
 """
 
 import hashlib
@@ -25,7 +28,10 @@ from typing import Callable, Dict, Optional
 import numpy as np
 
 GGUF_MAGIC = b"GGUF"
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe")
+_MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3",
+                "qwen3moe": "qwen3_moe"}
+_ALTERNATIVE = "convert the Hugging Face checkpoint with mlx_lm.convert and pass the folder instead"
 
 # GGUF metadata value types: fixed-size scalars by struct format; 8 string, 9 array.
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -204,10 +210,18 @@ def tensor_to_numpy(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None) 
 def model_config(gf: GGUFFile) -> dict:
     """An HF/mlx-lm style config dict from GGUF metadata."""
     arch = gf.architecture
+    if arch == "gpt-oss":
+        # gguf.quants dequantizes MXFP4, but the attention sinks, expert biases,
+        # YaRN RoPE and the fused/split expert layouts of llama.cpp's converter are
+        # not mapped or tested here: refuse rather than load a subtly wrong model.
+        raise GGUFError(
+            f"{gf.path}: gpt-oss GGUF files are not supported (MXFP4 experts, attention sinks "
+            f"and YaRN RoPE are not mapped); {_ALTERNATIVE}"
+        )
     if arch not in SUPPORTED_ARCHS:
         raise GGUFError(
             f"{gf.path}: architecture {arch!r} is not supported "
-            f"(supported: {', '.join(SUPPORTED_ARCHS)})"
+            f"(supported: {', '.join(SUPPORTED_ARCHS)}); {_ALTERNATIVE}"
         )
     tokens = gf.metadata.get("tokenizer.ggml.tokens")
     vocab = int(gf.arch_key("vocab_size", len(tokens) if tokens is not None else 0))
@@ -223,11 +237,16 @@ def model_config(gf: GGUFFile) -> dict:
 
     n_heads = need("attention.head_count")
     hidden = need("embedding_length")
+    n_layers = need("block_count")
+    if arch == "qwen3moe" and gf.arch_key("feed_forward_length") is None:
+        ffn = need("expert_feed_forward_length")  # only used by dense layers, if any
+    else:
+        ffn = need("feed_forward_length")
     cfg = {
-        "model_type": {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3"}[arch],
+        "model_type": _MODEL_TYPES[arch],
         "hidden_size": hidden,
-        "num_hidden_layers": need("block_count"),
-        "intermediate_size": need("feed_forward_length"),
+        "num_hidden_layers": n_layers,
+        "intermediate_size": ffn,
         "num_attention_heads": n_heads,
         "num_key_value_heads": int(gf.arch_key("attention.head_count_kv", n_heads)),
         "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
@@ -256,6 +275,19 @@ def model_config(gf: GGUFFile) -> dict:
         cfg["sliding_window_pattern"] = 6
         cfg["rope_local_base_freq"] = 10000.0
         cfg["query_pre_attn_scalar"] = cfg["head_dim"]
+    if arch == "qwen3moe":
+        cfg["num_experts"] = need("expert_count")
+        cfg["num_experts_per_tok"] = need("expert_used_count")
+        cfg["moe_intermediate_size"] = need("expert_feed_forward_length")
+        # llama.cpp's qwen3moe graph always renormalizes the top-k weights and its
+        # converter writes no key for it (all released Qwen3-MoE set norm_topk_prob).
+        cfg["norm_topk_prob"] = True
+        # llama.cpp makes every layer sparse; a layer without a router is a dense
+        # MLP layer (mlx-lm's mlp_only_layers), so step 1 and the list say it all.
+        cfg["decoder_sparse_step"] = 1
+        cfg["mlp_only_layers"] = [
+            i for i in range(n_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gf.tensors
+        ]
     return cfg
 
 
@@ -277,6 +309,14 @@ _ARCH_LAYER_NAMES = {
     "llama": {"ffn_norm": "post_attention_layernorm"},
     "qwen2": {"ffn_norm": "post_attention_layernorm"},
     "qwen3": {"ffn_norm": "post_attention_layernorm"},
+    "qwen3moe": {
+        "ffn_norm": "post_attention_layernorm",
+        # router and stacked experts, [n_expert, out, in] as SwitchGLU holds them
+        "ffn_gate_inp": "mlp.gate",
+        "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+        "ffn_up_exps": "mlp.switch_mlp.up_proj",
+        "ffn_down_exps": "mlp.switch_mlp.down_proj",
+    },
     "gemma3": {
         "post_attention_norm": "post_attention_layernorm",
         "ffn_norm": "pre_feedforward_layernorm",

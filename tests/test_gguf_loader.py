@@ -36,7 +36,7 @@ def logits(model, ids=IDS):
     return np.array(model(mx.array([ids]))[0].astype(mx.float32))
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3", "llama-rope_freqs"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen2", "qwen3", "qwen3moe", "llama-rope_freqs"])
 def test_tiny_roundtrip_is_exact(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     extra = {}
@@ -59,6 +59,73 @@ def test_tiny_q8_0_dequantizes(tmp_path, arch):
     # 8-bit blocks: small error, same greedy choices
     assert np.abs(ref - got).max() < 0.1 * np.abs(ref).max()
     assert (ref.argmax(-1) == got.argmax(-1)).mean() >= 0.9
+
+
+def test_qwen3moe_config_and_experts(tmp_path):
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    path = tmp_path / "moe.gguf"
+    original = write_tiny_gguf(path, "qwen3moe")
+    gf = gguf_loader.read_gguf(path)
+    assert gf.tensors["blk.0.ffn_gate_exps.weight"].shape == (8, 32, 64)  # [n_expert, out, in]
+    assert gf.tensors["blk.0.ffn_down_exps.weight"].shape == (8, 64, 32)
+    model, _, cfg = gguf_loader.load_gguf(path)
+    assert cfg["model_type"] == "qwen3_moe"
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (8, 2, 32)
+    assert cfg["norm_topk_prob"] is True and cfg["decoder_sparse_step"] == 1
+    assert cfg["mlp_only_layers"] == [] and cfg["head_dim"] == 16
+    for layer, ref in zip(model.layers, original.layers):
+        assert isinstance(layer.mlp.switch_mlp, SwitchGLU) and layer.mlp.top_k == 2
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            np.testing.assert_array_equal(np.array(getattr(layer.mlp.switch_mlp, proj).weight),
+                                          np.array(getattr(ref.mlp.switch_mlp, proj).weight))
+        np.testing.assert_array_equal(np.array(layer.mlp.gate.weight), np.array(ref.mlp.gate.weight))
+    # incremental decoding through the KV cache agrees with the full forward pass
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    first = model(mx.array([IDS[:12]]), cache=cache)[0, -1]
+    step = model(mx.array([IDS[12:13]]), cache=cache)[0, -1]
+    full = logits(model, IDS[:13])
+    np.testing.assert_allclose(np.array(first), full[11], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.array(step), full[12], rtol=1e-4, atol=1e-4)
+
+
+def test_qwen3moe_dense_layer_without_router(tmp_path):
+    # A layer with no ffn_gate_inp is a dense MLP layer (mlx-lm's mlp_only_layers).
+    path = tmp_path / "moe.gguf"
+    original = write_tiny_gguf(path, "qwen3moe", mlp_only_layers=[1])
+    assert "blk.1.ffn_gate_inp.weight" not in gguf_loader.read_gguf(path).tensors
+    model, _, cfg = gguf_loader.load_gguf(path)
+    assert cfg["mlp_only_layers"] == [1] and cfg["intermediate_size"] == 128
+    np.testing.assert_array_equal(logits(model), logits(original))
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3moe", gguf.GGMLQuantizationType.Q8_0),
+                                        ("qwen3moe", gguf.GGMLQuantizationType.Q4_0),
+                                        ("llama", gguf.GGMLQuantizationType.Q8_0)])
+def test_quantized_weights_dequantize_exactly(tmp_path, arch, qtype):
+    path = tmp_path / f"{arch}.gguf"
+    # the returned model holds the reference dequantization of every quantized tensor
+    original = write_tiny_gguf(path, arch, qtype=qtype, exact_quant=True)
+    gf = gguf_loader.read_gguf(path)
+    assert gf.tensors["blk.0.attn_q.weight"].ggml_type == qtype
+    if arch == "qwen3moe":  # stacked experts quantized, the router kept in F32
+        assert gf.tensors["blk.0.ffn_up_exps.weight"].ggml_type == qtype
+        assert gf.tensors["blk.0.ffn_gate_inp.weight"].ggml_type == gguf.GGMLQuantizationType.F32
+    model, _, _ = gguf_loader.load_gguf(path)
+    np.testing.assert_array_equal(logits(model), logits(original))
+
+
+def test_gpt_oss_is_refused_with_alternative(tmp_path):
+    p = tmp_path / "gpt-oss.gguf"
+    write_tiny_gguf(p, "llama", arch_name="gpt-oss")
+    expected = r"gpt-oss GGUF files are not supported .*MXFP4.*mlx_lm\.convert"
+    with pytest.raises(GGUFError, match=expected) as e:
+        gguf_loader.load_gguf(p)
+    assert "\n" not in str(e.value)
+    with pytest.raises(loading.ModelLoadError, match=expected):
+        loading.load(str(p), quiet=True)
 
 
 def test_header_parse(tmp_path):
@@ -130,7 +197,8 @@ def test_truncated_file(tmp_path):
 def test_unsupported_architecture_and_version(tmp_path):
     p = tmp_path / "m.gguf"
     write_tiny_gguf(p, "llama", arch_name="mamba")
-    with pytest.raises(GGUFError, match="'mamba' is not supported.*llama, gemma3, qwen2, qwen3"):
+    with pytest.raises(GGUFError, match=r"'mamba' is not supported \(supported: llama, gemma3, "
+                       r"qwen2, qwen3, qwen3moe\); convert .* with mlx_lm\.convert and pass the folder"):
         gguf_loader.load_gguf(p)
     write_tiny_gguf(p, "llama", version=99)
     with pytest.raises(GGUFError, match="unsupported GGUF version 99"):
