@@ -324,3 +324,56 @@ def test_shared_machine_noise_does_not_trap_the_policy_on_a_worse_width():
     fixed = {w: sum(drive(FixedWidth(w), s) for s in seeds) for w in (1, 2, 3, 4, 6, 8, 16)}
     assert max(fixed, key=fixed.get) == 4
     assert sum(drive(BlockSizer(MAX), s) for s in seeds) >= 0.95 * fixed[4]
+
+
+# t(w)/t(1) of a verify on a small MoE target and on a dense one with the same active width,
+# measured on this CPU (benchmarks/results/20261202-moe-verify-cost): every row routes to its
+# own experts, so an MoE verify grows with the width almost as plain decoding steps would.
+MOE_VERIFY = {1: 1.0, 2: 1.48, 4: 2.23, 8: 3.41, 16: 5.89}
+DENSE_VERIFY = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.24, 16: 1.59}
+
+
+def measured_cost(table, draft=0.25):
+    """Seconds per cycle from a measured verify table (linear between measured widths),
+    plus a draft forward for drafted cycles."""
+    points = sorted(table)
+
+    def cost(width):
+        lo = max(p for p in points if p <= width)
+        hi = min(p for p in points if p >= width)
+        verify = table[lo] if lo == hi else table[lo] + (table[hi] - table[lo]) * (width - lo) / (hi - lo)
+        return verify if width == 1 else draft + verify
+
+    return cost
+
+
+@pytest.mark.parametrize("table,narrow", [(MOE_VERIFY, True), (DENSE_VERIFY, False)])
+def test_auto_settles_narrow_where_wide_verifies_lose(table, narrow):
+    """A good draft (each next token accepted with probability 0.8): on the MoE costs wide
+    verifies lose and `auto` settles on a narrow width; on the dense costs it goes wide."""
+    import collections
+    import random
+
+    cost = measured_cost(table)
+    sizer = BlockSizer(MAX)
+    rng = random.Random(0)
+    widths = []
+    for c in range(400):
+        w = sizer.choose(10**6)
+        a = 0
+        while a < w - 1 and rng.random() < 0.8:
+            a += 1
+        sizer.update(w, a, cost(w))
+        widths.append(w)
+    settled = collections.Counter(widths[200:]).most_common(1)[0][0]
+
+    def rate(w):  # expected tokens per second at a fixed width
+        return sum(0.8**k for k in range(w)) / cost(w)
+
+    best = max(range(1, MAX + 1), key=rate)
+    if narrow:
+        assert 2 <= settled <= 6 and best <= 6
+        assert sum(w >= 12 for w in widths[200:]) <= 6  # a rare probe at most, with back-off
+    else:
+        assert settled >= 8 and best >= 8
+    assert rate(settled) >= 0.9 * rate(best)

@@ -101,3 +101,46 @@ def test_stop_inside_a_block_and_a_second_turn(key):
                                prompt_cache=cache)
     assert second == greedy_reference(model, turn2, 12, stop_ids=(EOS_ID,))
     assert responses[0].prefill_tokens <= len(turn2) - 40  # the first turn's caches were reused
+
+
+def test_a_cache_without_a_rollback_path_is_refused_naming_it():
+    from dflash_mlx.target import UnsupportedTargetError
+    from dflash_mlx.testing import tiny_target
+
+    class OpaqueCache:  # neither trimmable nor a recurrent state the engine can restore
+        pass
+
+    model, _ = tiny_target("qwen3")
+    model.make_cache = lambda: [OpaqueCache() for _ in model.layers]
+    with pytest.raises(UnsupportedTargetError, match=r"cache 0 \(OpaqueCache\) cannot be rolled back"):
+        Target(model)
+
+
+def test_a_model_without_decoder_layers_is_refused_naming_what_is_missing():
+    import mlx.nn as nn
+
+    from dflash_mlx.target import UnsupportedTargetError
+
+    class NotALanguageModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(4, 4)
+
+    with pytest.raises(UnsupportedTargetError, match="cannot find the decoder layers and token embedding"):
+        Target(NotALanguageModel())
+
+
+@pytest.mark.parametrize("key", ["granite", "cohere", "minicpm3"])
+def test_models_with_their_own_output_code_get_their_own_logits(key):
+    """Logit scaling (Granite), a logit scale (Cohere), a scaled head input (MiniCPM3):
+    the engine's logits are the model's own, computed from the same hidden states."""
+    import mlx.core as mx
+
+    model = model_for(key)
+    target = Target(model)
+    assert target._own_head  # found by the check: the soft-capped head alone would be wrong here
+    prompt, _ = case_for(key)
+    h, _, _ = target.forward(mx.array([prompt]), target.make_cache())
+    own = model(mx.array([prompt]), cache=target.make_cache())
+    assert mx.allclose(target.logits(h), own, atol=1e-5).item()
+    assert not mx.allclose(target.logits(h, own_head=False), own, atol=1e-2).item()
