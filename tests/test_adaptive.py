@@ -251,7 +251,7 @@ def test_second_auto_call_starts_from_what_the_first_learned():
     def widths():
         out, seen = [], []
         for r in stream_generate(model, wrong, tok, prompt, max_tokens=40, block_size="auto",
-                                 stop_token_ids=[]):
+                                 stop_token_ids=[], copy_proposals=False):  # the draft's widths only
             out += r.tokens
             if r.verify_width is not None:
                 seen.append(r.verify_width)
@@ -287,7 +287,8 @@ def test_a_profiled_call_does_not_teach_the_shared_policy():
     for r in stream_generate(model, draft, tok, [1, 2, 3, 4], max_tokens=12, block_size="auto",
                              stop_token_ids=[]):
         pass
-    assert sum(shared.samples.values()) == len(r.accept_lengths) - 1  # its first cycle untimed
+    drafted = sum(n for kind, (n, _) in r.proposal_counts.items() if kind != "copy")  # copies: the copy record
+    assert sum(shared.samples.values()) == drafted - 1  # its first cycle untimed
 
 
 # Seconds per cycle as measured for SmolLM2-135M with its shipped draft on this CPU
@@ -333,7 +334,7 @@ MOE_VERIFY = {1: 1.0, 2: 1.48, 4: 2.23, 8: 3.41, 16: 5.89}
 DENSE_VERIFY = {1: 1.0, 2: 1.02, 4: 1.05, 8: 1.24, 16: 1.59}
 
 
-def measured_cost(table, draft=0.25):
+def table_cost(table, draft=0.25):
     """Seconds per cycle from a measured verify table (linear between measured widths),
     plus a draft forward for drafted cycles."""
     points = sorted(table)
@@ -354,7 +355,7 @@ def test_auto_settles_narrow_where_wide_verifies_lose(table, narrow):
     import collections
     import random
 
-    cost = measured_cost(table)
+    cost = table_cost(table)
     sizer = BlockSizer(MAX)
     rng = random.Random(0)
     widths = []

@@ -154,12 +154,15 @@ def test_auto_block_size_is_lossless_and_adapts(arch):
     # The widths chosen depend on this machine's timings of a tiny model, where a
     # 16-token verify costs about what a 1-token step does; the policy itself is
     # tested on simulated costs in test_adaptive.py. Here: exact at whatever widths.
+    # Copy proposals off: this is about the draft's widths (copies: test_copy_proposals.py).
     wrong = ScriptedDraft(Target(model), prompt + ref, lambda c: 0, block_size=16)
-    out, responses = run(model, wrong, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[])
+    out, responses = run(model, wrong, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[],
+                         copy_proposals=False)
     assert out == ref
     assert set(responses[-1].accept_lengths) == {0}
     oracle = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=16)
-    out, responses = run(model, oracle, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[])
+    out, responses = run(model, oracle, tok, prompt, max_tokens=80, block_size="auto", stop_token_ids=[],
+                         copy_proposals=False)
     assert out == ref
     # every drafted block of the oracle accepted whole, and it goes wide
     assert all(r.accept_length == r.verify_width - 1 for r in responses[1:-1])

@@ -290,6 +290,8 @@ def main(argv=None):
     else:
         layer_ids = _layer_ids(args.target_layers, target.num_layers, args.layers)
         if args.init == "target":
+            # the last layers, or on hybrid targets the last ones with attention
+            copy_layers = copy_layers or I.target_copy_layers(target, args.layers)
             layer_ids = I.target_init_layer_ids(target.num_layers, args.layers, copy_layers, layer_ids)
 
     if args.data:
@@ -402,7 +404,11 @@ def main(argv=None):
         log(f"grown from {args.grow_from}: {draft.config.num_hidden_layers} layers")
     elif args.init == "target" and grown is None:
         log(f"initialised from the target: layers {done['copied_layers']}, "
-            f"fc passes tap {done.get('passthrough_tap')}, {len(done['skipped'])} tensors left random")
+            f"fc passes tap {done.get('passthrough_tap')}, {len(done['skipped'])} tensors left random"
+            + "".join(f"; {what} random in draft layers {done[key]} ({why})" for key, what, why in (
+                ("no_attention", "attention", "their target layers have none"),
+                ("no_dense_mlp", "MLP", "their target layers have a sparse MoE or other MLP"))
+                      if done.get(key)))
     if vocab is not None:
         log(f"draft vocabulary: {len(vocab)} tokens, {100 * coverage(train, vocab):.2f}% of response tokens")
 

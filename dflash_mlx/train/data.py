@@ -241,6 +241,20 @@ def generate_responses(
     return written
 
 
+def _batch_cache(target, pads, n_layers):
+    """Left-padded batch caches: `BatchKVCache` per layer; on hybrid targets (recurrent
+    layers, mlx-lm's `ArraysCache`: Gated DeltaNet, Mamba) the model's own cache list with
+    each recurrent state given the padding (the layers mask padded positions out of it and
+    advance it) and each other entry a `BatchKVCache`."""
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache
+
+    own = target.make_cache()
+    if not any(isinstance(c, ArraysCache) for c in own):
+        return [BatchKVCache(pads) for _ in range(n_layers)]
+    return [ArraysCache(len(c.cache), left_padding=pads) if isinstance(c, ArraysCache) else BatchKVCache(pads)
+            for c in own]
+
+
 def _generate_batch(target, batch, eos, max_tokens, layer_ids):
     """Greedy-decode one left-padded batch; yields (record, features or None) per row."""
     import mlx.core as mx
@@ -252,7 +266,7 @@ def _generate_batch(target, batch, eos, max_tokens, layer_ids):
     S = max(lens)
     pads = [S - n for n in lens]
     x = mx.array([[0] * p + ids for p, (_, ids) in zip(pads, batch)])
-    cache = [BatchKVCache(pads) for _ in range(n_layers)]
+    cache = _batch_cache(target, pads, n_layers)
     h, feats, _ = target.forward(x, cache, layer_ids)
     tok = mx.argmax(target.logits(h[:, -1]), axis=-1)
     mx.eval(tok, feats) if feats is not None else mx.eval(tok)

@@ -16,6 +16,12 @@ allow it by default):
   is that layer's input norm: the first draft layer's context K/V then equal the
   target's own K/V there;
 - `norm` <- the target's final norm (the borrowed LM head sees its usual scale);
+- layers of other kinds (MoE, hybrid targets): whatever has no counterpart of the
+  same kind and shape stays random and is named in the returned dict: a sparse MoE
+  block leaves the draft's dense MLP random (`no_dense_mlp`), a layer without
+  attention (Gated DeltaNet, Mamba) its attention (`no_attention`). Where the last
+  layers have no attention but enough earlier ones do, the draft copies the last
+  layers that have it (`target_copy_layers`);
 - feature preconditioning: the tapped features are very unevenly scaled (one
   SmolLM2 dimension has mean |x| 432 against a typical 26), which makes Adam's
   effective step per `fc` column proportional to that column's input scale.
@@ -36,17 +42,73 @@ from dflash_mlx.draft_config import DraftConfig, default_target_layer_ids
 
 
 def _target_attention_layout(target):
-    """(heads, kv_heads, head_dim, intermediate) of the target's decoder layers."""
+    """(heads, kv_heads, head_dim, intermediate) of the target's decoder layers (an MoE
+    target without a dense width: 4x its expert width, else 4x hidden; a target without
+    attention heads, e.g. pure Mamba or RWKV: `random_draft_config`'s hidden/64 heads)."""
     a = target.args
-    heads = a.num_attention_heads
+    H = target.hidden_size
+    heads = getattr(a, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads <= 0:
+        heads = max(1, H // 64)
     kv = getattr(a, "num_key_value_heads", None) or heads
-    head_dim = getattr(a, "head_dim", None) or a.hidden_size // heads
-    return heads, kv, head_dim, a.intermediate_size
+    head_dim = getattr(a, "head_dim", None) or H // heads
+    inter = getattr(a, "intermediate_size", None)
+    if not isinstance(inter, int) or inter <= 0:
+        moe = getattr(a, "moe_intermediate_size", None)
+        inter = 4 * moe if isinstance(moe, int) and moe > 0 else 4 * H
+    return heads, kv, head_dim, inter
 
 
 def default_copy_layers(num_target_layers: int, num_draft_layers: int) -> List[int]:
     """The target's last layers: they map late features to next-token states."""
     return list(range(num_target_layers - num_draft_layers, num_target_layers))
+
+
+def _target_layers(target) -> list:
+    """The target's decoder layers (`Target.layers` where the adapter has it: PLaMo 2 keeps
+    them inside a decoder module)."""
+    layers = getattr(target, "layers", None)
+    return layers if isinstance(layers, list) else target.text_model.layers
+
+
+def _child(module, name: str):
+    """`module.name` when it is a submodule, else None (mlx Modules raise AttributeError)."""
+    try:
+        v = getattr(module, name)
+    except AttributeError:
+        return None
+    return v if isinstance(v, nn.Module) else None
+
+
+def _dense_mlp(layer) -> bool:
+    """Whether a target decoder layer has a llama-style dense MLP (not a sparse MoE block)."""
+    mlp = _child(layer, "mlp")
+    return mlp is not None and all(isinstance(_child(mlp, n), (nn.Linear, nn.QuantizedLinear))
+                                   for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def has_attention(layer) -> bool:
+    """Whether a target decoder layer has a softmax attention (`self_attn`) to copy."""
+    return _child(layer, "self_attn") is not None
+
+
+def target_copy_layers(target, num_draft_layers: int) -> List[int]:
+    """The target layers a target-initialised draft copies: the last ones
+    (`default_copy_layers`), or, when some of those have no attention (hybrid targets:
+    Gated DeltaNet, Mamba layers) and at least `num_draft_layers` layers have one, the
+    last layers that have attention (fewer attention layers than draft layers: all of
+    them, and the last other layers after them). Dense and MoE targets: always the last ones."""
+    layers = _target_layers(target)
+    default = default_copy_layers(len(layers), num_draft_layers)
+    if all(has_attention(layers[i]) for i in default if i >= 0):
+        return default
+    attn = [i for i, layer in enumerate(layers) if has_attention(layer)]
+    if not attn:
+        return default
+    if len(attn) >= num_draft_layers:
+        return attn[-num_draft_layers:]
+    rest = [i for i in range(len(layers)) if i > attn[0] and i not in attn][len(attn) - num_draft_layers:]
+    return sorted(attn + rest) if len(attn) + len(rest) == num_draft_layers else default
 
 
 def target_init_layer_ids(num_target_layers: int, num_draft_layers: int, copy_layers=None,
@@ -74,6 +136,7 @@ def draft_config_from_target(
     """A draft config with the target's head layout, MLP width and RoPE, so its layers
     can be copied. The tap feeding the first copied layer is always included."""
     heads, kv, head_dim, inter = _target_attention_layout(target)
+    copy_layers = list(copy_layers or target_copy_layers(target, num_layers))
     taps = target_init_layer_ids(target.num_layers, num_layers, copy_layers, target_layer_ids)
     a = target.args
     cfg = dict(
@@ -142,18 +205,23 @@ def _dense(layer) -> Optional[mx.array]:
     return None if w is None else w
 
 
-def _typical_head_rms(target, layer_idx: int, sample: mx.array) -> Dict[str, float]:
-    """Median per-head RMS of the target's q and k at `layer_idx` on `sample` [1, S]."""
-    tl = target.text_model.layers[layer_idx]
+def _typical_head_rms(target, layer_idx: int, sample: mx.array) -> Optional[Dict[str, float]]:
+    """Median per-head RMS of the target's q and k at `layer_idx` on `sample` [1, S];
+    None when that layer has no input norm and q/k projections to measure them with."""
+    tl = _target_layers(target)[layer_idx]
+    attn, norm = _child(tl, "self_attn"), _child(tl, "input_layernorm")
+    projs = [_child(attn, n) if attn is not None else None for n in ("q_proj", "k_proj")]
+    if norm is None or any(not isinstance(p, (nn.Linear, nn.QuantizedLinear)) for p in projs):
+        return None
     feed = [layer_idx - 1] if layer_idx > 0 else []
     if feed:
         _, x, _ = target.forward(sample, None, feed)
     else:
         x = target.embed(sample)
-    x = tl.input_layernorm(x)
+    x = norm(x)
     out = {}
-    for name in ("q_proj", "k_proj"):
-        w = _dense(getattr(tl.self_attn, name))
+    for name, proj in zip(("q_proj", "k_proj"), projs):
+        w = _dense(proj)
         y = x @ w.T
         d = _target_attention_layout(target)[2]
         y = y.reshape(*y.shape[:-1], -1, d)
@@ -174,14 +242,23 @@ def init_from_target(
     """Copy target weights into `draft` where shapes match (see the module docstring).
 
     `scale`: the per-dimension feature scale training will use (fc is set in that
-    space); `sample`: token ids to measure q/k RMS on. Returns what was done.
+    space); `sample`: token ids to measure q/k RMS on. Returns what was done:
+    `copied_layers` (the target layers used), `skipped` (draft tensors left random),
+    `no_attention` / `no_dense_mlp` (draft layers whose attention / MLP stayed random
+    because their target layer has none: hybrid and MoE targets), `qk_rms` (or
+    `qk_norm_unmeasured`: draft layers whose q/k norms stayed at 1), `passthrough_tap`.
     """
     cfg = draft.config
-    copy_layers = list(copy_layers or default_copy_layers(target.num_layers, cfg.num_hidden_layers))
+    copy_layers = list(copy_layers or target_copy_layers(target, cfg.num_hidden_layers))
     done: Dict[str, object] = {"copied_layers": [], "skipped": []}
     sample_ids = mx.array([list(sample or range(1, 65))])
     for i, (dl, li) in enumerate(zip(draft.layers, copy_layers)):
-        tl = target.text_model.layers[li]
+        tl = _target_layers(target)[li]
+        attn = _child(tl, "self_attn")
+        if attn is None:
+            done.setdefault("no_attention", []).append(i)
+        if not _dense_mlp(tl):
+            done.setdefault("no_dense_mlp", []).append(i)
         for path, param in tree_flatten(dl.parameters()):
             mod_path, leaf = path.rsplit(".", 1)
             src = tl
@@ -201,12 +278,15 @@ def init_from_target(
                 done["skipped"].append(f"layers.{i}.{path}")
                 continue
             _set(dl, path, w.astype(mx.float32))
-        has_qk_norm = type(getattr(tl.self_attn, "q_norm", None)) is nn.RMSNorm
-        if qk_norm and not has_qk_norm:
-            rms = _typical_head_rms(target, li, sample_ids)
-            dl.self_attn.q_norm.weight = mx.full(dl.self_attn.q_norm.weight.shape, rms["q_proj"])
-            dl.self_attn.k_norm.weight = mx.full(dl.self_attn.k_norm.weight.shape, rms["k_proj"])
-            done.setdefault("qk_rms", []).append(rms)
+        has_qk_norm = attn is not None and type(_child(attn, "q_norm")) is nn.RMSNorm
+        if qk_norm and not has_qk_norm and attn is not None:
+            rms = _typical_head_rms(target, li, sample_ids)  # None: nothing to measure it with
+            if rms is not None:
+                dl.self_attn.q_norm.weight = mx.full(dl.self_attn.q_norm.weight.shape, rms["q_proj"])
+                dl.self_attn.k_norm.weight = mx.full(dl.self_attn.k_norm.weight.shape, rms["k_proj"])
+                done.setdefault("qk_rms", []).append(rms)
+            else:
+                done.setdefault("qk_norm_unmeasured", []).append(i)  # left at 1
         done["copied_layers"].append(li)
     feed = copy_layers[0] - 1
     taps = list(cfg.target_layer_ids)
@@ -217,8 +297,8 @@ def init_from_target(
         block = np.ones(H, dtype=np.float32) if scale is None else 1.0 / scale[j * H : (j + 1) * H]
         w[:, j * H : (j + 1) * H] = np.diag(block)
         draft.fc.weight = mx.array(w)
-        norm = target.text_model.layers[copy_layers[0]].input_layernorm
-        if type(norm) is nn.RMSNorm:
+        norm = _child(_target_layers(target)[copy_layers[0]], "input_layernorm")
+        if type(norm) is nn.RMSNorm and norm.weight.shape == draft.hidden_norm.weight.shape:
             draft.hidden_norm.weight = mx.array(norm.weight).astype(mx.float32)
         done["passthrough_tap"] = feed
     init_final_norm(draft, target)
