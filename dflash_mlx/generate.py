@@ -17,6 +17,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.accept import Proposal, accept_in_pieces, make_acceptor
 from dflash_mlx.adaptive import FixedWidth, sizer_for
+from dflash_mlx.copy_proposals import ContextIndex, CopyPolicy, copy_policy_for
 from dflash_mlx.options import AUTO, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
 from dflash_mlx.target import Target, target_for
@@ -52,6 +53,8 @@ class DFlashResponse:
     accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
     verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
+    proposal: Optional[str] = None  # what this cycle verified: "draft" | "copy" | None (plain step, prefill)
+    proposal_counts: Dict[str, List[int]] = field(default_factory=dict)  # kind -> [cycles, tokens committed]
     logprobs: Optional[List["TokenLogprob"]] = None  # one per token of `tokens`, when asked for
 
     @property
@@ -240,6 +243,7 @@ class Step:
     width: int
     times: Optional[Dict[str, float]] = None
     logprobs: Optional[List[TokenLogprob]] = None
+    proposal: Optional[str] = None  # what was verified: "draft" | "copy" | None (a plain step)
 
 
 def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
@@ -281,12 +285,16 @@ def _committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optiona
 
 def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
            budget: int, stops, timer, split_head: Optional[bool] = None,
-           logprobs: Optional[int] = None) -> Iterator[Step]:
+           logprobs: Optional[int] = None, copies: Optional[CopyPolicy] = None,
+           index: Optional[ContextIndex] = None) -> Iterator[Step]:
     """Draft -> verify -> accept -> rollback until a stop id or `budget` more tokens.
 
     `last` [1]: the last committed token. Each cycle syncs with the host once,
     to read the accept length (twice when a split LM head needs its other rows,
     see `HeadRows`; `split_head` None: on CPUs); `widths` picks each cycle's verify width.
+    `copies` (with `index`, the context so far): a cycle may verify a copy of what followed
+    an earlier occurrence of the context's suffix instead of the draft's block, when that
+    is expected to commit more tokens per second (`copy_proposals.CopyPolicy`).
     `logprobs` (None: off) >= 0: each step carries its tokens' `TokenLogprob`s with that
     many alternatives, from the verify's own logits (one more sync when on).
     """
@@ -294,11 +302,19 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
     head_rows = HeadRows(split=mx.default_device() == mx.cpu if split_head is None else split_head)
     while budget > 0:
         width = widths.choose(budget)
+        match, copy_length = None, 0
+        if copies is not None:
+            match = index.match(copies.max_length)
+            copy_length = copies.choose(match, budget, width)
         timer.start()
         t0 = time.perf_counter()
         state.valid = False
         with mx.stream(generation_stream):
-            if width > 1:
+            if copy_length:
+                width = copy_length + 1
+                proposal = Proposal(mx.array([match.continuation[:copy_length]], dtype=mx.int32))
+                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+            elif width > 1:
                 proposal = drafter.propose(last, width, acceptor)
                 verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
                 # The draft runs while the host builds the verify graph (on a GPU
@@ -321,7 +337,10 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
         mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
         a = accept_len.item()
         head_rows.update(a)
-        widths.update(width, a, time.perf_counter() - t0)
+        if copy_length:
+            copies.update(match.length, copy_length, a, time.perf_counter() - t0)
+        else:
+            widths.update(width, a, time.perf_counter() - t0)
         timer.mark("verify")
 
         tokens = committed[0, : a + 1].tolist()
@@ -340,10 +359,13 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
         timer.mark("rollback", lambda: [c.state for c in cache])
         state.tokens.extend(verify_in[0, :kept].tolist())
         state.valid = True
+        if index is not None:
+            index.extend(tokens[:kept])
         budget -= kept
         last = committed[:, a]
+        kind = "copy" if copy_length else ("draft" if width > 1 else None)
         yield Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
-                   step_logprobs)
+                   step_logprobs, kind)
         if finish is not None:
             return
 
@@ -371,6 +393,7 @@ def stream_generate(
     draft_sampling: str = "argmax",
     split_head: Optional[bool] = None,
     logprobs: Optional[int] = None,
+    copy_proposals: bool = True,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -384,6 +407,9 @@ def stream_generate(
     `logprobs`: None (off, no cost), or k >= 0: each response's `logprobs` gives its
     tokens' log-probabilities under the target's unmodified distribution (before
     temperature and filters) and the k most likely tokens there (`TokenLogprob`).
+    `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
+    instead of the draft's block, when measured acceptance and cost say it commits more
+    tokens per second (`dflash_mlx.copy_proposals`); exact either way.
     """
     tokenizer = _wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -394,11 +420,14 @@ def stream_generate(
     width = fixed_width(block_size, draft.block_size if use_draft else 1)  # ValueError for a bad one
     if not use_draft:
         width = 1
+    copies = None
     if width is None:
         widths = sizer_for(model, draft)
+        copies = copy_policy_for(widths) if copy_proposals else None
         if profile:
             # profiling syncs at every phase: its cycle times must not teach the shared policy
             widths = copy.deepcopy(widths)
+            copies = CopyPolicy(widths) if copies is not None else None
     else:
         widths = FixedWidth(width)
     if max_tokens < 1:
@@ -433,11 +462,12 @@ def stream_generate(
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
         yield from _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids,
-                            max_tokens, stops, timer, prefill_step_size, split_head, logprobs)
+                            max_tokens, stops, timer, prefill_step_size, split_head, logprobs, copies)
 
 
 def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, max_tokens, stops,
-             timer, prefill_step_size, split_head=None, logprobs=None) -> Iterator[DFlashResponse]:
+             timer, prefill_step_size, split_head=None, logprobs=None,
+             copies=None) -> Iterator[DFlashResponse]:
     """Steps of `prefill` and `cycles` as responses: detokenized text and running statistics."""
     detok = tokenizer.detokenizer
     detok.reset()
@@ -449,6 +479,7 @@ def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, ma
 
     n_generated = 0
     accept_lengths: List[int] = []
+    proposal_counts: Dict[str, List[int]] = {}
     gen_tic = time.perf_counter()
 
     def response(step: Step, first: bool = False) -> DFlashResponse:
@@ -461,6 +492,9 @@ def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, ma
             detok.finalize()
         if not first:
             accept_lengths.append(step.accept_length)
+            counts = proposal_counts.setdefault(step.proposal or "plain", [0, 0])
+            counts[0] += 1
+            counts[1] += len(step.tokens)
         elapsed = time.perf_counter() - gen_tic
         return DFlashResponse(
             text=detok.last_segment,
@@ -480,6 +514,8 @@ def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, ma
             cycle_times=step.times,
             verify_width=None if first else step.width,
             logprobs=step.logprobs,
+            proposal=step.proposal,
+            proposal_counts={k: list(v) for k, v in proposal_counts.items()},
         )
 
     first_token = last.item()
@@ -488,8 +524,9 @@ def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, ma
     yield response(Step([first_token], [False], finish, 0, 1, logprobs=first_logprobs), first=True)
     if finish is not None:
         return
+    index = state.context_index(first_token) if copies is not None else None
     for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer, split_head,
-                       logprobs):
+                       logprobs, copies, index):
         yield response(step)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from dflash_mlx.copy_proposals import ContextIndex
 from dflash_mlx.target import target_for
 
 
@@ -75,6 +76,19 @@ class PromptCache:
     max_snapshots: int = 0
     max_bytes: Optional[int] = None
     snapshots: "OrderedDict[tuple, Snapshot]" = field(default_factory=OrderedDict)
+    # the whole conversation (fed tokens + the last committed one), for copy proposals
+    copy_index: Optional[ContextIndex] = None
+
+    def context_index(self, last: int) -> ContextIndex:
+        """The index of `tokens` + [last] for copy proposals: the one kept from earlier calls
+        brought up to date when it is a prefix of them (a chat's next turn), else built anew."""
+        context = self.tokens + [last]
+        index = self.copy_index
+        if index is None or not index.follows(context):
+            index = ContextIndex()
+        index.extend(context[len(index):])
+        self.copy_index = index
+        return index
 
     @property
     def snapshot_bytes(self) -> int:

@@ -27,6 +27,16 @@ from dflash_mlx.tui.widgets import MessageView, SettingsScreen, StatsPanel
 MAX = 12  # answer length in most tests: short, so each test takes well under a second
 
 
+@pytest.fixture(autouse=True)
+def one_proposal_kind(monkeypatch):
+    """These tests follow the app's streaming cycle by cycle with a random draft that is never
+    right (one token per cycle); the tiny target's answers repeat, which copy proposals would
+    commit in long runs. The proposal policy is tested in test_copy_proposals.py."""
+    from dflash_mlx.copy_proposals import CopyPolicy
+
+    monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width: 0)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model, tok = testing.tiny_target("qwen3", seed=0)
