@@ -11,7 +11,7 @@ from dflash_mlx.bench import suites
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data"
 
 # Record counts of the evaluation splits (MBPP: sanitized test task ids only).
-SIZES = {"gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 257, "mtbench": 80, "aime25": 30}
+SIZES = {"copy": 12, "gsm8k": 1319, "math500": 500, "humaneval": 164, "mbpp": 257, "mtbench": 80, "aime25": 30}
 
 
 def test_vendored_files_are_intact_and_found_first():
@@ -23,6 +23,11 @@ def test_vendored_files_are_intact_and_found_first():
 
 @pytest.mark.parametrize("name", list(suites.SUITES))
 def test_suite_loads_every_record_with_a_user_prompt(name):
+    if name == "copy":
+        from dflash_mlx.documents import EVAL_DOCUMENTS, read_documents
+
+        if read_documents(EVAL_DOCUMENTS)[1]:
+            pytest.skip("the copy suite's documents (system licence texts, difflib.py) are not all here")
     prompts = suites.load_suite(name, root=str(DATA))
     assert len(prompts) == SIZES[name]
     assert len({p.id for p in prompts}) == len(prompts)

@@ -37,6 +37,7 @@ class Trace:
     cycle_times: Optional[Dict[str, float]] = None  # per-phase sums (profiled pass)
     profiled_cycles: int = 0  # cycles the cycle_times sums cover
     finish_reason: Optional[str] = None
+    proposals: Optional[Dict[str, List[int]]] = None  # DFlash: kind -> [cycles, tokens committed]
 
     @property
     def generated(self) -> int:
@@ -142,6 +143,7 @@ def aggregate(rows: List[dict]) -> dict:
         "accept_hist": hist,
         "cycle_split_s": split,
         "mismatches": sum(1 for r in rows if r.get("tokens_match") is False),
+        "proposals": _pooled_proposals(rows),
         "prefill_tps": _ratio(sum(r["prompt_tokens"] for r in rows),
                               sum(r["prefill_s"] for r in rows)),
         "baseline_prefill_tps": _ratio(sum(r["prompt_tokens"] for r in rows),
@@ -153,3 +155,14 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else 0.0
 
 
+
+
+def _pooled_proposals(rows: List[dict]) -> Optional[Dict[str, List[int]]]:
+    """kind -> [cycles, tokens committed] over all rows (None when no row reports kinds)."""
+    out: Dict[str, List[int]] = {}
+    for r in rows:
+        for kind, (cycles, tokens) in (r.get("proposals") or {}).items():
+            counts = out.setdefault(kind, [0, 0])
+            counts[0] += cycles
+            counts[1] += tokens
+    return out or None

@@ -169,6 +169,16 @@ def markdown(doc: dict) -> str:
         hist = per["all"]["accept_hist"]
         lines += ["", "Accept-length histogram (all suites): "
                   + ", ".join(f"{a}: {c}" for a, c in enumerate(hist) if c), ""]
+        kinds = sorted({k for s in per.values() for k in (s.get("proposals") or {})})
+        if kinds:
+            lines += ["What the cycles verified (cycles / tokens committed): draft = the draft's block, "
+                      "copy = a span copied from the context, plain = a one-token step.", "",
+                      "| suite | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
+            for suite, s in per.items():
+                counts = s.get("proposals") or {}
+                lines.append(f"| {suite} | " + " | ".join(
+                    "{} / {}".format(*counts[k]) if k in counts else "–" for k in kinds) + " |")
+            lines.append("")
     if len(blocks) > 1:
         lines += ["## Block-size sweep (all suites)", "",
                   "| block | tau | DFlash tok/s | speed-up | efficiency | limit |",

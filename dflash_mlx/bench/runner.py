@@ -106,6 +106,7 @@ def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
         cycle_times=sums or None,
         profiled_cycles=profiled,
         finish_reason=last.finish_reason,
+        proposals=dict(getattr(last, "proposal_counts", None) or {}) or None,
     )
 
 
@@ -248,6 +249,7 @@ def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: Union[int, 
         "tokens_match": (mismatch is None) if greedy else None,
         "first_mismatch": mismatch,
         "finish_reason": trace.finish_reason,
+        "proposals": trace.proposals,  # kind ("draft" | "copy" | "plain") -> [cycles, tokens committed]
         "baseline_generated": base.generated,
         "baseline_generation_s": base.generation_s,
         "baseline_prefill_s": base.prefill_s,

@@ -11,7 +11,7 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from dflash_mlx.loading import apply_chat_template
 
@@ -150,6 +150,68 @@ def load_mtbench(root: Path) -> List[Prompt]:
     ]
 
 
+# -- copy-heavy tasks, from the depth benchmark's held-out documents -----------------------
+
+
+def _paragraphs(text: str, lo: int = 300, hi: int = 700) -> List[str]:
+    """Paragraphs of `lo`-`hi` characters (whitespace inside joined), in order."""
+    out = []
+    for block in text.split("\n\n"):
+        para = " ".join(block.split())
+        if lo <= len(para) <= hi:
+            out.append(para)
+    return out
+
+
+def _functions(source: str, lo: int = 250, hi: int = 900) -> List[Tuple[str, str]]:
+    """(name, source) of top-level or method `def`s of `lo`-`hi` characters."""
+    import ast
+
+    found = []
+    lines = source.splitlines()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("__"):
+            body = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            indent = len(body) - len(body.lstrip())
+            body = "\n".join(line[indent:] for line in body.splitlines())
+            if lo <= len(body) <= hi:
+                found.append((node.name, body))
+    return found
+
+
+def load_copy(root: Path) -> List[Prompt]:
+    """Tasks whose answers are mostly spans of the prompt: a text edit, a code edit (a
+    rename), quoting, and repeating an earlier answer in a later turn. Built from the depth
+    benchmark's evaluation documents (`documents.EVAL_DOCUMENTS`: licence texts and
+    difflib.py), which no shipped draft was trained on; `root` is not used."""
+    from dflash_mlx.documents import EVAL_DOCUMENTS, read_documents
+
+    docs, _ = read_documents(EVAL_DOCUMENTS)
+    texts = [p for d in docs if d.kind == "licence" for p in _paragraphs(d.text)]
+    code = [f for d in docs if d.kind == "code" for f in _functions(d.text)]
+    prompts = []
+    for i, para in enumerate(texts[:6:2]):
+        prompts.append(Prompt("copy", f"copy/text-edit/{i}", _user(
+            "Rewrite the text below with every occurrence of the word \"the\" in capitals (THE). "
+            "Change nothing else and reply with the text only.\n\n" + para), {"task": "text edit"}))
+    for i, (name, body) in enumerate(code[:3]):
+        prompts.append(Prompt("copy", f"copy/code-edit/{i}", _user(
+            f"Rename the function `{name}` to `{name}_v2` in the code below. Reply with the whole "
+            "code in one Python code block and change nothing else.\n\n```python\n" + body + "\n```"),
+            {"task": "code edit"}))
+    for i, para in enumerate(texts[1:7:2]):
+        prompts.append(Prompt("copy", f"copy/quote/{i}", _user(
+            "Quote the text below word for word, in quotation marks, then name its subject in "
+            "one sentence.\n\n" + para), {"task": "quote"}))
+    for i, para in enumerate(texts[6:9]):
+        prompts.append(Prompt("copy", f"copy/repeat/{i}", [
+            {"role": "user", "content": "Write one paragraph of licence text."},
+            {"role": "assistant", "content": para},
+            {"role": "user", "content": "Repeat your previous answer word for word."},
+        ], {"task": "multi-turn repeat"}))
+    return prompts
+
+
 SUITES: Dict[str, Callable[[Path], List[Prompt]]] = {
     "gsm8k": load_gsm8k,
     "math500": load_math500,
@@ -157,6 +219,7 @@ SUITES: Dict[str, Callable[[Path], List[Prompt]]] = {
     "mbpp": load_mbpp,
     "mtbench": load_mtbench,
     "aime25": load_aime25,
+    "copy": load_copy,
 }
 
 
