@@ -109,10 +109,13 @@ def run(args) -> int:
     if args.json:
         out = {"text": "".join(pieces), "tokens": tokens, **stats,
                "accept_lengths": list(last.accept_lengths), "tau": tau, "model": args.model,
-               "draft": draft_label}
+               "draft": draft_label, "proposals": dict(last.proposal_counts)}
         print(json.dumps(out, ensure_ascii=False))
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
+    copied = last.proposal_counts.get("copy")
+    if copied:
+        tau_s += f", {copied[1]} from copies"
     print()
     print(
         f"[{stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s{tau_s}, "

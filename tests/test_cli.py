@@ -16,7 +16,7 @@ from gguf_helpers import load_packaged, write_tiny_gguf
 REPO = Path(__file__).resolve().parents[1]
 JSON_KEYS = {
     "text", "tokens", "prompt_tokens", "generation_tokens", "accept_lengths", "tau",
-    "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason", "model", "draft",
+    "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason", "model", "draft", "proposals",
 }
 
 
@@ -56,6 +56,9 @@ def test_json_fields(tiny, capsys):
     assert r["accept_lengths"] and all(0 <= a <= 3 for a in r["accept_lengths"])
     assert r["tau"] == pytest.approx(sum(a + 1 for a in r["accept_lengths"]) / len(r["accept_lengths"]))
     assert r["generation_tps"] > 0 and r["prompt_tps"] > 0 and r["peak_memory_gb"] >= 0
+    # cycles by what they verified (draft block, copy, plain step): every cycle, every token after the first
+    assert sum(n for n, _ in r["proposals"].values()) == len(r["accept_lengths"])
+    assert sum(t for _, t in r["proposals"].values()) == len(r["tokens"]) - 1
 
 
 def test_dflash_equals_baseline(tiny, capsys):
