@@ -88,6 +88,7 @@ def _run(stream) -> dict:
     tokens, accepts, widths = [], [], []
     tic = time.perf_counter()
     t_first = t_last = c_first = c_last = None
+    r = None
     for r in stream:
         now, cpu = time.perf_counter(), time.process_time()
         tokens.extend(r.tokens)
@@ -109,6 +110,8 @@ def _run(stream) -> dict:
         "tau": (sum(a + 1 for a in accepts) / len(accepts)) if accepts else None,
         "accept_lengths": accepts,
         "widths": widths,
+        # kind ("draft" | "copy" | "plain") -> [cycles, tokens committed]
+        "proposals": dict(getattr(r, "proposal_counts", None) or {}),
     }
 
 
@@ -392,15 +395,17 @@ def markdown(doc: dict) -> str:
         "",
         "## Per document",
         "",
-        "| depth | document | plain tok/s | auto tok/s | tau | TTFT plain / auto s | settled | "
-        + " | ".join(f"block {w} tok/s" for w in widths) + " |",
-        "|---:|---|---:|---:|---:|---|---:|" + "---:|" * len(widths),
+        "| depth | document | plain tok/s | auto tok/s | tau | TTFT plain / auto s | settled | auto's tokens "
+        "(draft / copy / plain) | " + " | ".join(f"block {w} tok/s" for w in widths) + " |",
+        "|---:|---|---:|---:|---:|---|---:|---|" + "---:|" * len(widths),
     ]
     for r in doc["records"]:
         p, a = r["runs"]["plain"], r["runs"]["auto"]
+        kinds = a.get("proposals") or {}
+        split = " / ".join(str(kinds.get(k, [0, 0])[1]) for k in ("draft", "copy", "plain")) if kinds else "–"
         lines.append(
             f"| {r['depth']} | {r['document']} | {_f(p['decode_tps'])} | {_f(a['decode_tps'])} | {_f(a['tau'])} | "
-            f"{_f(p['ttft_s'])} / {_f(a['ttft_s'])} | {r['settled_width']} | "
+            f"{_f(p['ttft_s'])} / {_f(a['ttft_s'])} | {r['settled_width']} | {split} | "
             + " | ".join(_f(r["runs"][f"block {w}"]["decode_tps"]) for w in widths) + " |")
     return "\n".join(lines) + "\n"
 
