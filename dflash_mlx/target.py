@@ -1,5 +1,6 @@
 """Target adapters: run an mlx-lm model while tapping the layers DFlash reads,
-and roll its caches back after a partial accept.
+and roll its caches back after a partial accept (the rollback of each cache kind:
+`dflash_mlx/rollback.py`).
 
 Nothing here patches mlx-lm classes. Taps are scoped: during one forward the
 tapped entries of the model's own `layers` list are swapped for thin wrappers,
@@ -7,45 +8,28 @@ and put back in a `finally`. The model's own forward (masks, sliding windows,
 shared KV, embedding scales) runs unchanged.
 """
 
-import inspect
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, _BaseCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from dflash_mlx import kernels
 from dflash_mlx.draft_config import validate_for_target
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.layout import transposed
+from dflash_mlx.rollback import (
+    UnsupportedTargetError, VerifyRecord, ReplayTap, StandIn, TapedGatedDeltaNet, gdn_class,
+    sub_caches, replay_gdn, replay_layer, rollback_cache, rollback_kind,
+)
 
 # Where mlx-lm's text models keep their token embedding, and their LM head when untied.
 EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings")
 HEAD_NAMES = ("lm_head", "output", "embed_out")
 
 
-class UnsupportedTargetError(ValueError):
-    pass
-
-
-class _StandIn:
-    """Base of the wrappers swapped into a model for one forward: attribute reads pass
-    through to the wrapped module, and `isinstance` sees its class (some models pick a
-    layer's mask by the layer's class, e.g. OLMo hybrid)."""
-
-    _wrapped: Any
-
-    @property
-    def __class__(self):
-        return type(self._wrapped)
-
-    def __getattr__(self, name):
-        return getattr(self._wrapped, name)
-
-
-class _LayerTap(_StandIn):
+class _LayerTap(StandIn):
     """Stands in for one decoder layer during a forward and hands its output to `after`."""
 
     def __init__(self, layer, after):
@@ -56,134 +40,6 @@ class _LayerTap(_StandIn):
         out = self._wrapped(*args, **kwargs)
         self._after(out)
         return out
-
-
-@dataclass
-class GDNTape:
-    """What one Gated DeltaNet layer keeps from a verify forward so that a partial
-    accept rebuilds its cache from the accepted steps alone (no second forward)."""
-
-    conv_input: mx.array  # [B, K-1+S, C]: the conv state before verify, then the S new conv inputs
-    state: mx.array  # [B, Hv, Dv, Dk] recurrent state before verify
-    q: mx.array  # [B, S, Hk, Dk] the recurrence's inputs: normalized queries and keys,
-    k: mx.array
-    v: mx.array  # [B, S, Hv, Dv] values,
-    g: mx.array  # [B, S, Hv] (or [B, S, Hv, Dk]) per-step decay,
-    beta: mx.array  # [B, S, Hv] write strength
-    deltas: Optional[mx.array]  # [B, S, Hv, Dv] float32 per-step updates (v_t - S k_t) * beta_t, if computed
-
-
-@dataclass
-class LayerReplay:
-    """A decoder layer's verify call, kept so a partial accept can rebuild a cache that
-    cannot be trimmed: the layer, the arguments it got and the states it started from."""
-
-    layer: Any
-    args: tuple
-    kwargs: dict
-    cache: Any  # the cache the layer got (an ArraysCache, or a CacheList holding one)
-    start: List[Any]  # per (sub-)cache: its ArraysCache contents before verify, None for one that trims
-
-
-@dataclass
-class VerifyRecord:
-    """What a verify forward keeps so recurrent layers can be rewound:
-    gdn[cache index] = GDNTape (Qwen3.5 Gated DeltaNet), replay[id(cache)] = LayerReplay (any other)."""
-
-    gdn: Dict[int, GDNTape] = field(default_factory=dict)
-    replay: Dict[int, LayerReplay] = field(default_factory=dict)
-
-
-def _sub_caches(c) -> list:
-    return list(c.caches) if isinstance(c, CacheList) else [c]
-
-
-def rollback_kind(c) -> Optional[str]:
-    """How a cache is rolled back after a partial accept: "trim" (attention KV, rotating
-    windows, lists of them), "replay" (holds recurrent state: restore it, re-run the layer
-    on the kept tokens), or None (no way known)."""
-    if isinstance(c, CacheList):
-        kinds = [rollback_kind(s) for s in c.caches]
-        if None in kinds:
-            return None
-        return "replay" if "replay" in kinds else "trim"
-    if isinstance(c, ArraysCache):
-        return "replay"
-    if isinstance(c, RotatingKVCache) or (callable(getattr(c, "trim", None)) and hasattr(c, "offset")):
-        return "trim"
-    return None
-
-
-def _cache_argument(args, kwargs):
-    c = kwargs.get("cache")
-    if isinstance(c, _BaseCache):
-        return c
-    return next((a for a in args if isinstance(a, _BaseCache)), None)
-
-
-class _ReplayTap(_StandIn):
-    """Stands in for one decoder layer during verify: when the layer gets one of the
-    caches in `watched` (recurrent state that cannot be trimmed), its call is recorded."""
-
-    def __init__(self, layer, watched: Dict[int, Any], sink):
-        self._wrapped = layer
-        self._watched = watched
-        self._sink = sink
-
-    def __call__(self, *args, **kwargs):
-        c = _cache_argument(args, kwargs)
-        if c is not None and id(c) in self._watched:
-            start = [list(s.cache) if isinstance(s, ArraysCache) else None for s in _sub_caches(c)]
-            self._sink(LayerReplay(self._wrapped, args, kwargs, c, start))
-        return self._wrapped(*args, **kwargs)
-
-
-class _TapedGatedDeltaNet(_StandIn):
-    """Stands in for a Qwen3.5 `GatedDeltaNet` token mixer during verify.
-
-    The same computation as mlx-lm's module for an unpadded batch, except that
-    the recurrence is `kernels.gdn_verify` (which also returns the per-step
-    deltas where that is free), and the tape is handed to `sink`.
-    """
-
-    def __init__(self, mixer, sink):
-        self._wrapped = mixer
-        self._sink = sink
-
-    def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
-        from mlx_lm.models.gated_delta import compute_g, normalize_qk  # only hybrid targets need it
-
-        m = self._wrapped
-        if mask is not None or cache is None or getattr(cache, "lengths", None) is not None:
-            raise UnsupportedTargetError("verify with a taped Gated DeltaNet needs an unpadded batch and a cache")
-        B, S, _ = inputs.shape
-        qkv = m.in_proj_qkv(inputs)
-        z = m.in_proj_z(inputs).reshape(B, S, m.num_v_heads, m.head_v_dim)
-        beta = mx.sigmoid(m.in_proj_b(inputs))
-        g = compute_g(m.A_log, m.in_proj_a(inputs), m.dt_bias)
-        conv_state = cache[0]
-        if conv_state is None:
-            conv_state = mx.zeros((B, m.conv_kernel_size - 1, m.conv_dim), dtype=inputs.dtype)
-        conv_input = mx.concatenate([conv_state, qkv], axis=1)
-        cache[0] = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1):, :])
-        conv_out = nn.silu(m.conv1d(conv_input))
-        q, k, v = [
-            t.reshape(B, S, h, d)
-            for t, h, d in zip(
-                mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
-                [m.num_k_heads, m.num_k_heads, m.num_v_heads],
-                [m.head_k_dim, m.head_k_dim, m.head_v_dim],
-            )
-        ]
-        q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-        state = cache[1]
-        if state is None:
-            state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-        out, cache[1], deltas = kernels.gdn_verify(q, k, v, g, beta, state)
-        cache.advance(S)
-        self._sink(GDNTape(conv_input, state, q, k, v, g, beta, deltas))
-        out = m.norm(out, z)
-        return m.out_proj(out.reshape(B, S, -1))
 
 
 def _quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
@@ -204,7 +60,7 @@ def _quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
     return found
 
 
-class _SmallMQuantizedLinear(_StandIn):
+class _SmallMQuantizedLinear(StandIn):
     """Stands in for one QuantizedLinear during a verify forward: `kernels.quantized_linear`."""
 
     def __init__(self, layer):
@@ -255,7 +111,7 @@ def _text_args(model):
     return args
 
 
-class _HiddenStates(_StandIn):
+class _HiddenStates(StandIn):
     """Stands in for the text model inside the model's own forward and returns given
     final hidden states, so `Model.__call__` applies exactly its own head and output
     transforms (logit scaling, soft-capping, ...) to them. Attribute reads pass through."""
@@ -300,7 +156,7 @@ class Target:
                              None)
         self._gdn_layers = [
             i for i, layer in enumerate(self.layers)
-            if isinstance(getattr(layer, "linear_attn", None), _gdn_class())
+            if isinstance(getattr(layer, "linear_attn", None), gdn_class())
         ]
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None
@@ -315,7 +171,7 @@ class Target:
         for i, c in enumerate(self.make_cache()):
             kind = rollback_kind(c)
             if kind is None:
-                parts = "/".join(type(s).__name__ for s in _sub_caches(c))
+                parts = "/".join(type(s).__name__ for s in sub_caches(c))
                 raise UnsupportedTargetError(
                     f"{self.arch}: cache {i} ({parts}) cannot be rolled back after a partial accept: it has no "
                     "trim (attention KV) and is not a recurrent state (mlx-lm's ArraysCache) that can be "
@@ -498,14 +354,14 @@ class Target:
                 for idx in self._gdn_layers:
                     layer = layers[idx]
                     swapped.append((layer, "linear_attn", layer["linear_attn"]))
-                    layer["linear_attn"] = _TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
+                    layer["linear_attn"] = TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
                 watched = {id(c): c for c, kind in zip(cache, self._replay_kinds) if kind == "replay"}
                 if watched:
                     # which layer gets which cache is the model's business: every layer is
                     # watched, and one handed a watched cache records its call
                     for idx in range(len(layers)):
                         swapped.append((layers, idx, layers[idx]))
-                        layers[idx] = _ReplayTap(layers[idx], watched, keep_replay)
+                        layers[idx] = ReplayTap(layers[idx], watched, keep_replay)
             if small_m:
                 for parent, key, q in self._quantized:
                     swapped.append((parent, key, q))
@@ -565,94 +421,6 @@ class Target:
                 replay_layer(record.replay[id(c)], num_tokens, keep)
             else:
                 raise RuntimeError(f"cache {idx} ({type(c).__name__}) was not fed by the verify forward")
-
-
-def _gdn_class():
-    from mlx_lm.models.qwen3_5 import GatedDeltaNet  # _TapedGatedDeltaNet is a port of exactly this module
-
-    return GatedDeltaNet
-
-
-def rollback_cache(c, n: int):
-    """Drop the last `n` entries of an attention cache (or of each cache in a CacheList)."""
-    if isinstance(c, CacheList):
-        for sub in c.caches:
-            rollback_cache(sub, n)
-    elif isinstance(c, RotatingKVCache):
-        rollback_rotating(c, n)
-    else:
-        c.trim(n)
-
-
-def rollback_rotating(c: RotatingKVCache, n: int):
-    if c._idx != c.keys.shape[2]:
-        raise RuntimeError(
-            "RotatingKVCache rollback expects the buffer left by a multi-token update; "
-            "verify feeds at least two tokens whenever there is something to reject"
-        )
-    c.keys = c.keys[..., : c._idx - n, :]
-    c.values = c.values[..., : c._idx - n, :]
-    c.offset -= n
-    c._idx -= n
-
-
-def replay_gdn(c: ArraysCache, tape: GDNTape, keep: int):
-    """Set a Gated DeltaNet cache to what feeding only the first `keep` verify tokens gives.
-
-    Conv state: the last K-1 conv inputs up to the kept ones. Recurrent state:
-    the pre-verify state advanced by the first `keep` taped steps (no layer runs).
-    """
-    n_conv = tape.conv_input.shape[1] - tape.k.shape[1]  # K - 1
-    c[0] = mx.contiguous(tape.conv_input[:, keep : keep + n_conv])
-    c[1] = kernels.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)
-
-
-_SIGNATURES: Dict[type, List[str]] = {}
-
-
-def _parameter_names(layer) -> List[str]:
-    cls = type(layer)
-    if cls not in _SIGNATURES:
-        params = inspect.signature(cls.__call__).parameters
-        _SIGNATURES[cls] = [n for n in params if n != "self"]
-    return _SIGNATURES[cls]
-
-
-def _kept_input(value, name: str, num_tokens: int, keep: int):
-    """One argument of a recorded layer call cut to the first `keep` of `num_tokens` positions.
-
-    Masks (parameters named *mask*): an attention mask [..., S, K] keeps the kept queries and
-    the keys before the rejected ones (the cache's new keys come last); a per-step mask
-    [B, S] keeps the kept steps. Other arrays with the sequence on axis 1 (hidden states,
-    per-layer inputs, positions) keep the kept positions; everything else is passed as is."""
-    if not isinstance(value, mx.array) or value.ndim < 2:
-        return value
-    S, drop = num_tokens, num_tokens - keep
-    if "mask" in name:
-        if value.shape[-2] == S:
-            return value[..., :keep, : value.shape[-1] - drop]
-        if value.shape[-1] == S:
-            return value[..., :keep]
-        return value
-    if value.shape[1] == S:
-        return value[:, :keep]
-    return value
-
-
-def replay_layer(entry: LayerReplay, num_tokens: int, keep: int):
-    """Set a layer's cache to what feeding only the first `keep` of the `num_tokens` verify
-    tokens gives: every part goes back to its pre-verify state (recurrent arrays restored,
-    attention entries trimmed) and the layer runs again on the kept positions' inputs,
-    which a causal model computed exactly as a forward of the kept tokens alone would."""
-    for sub, start in zip(_sub_caches(entry.cache), entry.start):
-        if start is not None:
-            sub.cache = list(start)
-        else:
-            rollback_cache(sub, num_tokens)
-    names = _parameter_names(entry.layer)
-    args = [_kept_input(a, names[i] if i < len(names) else "", num_tokens, keep) for i, a in enumerate(entry.args)]
-    kwargs = {k: _kept_input(v, k, num_tokens, keep) for k, v in entry.kwargs.items()}
-    entry.layer(*args, **kwargs)
 
 
 def target_for(model, draft) -> Target:

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import kernels, stream_generate
-from dflash_mlx.target import GDNTape, Target
+from dflash_mlx.rollback import GDNTape
+from dflash_mlx.target import Target
 from dflash_mlx.testing import ScriptedDraft, clean_case, tiny_target
 
 _spec = importlib.util.spec_from_file_location(
