@@ -16,8 +16,11 @@ accepted tokens). A copy is a deterministic proposal: greedy acceptance is exact
 and at temperature > 0 it is a one-hot q, exact with the usual rejection step.
 """
 
+import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from dflash_mlx.adaptive import _interpolate
 
 MAX_NGRAM = 8
 
@@ -84,8 +87,6 @@ class CopyRecord:
         self.prior_strength = prior_strength
         self.hits = [[0.0] * max_depth for _ in range(MAX_NGRAM + 1)]
         self.trials = [[0.0] * max_depth for _ in range(MAX_NGRAM + 1)]
-        self.cycles = 0
-        self.accepted = 0
 
     def alpha(self, length: int) -> List[float]:
         """P(copy token k+1 accepted | tokens up to k were), per depth k, for a match of `length`.
@@ -108,8 +109,6 @@ class CopyRecord:
 
     def update(self, length: int, proposed: int, accepted: int):
         """A copy of a match of `length`: `proposed` tokens verified, the first `accepted` right."""
-        self.cycles += 1
-        self.accepted += accepted
         hits, trials = self.hits[length], self.trials[length]
         for k in range(self.max_depth):
             hits[k] *= self.decay
@@ -145,9 +144,7 @@ class CopyPolicy:
     def cycle_time(self, width: int) -> Optional[float]:
         if width in self.times:
             return self.times[width]
-        from dflash_mlx.adaptive import _interpolate  # one interpolation rule for both policies
-
-        own = _interpolate(width, self.times)
+        own = _interpolate(width, self.times)  # the draft policy's rule between measured widths
         drafted = self.sizer.cycle_time(width)
         if own is None:
             return drafted
@@ -177,7 +174,7 @@ class CopyPolicy:
         recent = self._recent.setdefault(width, [])
         recent.append(seconds / self.sizer.load)
         del recent[: -self.recent_cycles]
-        self.times[width] = sorted(recent)[len(recent) // 2]
+        self.times[width] = statistics.median(recent)  # as BlockSizer times its widths
 
 
 def copy_policy_for(sizer) -> CopyPolicy:

@@ -426,8 +426,8 @@ def stream_generate(
         copies = copy_policy_for(widths) if copy_proposals else None
         if profile:
             # profiling syncs at every phase: its cycle times must not teach the shared policy
-            widths = copy.deepcopy(widths)
-            copies = CopyPolicy(widths) if copies is not None else None
+            widths = copy.deepcopy(widths)  # its copy policy comes along, riding on the copy
+            copies = copy_policy_for(widths) if copies is not None else None
     else:
         widths = FixedWidth(width)
     if max_tokens < 1:

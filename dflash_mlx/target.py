@@ -155,8 +155,8 @@ class Target:
         self._lm_head = next((head_holder[n] for n in HEAD_NAMES if isinstance(head_holder.get(n), nn.Module)),
                              None)
         self._gdn_layers = [
-            i for i, layer in enumerate(self.layers)
-            if isinstance(getattr(layer, "linear_attn", None), gdn_class())
+            i for i, layer in enumerate(self.layers)  # (qwen3_5 is imported only for a model with linear layers)
+            if "linear_attn" in layer and isinstance(layer["linear_attn"], gdn_class())
         ]
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None

@@ -64,13 +64,6 @@ def default_copy_layers(num_target_layers: int, num_draft_layers: int) -> List[i
     return list(range(num_target_layers - num_draft_layers, num_target_layers))
 
 
-def _target_layers(target) -> list:
-    """The target's decoder layers (`Target.layers` where the adapter has it: PLaMo 2 keeps
-    them inside a decoder module)."""
-    layers = getattr(target, "layers", None)
-    return layers if isinstance(layers, list) else target.text_model.layers
-
-
 def _child(module, name: str):
     """`module.name` when it is a submodule, else None (mlx Modules raise AttributeError)."""
     try:
@@ -98,7 +91,7 @@ def target_copy_layers(target, num_draft_layers: int) -> List[int]:
     Gated DeltaNet, Mamba layers) and at least `num_draft_layers` layers have one, the
     last layers that have attention (fewer attention layers than draft layers: all of
     them, and the last other layers after them). Dense and MoE targets: always the last ones."""
-    layers = _target_layers(target)
+    layers = target.layers
     default = default_copy_layers(len(layers), num_draft_layers)
     if all(has_attention(layers[i]) for i in default if i >= 0):
         return default
@@ -208,7 +201,7 @@ def _dense(layer) -> Optional[mx.array]:
 def _typical_head_rms(target, layer_idx: int, sample: mx.array) -> Optional[Dict[str, float]]:
     """Median per-head RMS of the target's q and k at `layer_idx` on `sample` [1, S];
     None when that layer has no input norm and q/k projections to measure them with."""
-    tl = _target_layers(target)[layer_idx]
+    tl = target.layers[layer_idx]
     attn, norm = _child(tl, "self_attn"), _child(tl, "input_layernorm")
     projs = [_child(attn, n) if attn is not None else None for n in ("q_proj", "k_proj")]
     if norm is None or any(not isinstance(p, (nn.Linear, nn.QuantizedLinear)) for p in projs):
@@ -253,7 +246,7 @@ def init_from_target(
     done: Dict[str, object] = {"copied_layers": [], "skipped": []}
     sample_ids = mx.array([list(sample or range(1, 65))])
     for i, (dl, li) in enumerate(zip(draft.layers, copy_layers)):
-        tl = _target_layers(target)[li]
+        tl = target.layers[li]
         attn = _child(tl, "self_attn")
         if attn is None:
             done.setdefault("no_attention", []).append(i)
@@ -297,7 +290,7 @@ def init_from_target(
         block = np.ones(H, dtype=np.float32) if scale is None else 1.0 / scale[j * H : (j + 1) * H]
         w[:, j * H : (j + 1) * H] = np.diag(block)
         draft.fc.weight = mx.array(w)
-        norm = _child(_target_layers(target)[copy_layers[0]], "input_layernorm")
+        norm = _child(target.layers[copy_layers[0]], "input_layernorm")
         if type(norm) is nn.RMSNorm and norm.weight.shape == draft.hidden_norm.weight.shape:
             draft.hidden_norm.weight = mx.array(norm.weight).astype(mx.float32)
         done["passthrough_tap"] = feed
