@@ -13,25 +13,27 @@ serve caches that cannot be trimmed (Gated DeltaNet state) and conversations
 that interleave. A client that goes away cancels its generation at the next
 cycle. Tool calls are parsed by the tokenizer's mlx-lm tool parser
 (`dflash_mlx.tool_calls`).
+
+Here: the worker (queue, prompt cache, cancellation), the app's routes and the command line.
+Request bodies to `GenerationRequest`s and stop strings: `server_requests.py`; the worker's
+events as each API's answers, whole or streamed: `server_answers.py`.
 """
 
 import argparse
 import asyncio
-import json
 import queue
 import sys
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from starlette.exceptions import HTTPException
 
@@ -43,268 +45,18 @@ from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.packaged import DEFAULT_MODEL
 from dflash_mlx.prompt_cache import make_prompt_cache
 from dflash_mlx.target import Target
-from dflash_mlx.tool_calls import ToolCallStream, template_tools, with_tool_calling
+from dflash_mlx.server_answers import (
+    anthropic_error, call_id, openai_error, anthropic_complete, anthropic_stream, openai_complete, openai_stream,
+)
+from dflash_mlx.server_requests import (
+    GenerationRequest, RequestError, StopMatcher, anthropic_prompt, completion_request, messages_request,
+    openai_chat_request,
+)
+from dflash_mlx.tool_calls import with_tool_calling
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 SCHEDULING = "one request at a time, first come first served, from a bounded queue"
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # snapshots kept for prefix reuse: 1 GiB
-
-
-# -- requests -------------------------------------------------------------------
-
-
-class RequestError(Exception):
-    """A request the server refuses; shown in the shape of the API it came to (`openai_body`, `anthropic_body`)."""
-
-    def __init__(self, message, param=None, status=400, code=None, type="invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
-
-    def body(self) -> dict:
-        return self.openai_body()
-
-    def openai_body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def anthropic_body(self) -> dict:
-        kind = {400: "invalid_request_error", 404: "not_found_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error"}.get(self.status, "api_error")
-        return {"type": "error", "error": {"type": kind, "message": self.message}}
-
-
-@dataclass
-class GenerationRequest:
-    """What the worker runs: API-neutral."""
-
-    kind: str  # "chat" | "completion" (a completion keeps the first token's leading space)
-    prompt_ids: List[int]
-    options: GenerationOptions  # the engine's arguments: the server's block size, the request's sampling
-    stop: List[str] = field(default_factory=list)
-    logprobs: Optional[int] = None  # None: off; k: each token's log-probability and k alternatives
-    stream: bool = False
-    include_usage: bool = False
-    tools: Optional[List[dict]] = None  # in the chat template's form; None: no tool calls are looked for
-    parallel_tool_calls: bool = True
-
-
-def _refuse(body):
-    for refusal in body.refusals():
-        raise RequestError(refusal.message, param=refusal.param)
-
-
-def _text(content, param: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(part.text for part in content)
-
-
-def _arguments(text: str, param: str):
-    try:
-        return json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise RequestError(f"{param} is not JSON ({e.msg} at column {e.colno}): send the arguments the "
-                           "server returned", param=param) from None
-
-
-def openai_chat_messages(messages: List[P.ChatMessage]) -> List[dict]:
-    """OpenAI messages as chat templates read them (arguments as objects, as mlx-lm passes them)."""
-    out = []
-    for i, m in enumerate(messages):
-        where = f"messages[{i}]"
-        if isinstance(m, P.SystemMessage):
-            out.append({"role": "system", "content": _text(m.content, where)})
-        elif isinstance(m, P.UserMessage):
-            out.append({"role": "user", "content": _text(m.content, where)})
-        elif isinstance(m, P.ToolMessage):
-            out.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": _text(m.content, where)})
-        else:
-            msg = {"role": "assistant", "content": _text(m.content, where)}
-            if m.tool_calls:
-                msg["tool_calls"] = [
-                    {"id": c.id, "type": "function", "function": {
-                        "name": c.function.name,
-                        "arguments": _arguments(c.function.arguments, f"{where}.tool_calls[{j}].function.arguments"),
-                    }} for j, c in enumerate(m.tool_calls)
-                ]
-            out.append(msg)
-    return out
-
-
-def anthropic_chat_messages(body: P.AnthropicPrompt) -> List[dict]:
-    """Anthropic messages as chat templates read them: tool_result blocks become "tool" messages,
-    tool_use blocks the assistant's tool_calls."""
-    out = []
-    if body.system:
-        out.append({"role": "system", "content": _text(body.system, "system")})
-    for m in body.messages:
-        if isinstance(m.content, str):
-            out.append({"role": m.role, "content": m.content})
-            continue
-        text, calls = [], []
-
-        def flush():
-            if text or (m.role == "assistant" and calls):
-                msg = {"role": m.role, "content": "".join(text)}
-                if calls:
-                    msg["tool_calls"] = list(calls)
-                out.append(msg)
-            text.clear()
-            calls.clear()
-
-        for block in m.content:
-            if isinstance(block, P.AnthropicText):
-                text.append(block.text)
-            elif isinstance(block, P.AnthropicToolUse):
-                calls.append({"id": block.id, "type": "function",
-                              "function": {"name": block.name, "arguments": block.input}})
-            else:
-                flush()
-                content = _text(block.content, "tool_result")
-                out.append({"role": "tool", "tool_call_id": block.tool_use_id,
-                            "content": ("Error: " + content) if block.is_error else content})
-        flush()
-    return out
-
-
-def anthropic_tools(tools: Optional[List[P.AnthropicTool]]) -> Optional[List[dict]]:
-    if not tools:
-        return None
-    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
-                                              "parameters": t.input_schema}} for t in tools]
-
-
-def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> GenerationOptions:
-    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
-                if getattr(body, k, None) is not None}
-    options = replace(worker.options, max_tokens=max_tokens or worker.options.max_tokens, **sampling)
-    try:
-        return options.check()
-    except ValueError as e:
-        raise RequestError(str(e)) from None
-
-
-def _check_model(worker: "Worker", model: Optional[str]):
-    if model is not None and model not in worker.model_ids:
-        raise RequestError(f"model '{model}' is not served here: use '{worker.model_name}' (GET /v1/models)",
-                           param="model", status=404, code="model_not_found", type="not_found_error")
-
-
-def _check_window(worker: "Worker", prompt_ids: List[int], param: str):
-    if not prompt_ids:
-        raise RequestError("the prompt encodes to no tokens", param=param)
-    window = worker.context_window
-    if window and len(prompt_ids) >= window:
-        raise RequestError(
-            f"the prompt is {len(prompt_ids)} tokens, past the model's context window of {window} tokens: "
-            "shorten it", param=param, code="context_length_exceeded",
-        )
-
-
-def chat_prompt(worker: "Worker", messages: List[dict], tools: Optional[List[dict]], tool_choice_none: bool,
-                param: str = "messages", check_window: bool = True):
-    """(prompt ids, tools to look for in the answer) of a chat."""
-    if tools and not worker.tokenizer.has_tool_calling:
-        raise RequestError(
-            f"the model's chat template has no tool support (mlx-lm finds no tool parser for {worker.model_name}): "
-            "leave 'tools' out or serve a tool-capable model", param="tools")
-    render_tools = None if tool_choice_none else tools
-    ids = worker.encode_chat(messages, tools=render_tools)
-    if check_window:
-        _check_window(worker, ids, param)
-    return ids, render_tools
-
-
-def openai_chat_request(worker: "Worker", body: P.ChatCompletionRequest) -> GenerationRequest:
-    _check_model(worker, body.model)
-    _refuse(body)
-    ids, tools = chat_prompt(worker, openai_chat_messages(body.messages), template_tools(
-        [t.model_dump(exclude_none=True) for t in body.tools or []]), body.tool_choice == "none")
-    return GenerationRequest(
-        "chat", ids, sampling_options(worker, body, body.max_completion_tokens or body.max_tokens),
-        stop=body.stop_strings(), logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-        stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        tools=tools, parallel_tool_calls=body.parallel_tool_calls is not False,
-    )
-
-
-def completion_request(worker: "Worker", body: P.CompletionRequest) -> GenerationRequest:
-    _check_model(worker, body.model)
-    _refuse(body)
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        vocab = worker.vocab_size
-        if not prompt or not all(0 <= t < vocab for t in prompt):
-            raise RequestError(f"'prompt' as a list must be one string or token ids in [0, {vocab})", param="prompt")
-        ids = list(prompt)
-    else:
-        if not prompt:
-            raise RequestError("'prompt' is empty: give some text", param="prompt")
-        ids = worker.encode_text(prompt)
-    _check_window(worker, ids, "prompt")
-    return GenerationRequest(
-        "completion", ids, sampling_options(worker, body, body.max_tokens), stop=body.stop_strings(),
-        logprobs=body.logprobs, stream=body.stream,
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-    )
-
-
-def anthropic_prompt(worker: "Worker", body: P.AnthropicPrompt, check_window: bool = True):
-    _check_model(worker, body.model)
-    _refuse(body)
-    none = body.tool_choice is not None and body.tool_choice.type == "none"
-    return chat_prompt(worker, anthropic_chat_messages(body), anthropic_tools(body.tools), none,
-                       check_window=check_window)
-
-
-def messages_request(worker: "Worker", body: P.MessagesRequest) -> GenerationRequest:
-    ids, tools = anthropic_prompt(worker, body)
-    parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
-    return GenerationRequest("chat", ids, sampling_options(worker, body, body.max_tokens),
-                             stop=list(body.stop_sequences or []), stream=body.stream, tools=tools,
-                             parallel_tool_calls=parallel)
-
-
-# -- stop strings ---------------------------------------------------------------
-
-
-class StopMatcher:
-    """Cuts streamed text at the first stop string, also one spread over several tokens.
-
-    Text that could still be the start of a stop string is held back until the
-    next piece shows whether it is.
-    """
-
-    def __init__(self, stops):
-        self.stops = [s for s in stops if s]
-        self.held = ""
-        self.matched: Optional[str] = None  # the stop string found
-
-    def feed(self, text: str):
-        """(text safe to send now, whether a stop string matched)."""
-        if not self.stops:
-            return text, False
-        buf = self.held + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.held = ""
-            self.matched = min((s for s in self.stops if s in buf), key=buf.find)
-            return buf[:cut], True
-        hold = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(buf)), hold, -1):
-                if buf.endswith(s[:k]):
-                    hold = k
-                    break
-        self.held = buf[len(buf) - hold :]
-        return buf[: len(buf) - hold], False
-
-    def flush(self) -> str:
-        out, self.held = self.held, ""
-        return out
 
 
 # -- the worker -----------------------------------------------------------------
@@ -553,292 +305,12 @@ def _shutting_down() -> RequestError:
                         code="shutting_down", type="server_error")
 
 
-# -- answers: the worker's events as text, tool calls and an end ---------------------
-
-
-@dataclass
-class Piece:
-    kind: str  # "text" | "calls" | "done" | "error" | "cancelled"
-    value: Any = None
-    logprobs: Optional[list] = None  # TokenLogprobs of the tokens up to this piece
-
-
-async def answer_pieces(worker: "Worker", job: Job):
-    """The job's answer as `Piece`s: text and parsed tool calls in order, then one end piece."""
-    req = job.request
-    splitter = ToolCallStream(worker.tokenizer, req.tools) if req.tools else None
-    pending: list = []
-    calls_seen = False
-
-    def pieces(events):
-        nonlocal pending, calls_seen
-        for kind, value in events:
-            if calls_seen and not req.parallel_tool_calls:
-                continue  # one call was asked for: what follows it is not part of the answer
-            if kind == "calls":
-                calls_seen = True
-                if not req.parallel_tool_calls:
-                    value = value[:1]
-                    job.end()
-            yield Piece(kind, value, pending)
-            pending = []
-
-    while True:
-        event, payload = await job.events.get()
-        if event == "text":
-            text, lps = payload
-            pending = pending + list(lps or [])
-            for piece in pieces(splitter.feed(text) if splitter else [("text", text)] if text else []):
-                yield piece
-        elif event == "error":
-            yield Piece("error", payload)
-            return
-        elif payload is None:
-            yield Piece("cancelled")
-            return
-        else:
-            for piece in pieces(splitter.finish() if splitter else []):
-                yield piece
-            if pending:
-                yield Piece("text", "", pending)
-            if calls_seen and payload["finish_reason"] == "stop" and payload["stop_sequence"] is None:
-                payload = dict(payload, finish_reason="tool_calls")
-            yield Piece("done", payload)
-            return
-
-
-def _call_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex[:24]
-
-
-def _token_text(worker: "Worker", token: int) -> str:
-    return worker.tokenizer.decode([token])
-
-
-def chat_logprobs(worker: "Worker", lps) -> List[dict]:
-    def entry(token, logprob):
-        text = _token_text(worker, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return [dict(entry(t.token, t.logprob), top_logprobs=[entry(i, v) for i, v in t.top]) for t in lps]
-
-
-def completion_logprobs(worker: "Worker", lps, offset: int = 0) -> dict:
-    tokens = [_token_text(worker, t.token) for t in lps]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [t.logprob for t in lps],
-            "top_logprobs": [{_token_text(worker, i): v for i, v in t.top} for t in lps], "text_offset": offsets}
-
-
-def openai_tool_calls(calls, streaming_from: Optional[int] = None) -> List[dict]:
-    out = []
-    for i, call in enumerate(calls):
-        c = {"id": _call_id("call_"), "type": "function",
-             "function": {"name": call["name"], "arguments": json.dumps(call["arguments"], ensure_ascii=False)}}
-        if streaming_from is not None:
-            c["index"] = streaming_from + i
-        out.append(c)
-    return out
-
-
-async def openai_complete(worker: "Worker", request: Request, job: Job, rid, created):
-    req = job.request
-    text, calls, lps, done = [], [], [], None
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    try:
-        async for piece in answer_pieces(worker, job):
-            lps.extend(piece.logprobs or [])
-            if piece.kind == "text":
-                text.append(piece.value)
-            elif piece.kind == "calls":
-                calls.extend(openai_tool_calls(piece.value))
-            elif piece.kind == "error":
-                return _openai_error(piece.value)
-            elif piece.kind == "cancelled":
-                return JSONResponse({}, status_code=499)  # nobody is listening
-            else:
-                done = piece.value
-    finally:
-        watcher.cancel()
-    usage = done["usage"]
-    if req.kind == "chat":
-        message = {"role": "assistant", "content": "".join(text) if text or not calls else None}
-        if calls:
-            message["tool_calls"] = calls
-        logprobs = {"content": chat_logprobs(worker, lps)} if req.logprobs is not None else None
-        body = P.ChatCompletion(id=rid, created=created, model=worker.model_name, usage=usage, choices=[
-            P.ChatChoice(message=message, finish_reason=done["finish_reason"], logprobs=logprobs)])
-    else:
-        logprobs = completion_logprobs(worker, lps) if req.logprobs is not None else None
-        body = P.Completion(id=rid, created=created, model=worker.model_name, usage=usage, choices=[
-            P.CompletionChoice(text="".join(text), finish_reason=done["finish_reason"], logprobs=logprobs)])
-    return JSONResponse(body.model_dump(exclude_none=False))
-
-
-def _sse_line(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-async def openai_stream(worker: "Worker", job: Job, rid, created):
-    """Server-sent events in OpenAI's chunk format; cancelled if the client goes away."""
-    req = job.request
-    chat = req.kind == "chat"
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    head = {"id": rid, "object": obj, "created": created, "model": worker.model_name}
-    n_calls, offset = 0, 0
-
-    def chunk(delta=None, text="", finish=None, lps=None):
-        nonlocal offset
-        if chat:
-            logprobs = {"content": chat_logprobs(worker, lps)} if lps and req.logprobs is not None else None
-            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish, "logprobs": logprobs}
-        else:
-            logprobs = completion_logprobs(worker, lps, offset) if lps and req.logprobs is not None else None
-            offset += len(text)
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}
-        return _sse_line(dict(head, choices=[choice]))
-
-    try:
-        if chat:
-            yield chunk({"role": "assistant", "content": ""})
-        async for piece in answer_pieces(worker, job):
-            if piece.kind == "text":
-                yield chunk({"content": piece.value}, piece.value, lps=piece.logprobs)
-            elif piece.kind == "calls":
-                calls = openai_tool_calls(piece.value, streaming_from=n_calls)
-                n_calls += len(calls)
-                yield chunk({"tool_calls": calls}, lps=piece.logprobs)
-            elif piece.kind == "error":
-                yield _sse_line(piece.value.openai_body())
-                break
-            elif piece.kind == "cancelled":
-                break
-            else:
-                yield chunk(finish=piece.value["finish_reason"])
-                if req.include_usage:
-                    yield _sse_line(dict(head, choices=[], usage=piece.value["usage"]))
-        yield "data: [DONE]\n\n"
-    finally:
-        # Starlette cancels this generator when the client disconnects
-        job.cancel()
-
-
-def _stop_reason(done) -> str:
-    return {"tool_calls": "tool_use", "length": "max_tokens"}.get(
-        done["finish_reason"], "stop_sequence" if done["stop_sequence"] is not None else "end_turn")
-
-
-def _anthropic_usage(usage) -> dict:
-    """Anthropic's split: input_tokens are the prompt tokens not read from the prompt cache."""
-    cached = usage["prompt_tokens_details"]["cached_tokens"]
-    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-
-
-def anthropic_tool_uses(calls) -> List[dict]:
-    return [{"type": "tool_use", "id": _call_id("toolu_"), "name": c["name"], "input": c["arguments"]} for c in calls]
-
-
-async def anthropic_complete(worker: "Worker", request: Request, job: Job, rid):
-    blocks, done = [], None
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
-    try:
-        async for piece in answer_pieces(worker, job):
-            if piece.kind == "text" and piece.value:
-                if blocks and blocks[-1]["type"] == "text":
-                    blocks[-1]["text"] += piece.value
-                else:
-                    blocks.append({"type": "text", "text": piece.value})
-            elif piece.kind == "calls":
-                blocks.extend(anthropic_tool_uses(piece.value))
-            elif piece.kind == "error":
-                return _anthropic_error(piece.value)
-            elif piece.kind == "cancelled":
-                return JSONResponse({}, status_code=499)
-            elif piece.kind == "done":
-                done = piece.value
-    finally:
-        watcher.cancel()
-    body = P.MessageResponse(id=rid, model=worker.model_name, content=blocks, stop_reason=_stop_reason(done),
-                             stop_sequence=done["stop_sequence"], usage=_anthropic_usage(done["usage"]))
-    return JSONResponse(body.model_dump())
-
-
-def _event(name: str, data: dict) -> str:
-    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def anthropic_stream(worker: "Worker", job: Job, rid):
-    """Anthropic's event sequence: message_start, content blocks (start, deltas, stop),
-    message_delta (stop reason, usage), message_stop."""
-    n_prompt = len(job.request.prompt_ids)
-    index, open_text = -1, False
-    try:
-        yield _event("message_start", {"type": "message_start", "message": {
-            "id": rid, "type": "message", "role": "assistant", "model": worker.model_name, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": n_prompt, "output_tokens": 0}}})
-        async for piece in answer_pieces(worker, job):
-            if piece.kind in ("calls", "done") and open_text:
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                open_text = False
-            if piece.kind == "text" and piece.value:
-                if not open_text:
-                    index += 1
-                    open_text = True
-                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                         "content_block": {"type": "text", "text": ""}})
-                yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                     "delta": {"type": "text_delta", "text": piece.value}})
-            elif piece.kind == "calls":
-                for use in anthropic_tool_uses(piece.value):
-                    index += 1
-                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
-                                                         "content_block": dict(use, input={})})
-                    yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": json.dumps(use["input"], ensure_ascii=False)}})
-                    yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-            elif piece.kind == "error":
-                yield _event("error", piece.value.anthropic_body())
-                break
-            elif piece.kind == "cancelled":
-                break
-            elif piece.kind == "done":
-                done = piece.value
-                yield _event("message_delta", {
-                    "type": "message_delta",
-                    "delta": {"stop_reason": _stop_reason(done), "stop_sequence": done["stop_sequence"]},
-                    "usage": _anthropic_usage(done["usage"])})
-                yield _event("message_stop", {"type": "message_stop"})
-    finally:
-        job.cancel()
-
-
-async def _watch_disconnect(request, job: Job):
-    """Cancel `job` when the client goes away (the body is read: the next message says so)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            job.cancel()
-            return
-
-
 # -- the HTTP app ---------------------------------------------------------------
-
-
-def _openai_error(err: RequestError):
-    return JSONResponse(err.openai_body(), status_code=err.status)
-
-
-def _anthropic_error(err: RequestError):
-    return JSONResponse(err.anthropic_body(), status_code=err.status)
 
 
 def _error_for(request: Request, err: RequestError):
     """Each API's own error shape: Anthropic's on /v1/messages, OpenAI's everywhere else."""
-    return (_anthropic_error if request.url.path.startswith("/v1/messages") else _openai_error)(err)
+    return (anthropic_error if request.url.path.startswith("/v1/messages") else openai_error)(err)
 
 
 _TYPE_NAMES = {"str", "int", "float", "bool", "dict", "list", "none"}
@@ -945,7 +417,7 @@ def create_app(worker: Worker):
             worker.submit(job)
         except RequestError as e:
             return error(e)
-        rid = _call_id(prefix)
+        rid = call_id(prefix)
         if req.stream:
             return StreamingResponse(stream_respond(job, rid), media_type="text/event-stream")
         return await respond(request, job, rid)
@@ -953,7 +425,7 @@ def create_app(worker: Worker):
     def openai_routes(request, build, body, prefix):
         created = int(time.time())
         return run(request, build, body, lambda rq, job, rid: openai_complete(worker, rq, job, rid, created),
-                   lambda job, rid: openai_stream(worker, job, rid, created), _openai_error, prefix)
+                   lambda job, rid: openai_stream(worker, job, rid, created), openai_error, prefix)
 
     @app.post("/v1/chat/completions", response_model=None, responses={**_streamed(P.ChatCompletion, "the answer"),
                                                                      **_OPENAI_ERRORS})
@@ -970,14 +442,14 @@ def create_app(worker: Worker):
     async def messages(body: P.MessagesRequest, request: Request):
         return await run(request, messages_request, body,
                          lambda rq, job, rid: anthropic_complete(worker, rq, job, rid),
-                         lambda job, rid: anthropic_stream(worker, job, rid), _anthropic_error, "msg_")
+                         lambda job, rid: anthropic_stream(worker, job, rid), anthropic_error, "msg_")
 
     @app.post("/v1/messages/count_tokens", response_model=P.TokenCount, responses=_ANTHROPIC_ERRORS)
     async def count_tokens(body: P.AnthropicPrompt):
         try:
             ids, _ = anthropic_prompt(worker, body, check_window=False)  # a count, also past the window
         except RequestError as e:
-            return _anthropic_error(e)
+            return anthropic_error(e)
         return P.TokenCount(input_tokens=len(ids))
 
     return app
