@@ -41,7 +41,8 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
     import numpy as np
 
     from dflash_mlx.train import init as I
-    from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer
+    from dflash_mlx.train.features import FeatureSource
+    from dflash_mlx.train.trainer import TrainConfig, Trainer
     from dflash_mlx.draft_config import default_target_layer_ids
 
     o = dict(base, **opts)

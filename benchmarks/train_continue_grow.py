@@ -40,8 +40,8 @@ def main(argv=None):
     from dflash_mlx.target import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import grow_draft
-    from dflash_mlx.train.trainer import (CHECKPOINT, FeatureSource, TrainConfig, Trainer, load_run_draft,
-                                          split_by_hash)
+    from dflash_mlx.train.features import FeatureSource
+    from dflash_mlx.train.trainer import CHECKPOINT, TrainConfig, Trainer, load_run_draft, split_by_hash
 
     run = Path(args.run_dir)
     model, _ = load(args.target)

@@ -14,7 +14,8 @@ from dflash_mlx.target import Target
 from dflash_mlx.testing import tiny_target
 from dflash_mlx.train import cli
 from dflash_mlx.train.depth_data import agreement, chain, label, label_shared
-from dflash_mlx.train.trainer import FeatureSource, labels_file, make_batch, target_pass
+from dflash_mlx.train.features import FeatureSource, labels_file, target_pass
+from dflash_mlx.train.trainer import make_batch
 
 
 @pytest.fixture(scope="module")

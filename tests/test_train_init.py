@@ -15,7 +15,8 @@ from dflash_mlx.train import data as D
 from dflash_mlx.train import init as I
 from dflash_mlx.train.export import export_draft
 from dflash_mlx.train.forward import training_logits
-from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, make_batch
+from dflash_mlx.train.features import FeatureSource
+from dflash_mlx.train.trainer import TrainConfig, Trainer, make_batch
 from dflash_mlx.train.vocab import index_map
 
 

@@ -14,7 +14,7 @@ from dflash_mlx.testing import byte_tokenizer, greedy_reference, tiny_target
 from dflash_mlx.train import cli
 from dflash_mlx.train import data as D
 from dflash_mlx.train import init as I
-from dflash_mlx.train.trainer import FeatureSource
+from dflash_mlx.train.features import FeatureSource
 
 MAX_NEW = 24
 BASE = ["--target", "tiny", "--gsm8k", "4", "--sharegpt", "0", "--max-new-tokens", str(MAX_NEW),

@@ -10,7 +10,8 @@ from mlx.utils import tree_flatten
 from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.target import Target
 from dflash_mlx.testing import tiny_target
-from dflash_mlx.train.trainer import CHECKPOINT, FeatureSource, TrainConfig, Trainer, split_records
+from dflash_mlx.train.features import FeatureSource
+from dflash_mlx.train.trainer import CHECKPOINT, TrainConfig, Trainer, split_records
 
 
 def _records(n=12, seed=0):

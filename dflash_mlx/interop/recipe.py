@@ -83,7 +83,7 @@ def initial_draft(args, target, tokenizer, records):
     import mlx.core as mx
 
     from dflash_mlx.train import init as I
-    from dflash_mlx.train.trainer import FeatureSource
+    from dflash_mlx.train.features import FeatureSource
     from dflash_mlx.train.vocab import build_vocab
 
     copy_layers = [int(x) for x in args.copy_layers.split(",")] if args.copy_layers else None

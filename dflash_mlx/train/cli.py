@@ -213,7 +213,7 @@ def _draft_from_export(spec: str, target, model, overrides: dict, records, featu
     from dflash_mlx.draft_config import DraftConfig, DraftMismatchError
     from dflash_mlx.draft_loading import load_draft
     from dflash_mlx.train.init import measure_feature_scale
-    from dflash_mlx.train.trainer import FeatureSource
+    from dflash_mlx.train.features import FeatureSource
 
     try:
         src = load_draft(spec, model, dtype=mx.float32, quiet=True)
@@ -258,7 +258,8 @@ def main(argv=None):
     from dflash_mlx.train import data as D
     from dflash_mlx.train import init as I
     from dflash_mlx.train.export import export_draft, model_card
-    from dflash_mlx.train.trainer import FeatureSource, TrainConfig, Trainer, plot_curves, split_by_hash, split_records
+    from dflash_mlx.train.features import FeatureSource
+    from dflash_mlx.train.trainer import TrainConfig, Trainer, plot_curves, split_by_hash, split_records
     from dflash_mlx.train.vocab import build_vocab, coverage
 
     out = Path(args.out)

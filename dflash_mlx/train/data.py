@@ -197,7 +197,7 @@ def generate_responses(
     layer_ids = list(feature_layers or [])
     if feature_dir is not None:
         Path(feature_dir).mkdir(parents=True, exist_ok=True)
-        if layer_ids:  # which layers the cached files hold (trainer.FeatureSource reads it)
+        if layer_ids:  # which layers the cached files hold (features.FeatureSource reads it)
             info = Path(feature_dir).parent / "feature_layers.json"
             if not info.exists():
                 info.write_text(json.dumps(layer_ids))

@@ -16,7 +16,7 @@ draft trained on them has never seen a position past ~500. Two kinds of deep rec
 
 Labels are not generated (decoding at depth runs ~5 tok/s here): one target forward
 over the record gives its features and its own argmax after every position
-(`target_labels`, `trainer.target_pass`). Those equal the target's greedy continuation
+(`target_labels`, `features.target_pass`). Those equal the target's greedy continuation
 where the text is the target's own output *in that context*; a chained answer was
 written without the turns before it, so `agreement` measures how often the argmax
 and the text agree, inside answers and elsewhere.
@@ -256,7 +256,8 @@ def label_shared(target, group: Sequence[dict], layer_ids: Sequence[int], featur
     rolled back off the cache again (`Target.rollback`). False (nothing done) for a target
     with recurrent layers, whose state cannot be rolled back without a verify tape: then
     each record takes its own pass."""
-    from dflash_mlx.train.trainer import _save_npy, feature_file, labels_file, target_pass
+    from dflash_mlx.train.data import feature_file
+    from dflash_mlx.train.features import labels_file, save_npy, target_pass
 
     if target.recurrent:
         return False
@@ -279,17 +280,18 @@ def label_shared(target, group: Sequence[dict], layer_ids: Sequence[int], featur
         # one update, as the rollback of a sliding-window cache requires
         f, lab = target_pass(target, tail, layer_ids, cache=cache, chunk=max(len(tail), 1))
         target.rollback(cache, len(tail), len(tail), None)
-        _save_npy(labels_file(feature_dir, r["id"]), np.concatenate(labels + [lab]))
-        _save_npy(feature_file(feature_dir, r["id"]), np.concatenate(feats + [f]))
+        save_npy(labels_file(feature_dir, r["id"]), np.concatenate(labels + [lab]))
+        save_npy(feature_file(feature_dir, r["id"]), np.concatenate(feats + [f]))
     return True
 
 
 def label(target, recs: Sequence[dict], layer_ids: Sequence[int], feature_dir, log=print) -> dict:
     """Run the target once over each record (features and argmax into the feature cache);
     return the agreement of its argmax with the text, per kind and split."""
-    from dflash_mlx.train.trainer import FeatureSource
+    from dflash_mlx.train.features import FeatureSource
 
-    from dflash_mlx.train.trainer import feature_file, labels_file
+    from dflash_mlx.train.data import feature_file
+    from dflash_mlx.train.features import labels_file
 
     src = FeatureSource(target, layer_ids, feature_dir, save_missing=True)
     stats: Dict[str, List[int]] = {}
