@@ -47,7 +47,7 @@ class FixedWidth:
     def choose(self, remaining: int) -> int:
         return min(self.width, remaining)
 
-    def update(self, width: int, accept_length: int, seconds: float):
+    def update(self, width: int, accept_length: int, seconds: float, chain: bool = True):
         pass
 
 
@@ -137,6 +137,14 @@ class BlockSizer:
         return (hits[0] + self.prior_strength * self.prior) / (trials[0] + self.prior_strength)
 
     def expected_tokens(self, width: int) -> float:
+        """Tokens a cycle of `width` commits: the draft's chain, or a token tree of that
+        width where one has done better (`token_tree.TreePolicy`, riding on this sizer)."""
+        chain = self.chain_tokens(width)
+        trees = getattr(self, "trees", None)
+        tree = trees.expected_tokens(width) if trees is not None else None
+        return chain if tree is None else max(chain, tree)
+
+    def chain_tokens(self, width: int) -> float:
         total, survive = 1.0, 1.0
         for a in self.alpha()[: width - 1]:
             survive *= a
@@ -243,20 +251,30 @@ class BlockSizer:
         self.recheck_gap[rival] = min(self.max_recheck_gap, 2 * self.recheck_gap.get(rival, self.recheck_every))
         return rival
 
-    def update(self, width: int, accept_length: int, seconds: float):
+    def observe(self, width: int, accept_length: int):
+        """What one drafted chain of `width` accepted (the acceptance part of `update`; a
+        batch cycle observes each of its rows and times the cycle once)."""
+        if width <= 1:
+            return
+        # Depth k (draft token k+1) was reached when every token before it was
+        # accepted. Evidence fades with drafted cycles only (width-1 cycles say
+        # nothing about the draft), and at every depth, reached or not: what
+        # deep positions did while the draft was good must not outlive it.
+        reached = min(width - 1, accept_length + 1)
+        for hits, trials, d in ((self.hits, self.trials, self.decay),
+                                (self.slow_hits, self.slow_trials, self.slow_decay)):
+            for k in range(len(hits)):
+                hits[k] = hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
+                trials[k] = trials[k] * d + (1.0 if k < reached else 0.0)
+
+    def update(self, width: int, accept_length: int, seconds: float, chain: bool = True):
+        """`chain=False`: a cycle that verified something else than the draft's chain at
+        this width (a token tree): its time counts, its accept length says nothing about
+        the chain's per-depth acceptance."""
         self.cycle += 1
         self.last_run[width] = self.cycle
-        if width > 1:
-            # Depth k (draft token k+1) was reached when every token before it was
-            # accepted. Evidence fades with drafted cycles only (width-1 cycles say
-            # nothing about the draft), and at every depth, reached or not: what
-            # deep positions did while the draft was good must not outlive it.
-            reached = min(width - 1, accept_length + 1)
-            for hits, trials, d in ((self.hits, self.trials, self.decay),
-                                    (self.slow_hits, self.slow_trials, self.slow_decay)):
-                for k in range(len(hits)):
-                    hits[k] = hits[k] * d + (1.0 if k < min(reached, accept_length) else 0.0)
-                    trials[k] = trials[k] * d + (1.0 if k < reached else 0.0)
+        if chain:
+            self.observe(width, accept_length)
         # Per width, the median of its recent cycles: a job on another core only
         # adds time, now and then a lot, and one slow cycle must not price the best
         # width out for good (it is not timed again while another one wins). The

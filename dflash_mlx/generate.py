@@ -15,12 +15,13 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_mlx.accept import Proposal, accept_in_pieces, make_acceptor
+from dflash_mlx.accept import GreedyAcceptor, Proposal, accept_in_pieces, make_acceptor
 from dflash_mlx.adaptive import FixedWidth, sizer_for
 from dflash_mlx.copy_proposals import ContextIndex, CopyPolicy, copy_policy_for
 from dflash_mlx.options import AUTO, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
 from dflash_mlx.target import Target, target_for
+from dflash_mlx.token_tree import TreePolicy, compact_cache, tree_policy_for, tree_support, verify_tree
 
 
 def tau(accept_lengths: Sequence[int]) -> float:
@@ -53,7 +54,7 @@ class DFlashResponse:
     accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
     verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
-    proposal: Optional[str] = None  # what this cycle verified: "draft" | "copy" | None (plain step, prefill)
+    proposal: Optional[str] = None  # what this cycle verified: "draft" | "tree" | "copy" | None (plain step, prefill)
     proposal_counts: Dict[str, List[int]] = field(default_factory=dict)  # kind -> [cycles, tokens committed]
     logprobs: Optional[List["TokenLogprob"]] = None  # one per token of `tokens`, when asked for
 
@@ -90,10 +91,6 @@ def token_logprobs(logits: mx.array, tokens: Sequence[int], top: int) -> List[To
     chosen = chosen.tolist()
     return [TokenLogprob(int(t), chosen[i], list(zip(best[0][i], best[1][i])) if best else [])
             for i, t in enumerate(tokens)]
-
-    @property
-    def tau(self) -> float:
-        return tau(self.accept_lengths)
 
 
 def _wrap_tokenizer(tokenizer):
@@ -160,10 +157,13 @@ class DraftContext:
         if self.state.pending.shape[1] > self.MAX_PENDING:
             self.absorb(None)
 
-    def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
+    def draft_logits(self, last: mx.array, width: int) -> mx.array:
+        """The draft's logits [1, width - 1, V_draft] for the block after `last`."""
         pending, self.state.pending = self.state.pending, None
-        logits = self.draft.propose_logits(last, pending, self.state.draft_cache, width)
-        return acceptor.propose(self.draft, logits)
+        return self.draft.propose_logits(last, pending, self.state.draft_cache, width)
+
+    def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
+        return acceptor.propose(self.draft, self.draft_logits(last, width))
 
 
 class HeadRows:
@@ -243,7 +243,7 @@ class Step:
     width: int
     times: Optional[Dict[str, float]] = None
     logprobs: Optional[List[TokenLogprob]] = None
-    proposal: Optional[str] = None  # what was verified: "draft" | "copy" | None (a plain step)
+    proposal: Optional[str] = None  # what was verified: "draft" | "tree" | "copy" | None (a plain step)
 
 
 def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
@@ -251,23 +251,40 @@ def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: L
     """Run the prompt tokens the cache does not hold; return (first token [1], tokens run).
 
     `logits_out`: a list that gets the last prompt position's logits [1, V] (for logprobs)."""
+    chunks = prefill_chunks(target, drafter, acceptor, state, prompt_ids, step_size, logits_out)
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+
+
+def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
+                   step_size: int, logits_out: Optional[list] = None):
+    """`prefill` a chunk of `step_size` tokens at a time: a generator that yields after each
+    chunk but the last and returns what `prefill` returns (the batch engine runs one chunk
+    of a joining request per cycle, so the running ones keep flowing)."""
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
-    with mx.stream(generation_stream):
-        drafter.absorb(None)
-        for start in range(0, len(new_ids), step_size):
+    for start in range(0, len(new_ids), step_size):
+        with mx.stream(generation_stream):
+            if start == 0:
+                drafter.absorb(None)
             chunk = mx.array(new_ids[start : start + step_size])[None]
             h, feats, _ = target.forward(chunk, cache, drafter.layer_ids)
             drafter.absorb(feats)
             mx.eval([c.state for c in cache], h)
             if state.draft_cache:
                 mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
+        if start + step_size < len(new_ids):
+            yield
+    with mx.stream(generation_stream):
         logits = target.logits(h[:, -1, :])
         first = acceptor.first_token(logits)
         mx.eval(first)
-        if logits_out is not None:
-            logits_out.append(logits)
+    if logits_out is not None:
+        logits_out.append(logits)
     state.tokens.extend(new_ids)
     state.valid = True
     return first, len(new_ids)
@@ -286,7 +303,7 @@ def _committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optiona
 def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
            budget: int, stops, timer, split_head: Optional[bool] = None,
            logprobs: Optional[int] = None, copies: Optional[CopyPolicy] = None,
-           index: Optional[ContextIndex] = None) -> Iterator[Step]:
+           index: Optional[ContextIndex] = None, trees: Optional[TreePolicy] = None) -> Iterator[Step]:
     """Draft -> verify -> accept -> rollback until a stop id or `budget` more tokens.
 
     `last` [1]: the last committed token. Each cycle syncs with the host once,
@@ -295,6 +312,9 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
     `copies` (with `index`, the context so far): a cycle may verify a copy of what followed
     an earlier occurrence of the context's suffix instead of the draft's block, when that
     is expected to commit more tokens per second (`copy_proposals.CopyPolicy`).
+    `trees` (greedy, on targets `token_tree.tree_support` accepts): a drafted cycle may
+    spend its rows on a token tree from the draft's top-k instead of its chain
+    (`token_tree.TreePolicy`; two host syncs in such a cycle).
     `logprobs` (None: off) >= 0: each step carries its tokens' `TokenLogprob`s with that
     many alternatives, from the verify's own logits (one more sync when on).
     """
@@ -306,64 +326,95 @@ def cycles(target: Target, drafter, acceptor, widths, state: PromptCache, last: 
         if copies is not None:
             match = index.match(copies.max_length)
             copy_length = copies.choose(match, budget, width)
+        use_tree = False
+        if trees is not None and not copy_length:
+            explore = trees.explore(width, min(budget, widths.max_block))
+            if explore is not None:
+                width, use_tree = explore, True
+            else:
+                use_tree = trees.choose(width, widths.chain_tokens(width))
         timer.start()
         t0 = time.perf_counter()
         state.valid = False
+        tree_run = None
         with mx.stream(generation_stream):
-            if copy_length:
-                width = copy_length + 1
-                proposal = Proposal(mx.array([match.continuation[:copy_length]], dtype=mx.int32))
-                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
-            elif width > 1:
-                proposal = drafter.propose(last, width, acceptor)
-                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
-                # The draft runs while the host builds the verify graph (on a GPU
-                # the whole draft forward hides behind it).
-                mx.async_eval(verify_in)
+            if use_tree:
+                tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
+                feats, record = tree_run.features, None
             else:
-                proposal, verify_in = None, last[:, None]
-            timer.mark("draft", verify_in)
-            h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
-            pieces = []  # (first row, logits [1, rows, V]) of each head piece, kept only for logprobs
+                if copy_length:
+                    width = copy_length + 1
+                    proposal = Proposal(mx.array([match.continuation[:copy_length]], dtype=mx.int32))
+                    verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+                elif width > 1:
+                    proposal = drafter.propose(last, width, acceptor)
+                    verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+                    # The draft runs while the host builds the verify graph (on a GPU
+                    # the whole draft forward hides behind it).
+                    mx.async_eval(verify_in)
+                else:
+                    proposal, verify_in = None, last[:, None]
+                timer.mark("draft", verify_in)
+                h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
+                pieces = []  # (first row, logits [1, rows, V]) of each head piece, kept only for logprobs
 
-            def row_logits(start, stop):
-                out = target.logits(h[:, start:stop])
-                if logprobs is not None:
-                    pieces.append((start, out))
-                return out
+                def row_logits(start, stop):
+                    out = target.logits(h[:, start:stop])
+                    if logprobs is not None:
+                        pieces.append((start, out))
+                    return out
 
-            accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, head_rows.first(width),
-                                                     drafter.draft)
-        mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
-        a = accept_len.item()
-        head_rows.update(a)
-        if copy_length:
-            copies.update(match.length, copy_length, a, time.perf_counter() - t0)
+                accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, head_rows.first(width),
+                                                         drafter.draft)
+        if tree_run is not None:
+            tokens = tree_run.tokens
+            a = len(tokens) - 1
+            rows = tree_run.path  # verify rows of the committed tokens' inputs, root first
+            verified = [tree_run.tree.tokens[r] for r in rows]
+            trees.update(width, a)
+            widths.update(width, a, time.perf_counter() - t0, chain=False)
         else:
-            widths.update(width, a, time.perf_counter() - t0)
+            mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
+            a = accept_len.item()
+            tokens = committed[0, : a + 1].tolist()
+            rows = list(range(a + 1))
+            verified = verify_in[0, : a + 1].tolist()
+            if copy_length:
+                copies.update(match.length, copy_length, a, time.perf_counter() - t0)
+            else:
+                widths.update(width, a, time.perf_counter() - t0)
+        head_rows.update(a)
         timer.mark("verify")
 
-        tokens = committed[0, : a + 1].tolist()
         kept, finish = _committed_span(tokens, stops, budget)  # fed tokens whose cache entries stay
         step_logprobs = None
-        if logprobs is not None:  # row i chose committed token i; the pieces overlap by one row
-            rows, next_row = [], 0
-            for start, piece in pieces:
-                rows.append(piece[0, next_row - start :])
-                next_row = start + piece.shape[1]
-            step_logprobs = token_logprobs(mx.concatenate(rows, axis=0)[:kept], tokens[:kept], logprobs)
+        if logprobs is not None:
+            if tree_run is not None:
+                chosen = tree_run.logits[mx.array(rows[:kept])]
+            else:  # row i chose committed token i; the pieces overlap by one row
+                chosen, next_row = [], 0
+                for start, piece in pieces:
+                    chosen.append(piece[0, next_row - start :])
+                    next_row = start + piece.shape[1]
+                chosen = mx.concatenate(chosen, axis=0)[:kept]
+            step_logprobs = token_logprobs(chosen, tokens[:kept], logprobs)
         with mx.stream(generation_stream):
-            target.rollback(cache, width, width - kept, record)
-            if feats is not None:
-                drafter.keep(feats[:, :kept])
+            if tree_run is not None:
+                compact_cache(cache, tree_run.start, rows[:kept], len(tree_run.tree))
+                if feats is not None:
+                    drafter.keep(feats[:, mx.array(rows[:kept])])
+            else:
+                target.rollback(cache, width, width - kept, record)
+                if feats is not None:
+                    drafter.keep(feats[:, :kept])
         timer.mark("rollback", lambda: [c.state for c in cache])
-        state.tokens.extend(verify_in[0, :kept].tolist())
+        state.tokens.extend(verified[:kept])
         state.valid = True
         if index is not None:
             index.extend(tokens[:kept])
         budget -= kept
-        last = committed[:, a]
-        kind = "copy" if copy_length else ("draft" if width > 1 else None)
+        last = mx.array([tokens[a]], dtype=mx.int32)
+        kind = "tree" if tree_run is not None else ("copy" if copy_length else ("draft" if width > 1 else None))
         yield Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                    step_logprobs, kind)
         if finish is not None:
@@ -394,6 +445,7 @@ def stream_generate(
     split_head: Optional[bool] = None,
     logprobs: Optional[int] = None,
     copy_proposals: bool = True,
+    token_trees: bool = True,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -410,6 +462,10 @@ def stream_generate(
     `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
     instead of the draft's block, when measured acceptance and cost say it commits more
     tokens per second (`dflash_mlx.copy_proposals`); exact either way.
+    `token_trees` (with "auto", greedy, on attention-only targets that take a tree's mask
+    and positions, `dflash_mlx.token_tree.tree_support`): a drafted cycle may verify a
+    tree of the draft's likeliest continuations instead of its chain, when trees have
+    committed more tokens at that width. At temperature > 0 cycles verify chains.
     """
     tokenizer = _wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -420,14 +476,18 @@ def stream_generate(
     width = fixed_width(block_size, draft.block_size if use_draft else 1)  # ValueError for a bad one
     if not use_draft:
         width = 1
-    copies = None
+    acceptor = make_acceptor(
+        temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling
+    )
+    copies = trees = None
     if width is None:
         widths = sizer_for(model, draft)
-        copies = copy_policy_for(widths) if copy_proposals else None
         if profile:
             # profiling syncs at every phase: its cycle times must not teach the shared policy
-            widths = copy.deepcopy(widths)  # its copy policy comes along, riding on the copy
-            copies = copy_policy_for(widths) if copies is not None else None
+            widths = copy.deepcopy(widths)  # its copy and tree policies come along, riding on the copy
+        copies = copy_policy_for(widths) if copy_proposals else None
+        if token_trees and isinstance(acceptor, GreedyAcceptor) and tree_support(target) is None:
+            trees = tree_policy_for(widths)
     else:
         widths = FixedWidth(width)
     if max_tokens < 1:
@@ -435,9 +495,6 @@ def stream_generate(
     if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) < 0):
         raise ValueError(f"logprobs must be None (off) or a whole number >= 0 of alternatives, got {logprobs!r}")
     stops = stop_ids(tokenizer, stop_token_ids)
-    acceptor = make_acceptor(
-        temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling
-    )
     if seed is not None:
         mx.random.seed(seed)
 
@@ -462,72 +519,87 @@ def stream_generate(
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
         yield from _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids,
-                            max_tokens, stops, timer, prefill_step_size, split_head, logprobs, copies)
+                            max_tokens, stops, timer, prefill_step_size, split_head, logprobs, copies, trees)
 
 
-def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, max_tokens, stops,
-             timer, prefill_step_size, split_head=None, logprobs=None,
-             copies=None) -> Iterator[DFlashResponse]:
-    """Steps of `prefill` and `cycles` as responses: detokenized text and running statistics."""
-    detok = tokenizer.detokenizer
-    detok.reset()
-    tic = time.perf_counter()
-    first_logits = [] if logprobs is not None else None
-    last, prefilled = prefill(target, drafter, acceptor, state, prompt_ids, prefill_step_size, first_logits)
-    prompt_time = time.perf_counter() - tic
-    prompt_tps = prefilled / max(prompt_time, 1e-9)
+class Answer:
+    """One answer's steps as `DFlashResponse`s: detokenized text and running statistics
+    (the single-sequence engine and the batch engine make their responses here)."""
 
-    n_generated = 0
-    accept_lengths: List[int] = []
-    proposal_counts: Dict[str, List[int]] = {}
-    gen_tic = time.perf_counter()
+    def __init__(self, tokenizer, prompt_tokens: int, prefilled: int, prompt_time: float):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.prompt_tokens = prompt_tokens
+        self.prefilled = prefilled
+        self.prompt_time = prompt_time
+        self.prompt_tps = prefilled / max(prompt_time, 1e-9)
+        self.generated = 0
+        self.accept_lengths: List[int] = []
+        self.proposal_counts: Dict[str, List[int]] = {}
+        self.started = time.perf_counter()
 
-    def response(step: Step, first: bool = False) -> DFlashResponse:
-        nonlocal n_generated
-        n_generated += len(step.tokens)
+    def response(self, step: Step, first: bool = False) -> DFlashResponse:
+        """`first`: the token prefill chose (no cycle behind it)."""
+        self.generated += len(step.tokens)
         text_tokens = step.tokens[:-1] if step.finish == "stop" else step.tokens
         for tok in text_tokens:
-            detok.add_token(tok)
+            self.detok.add_token(tok)
         if step.finish is not None:
-            detok.finalize()
+            self.detok.finalize()
         if not first:
-            accept_lengths.append(step.accept_length)
-            counts = proposal_counts.setdefault(step.proposal or "plain", [0, 0])
+            self.accept_lengths.append(step.accept_length)
+            counts = self.proposal_counts.setdefault(step.proposal or "plain", [0, 0])
             counts[0] += 1
             counts[1] += len(step.tokens)
-        elapsed = time.perf_counter() - gen_tic
+        elapsed = time.perf_counter() - self.started
         return DFlashResponse(
-            text=detok.last_segment,
+            text=self.detok.last_segment,
             token=step.tokens[-1],
             tokens=list(step.tokens),
             from_draft=list(step.from_draft),
-            prompt_tokens=len(prompt_ids),
-            prompt_tps=prompt_tps,
-            prompt_time=prompt_time,
-            prefill_tokens=prefilled,
-            generation_tokens=n_generated,
-            generation_tps=n_generated / elapsed if elapsed > 0 else 0.0,
+            prompt_tokens=self.prompt_tokens,
+            prompt_tps=self.prompt_tps,
+            prompt_time=self.prompt_time,
+            prefill_tokens=self.prefilled,
+            generation_tokens=self.generated,
+            generation_tps=self.generated / elapsed if elapsed > 0 else 0.0,
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=step.finish,
             accept_length=None if first else step.accept_length,
-            accept_lengths=list(accept_lengths),
+            accept_lengths=list(self.accept_lengths),
             cycle_times=step.times,
             verify_width=None if first else step.width,
             logprobs=step.logprobs,
             proposal=step.proposal,
-            proposal_counts={k: list(v) for k, v in proposal_counts.items()},
+            proposal_counts={k: list(v) for k, v in self.proposal_counts.items()},
         )
 
-    first_token = last.item()
+
+def first_step(first_token: int, stops, max_tokens: int, logits: Optional[mx.array] = None,
+               logprobs: Optional[int] = None) -> Step:
+    """The step of the token prefill chose (`logits` [1, V] its row, for logprobs)."""
     _, finish = _committed_span([first_token], stops, max_tokens)
-    first_logprobs = token_logprobs(first_logits[0], [first_token], logprobs) if logprobs is not None else None
-    yield response(Step([first_token], [False], finish, 0, 1, logprobs=first_logprobs), first=True)
-    if finish is not None:
+    first_logprobs = token_logprobs(logits, [first_token], logprobs) if logprobs is not None else None
+    return Step([first_token], [False], finish, 0, 1, logprobs=first_logprobs)
+
+
+def _respond(target, drafter, acceptor, widths, state, tokenizer, prompt_ids, max_tokens, stops,
+             timer, prefill_step_size, split_head=None, logprobs=None,
+             copies=None, trees=None) -> Iterator[DFlashResponse]:
+    """Steps of `prefill` and `cycles` as responses: detokenized text and running statistics."""
+    tic = time.perf_counter()
+    first_logits = [] if logprobs is not None else None
+    last, prefilled = prefill(target, drafter, acceptor, state, prompt_ids, prefill_step_size, first_logits)
+    answer = Answer(tokenizer, len(prompt_ids), prefilled, time.perf_counter() - tic)
+    first_token = last.item()
+    step = first_step(first_token, stops, max_tokens, first_logits[0] if first_logits else None, logprobs)
+    yield answer.response(step, first=True)
+    if step.finish is not None:
         return
     index = state.context_index(first_token) if copies is not None else None
     for step in cycles(target, drafter, acceptor, widths, state, last, max_tokens - 1, stops, timer, split_head,
-                       logprobs, copies, index):
-        yield response(step)
+                       logprobs, copies, index, trees):
+        yield answer.response(step)
 
 
 def generate(model, draft, tokenizer, prompt, verbose: bool = False, **kwargs) -> str:

@@ -13,11 +13,11 @@ forward and calls these after it.
 
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, RotatingKVCache, _BaseCache
 
 from dflash_mlx import kernels
 
@@ -184,6 +184,31 @@ def rollback_cache(c, n: int):
         rollback_rotating(c, n)
     else:
         c.trim(n)
+
+
+def rollback_batch_rows(c: BatchKVCache, rejected: Sequence[int]):
+    """Drop the last `rejected[b]` entries of row b of a batch of attention caches.
+
+    Rows share one write index, so what all rows rejected is trimmed, and a row that
+    rejected more moves its entries right by the difference: the dropped ones wrap
+    into its left padding, which grows by as much (and is masked, as mlx-lm masks a
+    left-padded prompt). Nothing stays visible that a row rejected, and no row attends
+    to a hole."""
+    common = min(rejected)
+    if common:
+        c.trim(common)
+    extra = [r - common for r in rejected]
+    if not any(extra):
+        return
+    end = c._idx
+    keys, values = c.keys[..., :end, :], c.values[..., :end, :]
+    for b, shift in enumerate(extra):
+        if shift:
+            c.keys[b : b + 1, :, shift:end, :] = keys[b : b + 1, :, : end - shift, :]
+            c.values[b : b + 1, :, shift:end, :] = values[b : b + 1, :, : end - shift, :]
+    shifts = mx.array(extra)
+    c.left_padding = c.left_padding + shifts
+    c.offset = c.offset - shifts
 
 
 def rollback_rotating(c: RotatingKVCache, n: int):

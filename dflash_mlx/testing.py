@@ -2,7 +2,7 @@
 tokenizer, and scripted drafts, for tests and examples that must run in seconds."""
 
 import importlib
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -168,6 +168,65 @@ class ScriptedDraft:
 
     def to_target_ids(self, ids):
         return ids
+
+
+class RankedDraft(ScriptedDraft):
+    """A scripted draft for token trees: at drafted position i of its c-th proposal the
+    right token (from `reference`) is the `rank_of(c, i)`-th likeliest (0: its argmax;
+    >= 4: not among its four likeliest), wrong tokens take the other ranks, with
+    log-probabilities falling by one per rank."""
+
+    def __init__(self, target: Target, reference: Sequence[int], rank_of, block_size: int = 16, layer_ids=(0,)):
+        super().__init__(target, reference, lambda c: 10**9, block_size, layer_ids)
+        self.rank_of = rank_of
+
+    def propose_logits(self, last_token, features, cache, block_size):
+        self.inject(features, cache)
+        p = cache[0].offset  # index of the last committed token
+        n = block_size - 1
+        logits = np.full((1, n, VOCAB), -1e4, dtype=np.float32)
+        for i in range(n):
+            j = p + 1 + i
+            right = self.reference[j] if j < len(self.reference) else 0
+            wrong = [(right + 1 + k) % VOCAB for k in range(4)]
+            rank = self.rank_of(self.cycle, i)
+            for r, tok in enumerate((wrong[:rank] + [right] + wrong[rank:])[:4]):
+                logits[0, i, tok] = -float(r)
+        self.cycle += 1
+        return mx.array(logits)
+
+
+class RowScriptedDrafts(ScriptedDraft):
+    """A scripted draft for the batch engine: a row's context cache belongs to the case
+    (prompt, reference answer) of the same prompt length (`register` it when the row is
+    made; give cases prompts of distinct lengths); it proposes from that case's prompt +
+    answer, right for `right(c)` tokens of the row's c-th proposal (then wrong)."""
+
+    def __init__(self, target: Target, cases, right, block_size: int = 16, layer_ids=(0,)):
+        super().__init__(target, [], lambda c: 10**9, block_size, layer_ids)
+        self.cases: Dict[int, List[int]] = {}
+        for prompt, answer in cases:
+            self.add_case(prompt, answer)
+        self.right = right
+        self._rows: Dict[int, Tuple[List[int], int]] = {}  # id(context cache) -> (reference, proposals)
+        self._states: List[Tuple[object, List[int]]] = []
+
+    def add_case(self, prompt: Sequence[int], answer: Sequence[int]):
+        self.cases[len(prompt)] = list(prompt) + list(answer)
+
+    def register(self, state, prompt: Sequence[int]):
+        """`state`: the `PromptCache` of a row answering `prompt` (its draft cache may be
+        made anew when the prompt is prefilled)."""
+        self._states.append((state, self.cases[len(prompt)]))
+
+    def propose_logits(self, last_token, features, cache, block_size):
+        key = id(cache[0])
+        if key not in self._rows:
+            self._rows[key] = next((ref, 0) for state, ref in self._states if state.draft_cache[0] is cache[0])
+        self.reference, cycle = self._rows[key]
+        self._rows[key] = (self.reference, cycle + 1)
+        self.wrong_from = lambda c: self.right(cycle)
+        return super().propose_logits(last_token, features, cache, block_size)
 
 
 def chain_target(text: str, seed: int = 0):

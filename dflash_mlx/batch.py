@@ -1,0 +1,326 @@
+"""Many answers at once: continuous batching with DFlash, one target forward per cycle.
+
+`BatchEngine` advances every decoding row together. Each cycle, at a width chosen for
+the batch (`BatchWidths`), every row's draft proposes its own block from its own
+context, the target verifies all rows' blocks in one forward (B x width rows), every
+row accepts its own length with its own acceptor (greedy or its own sampling), and
+every row's caches drop what that row rejected:
+
+- the target's attention KV lives in mlx-lm's `BatchKVCache` (rows left-padded to one
+  write index); a row that rejected more than the others moves its entries right and
+  grows its left padding (`rollback.rollback_batch_rows`), so no row ever sees a
+  rejected position and the next tokens of every row sit at its own true positions;
+- each row keeps its own draft context cache and pending features (a `PromptCache` per
+  row, as one `stream_generate` call has): the draft needs no rollback.
+
+Requests join between cycles: a joining request's prompt is prefilled in its own
+caches one chunk per cycle (`generate.prefill_chunks`), reusing whatever prefix its
+`PromptCache` holds, then merged into the batch; a finished or cancelled row leaves at
+once and its KV goes back to its `PromptCache` (for a later request's prefix).
+
+Targets: every cache a plain attention KV (`batch_support`). Recurrent states and
+sliding windows would need a per-row replay / per-row window; those targets are
+served one request at a time. Token trees and copy proposals are single-row features
+(`stream_generate`); batch cycles verify draft chains.
+"""
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from dflash_mlx.accept import make_acceptor
+from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
+from dflash_mlx.generate import (Answer, DFlashResponse, DraftContext, PlainDecoding, Step, _committed_span,
+                                 first_step, prefill_chunks, stop_ids, token_logprobs)
+from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
+from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
+from dflash_mlx.rollback import UnsupportedTargetError, rollback_batch_rows
+from dflash_mlx.target import Target, target_for
+
+
+def batch_support(target: Target) -> Optional[str]:
+    """None when the batch engine serves `target`, else why not."""
+    kinds = sorted({type(c).__name__ for c in target.make_cache() if type(c) is not KVCache})
+    if kinds:
+        return f"its caches include {', '.join(kinds)} (batches need plain attention KV)"
+    return None
+
+
+@dataclass
+class BatchRequest:
+    """One answer asked of the engine. `options.block_size` is not used (the batch's width
+    policy decides); `prompt_cache`: caches whose prefix the prompt may reuse (else new)."""
+
+    prompt_ids: List[int]
+    options: GenerationOptions
+    stop_token_ids: Sequence[int] = ()
+    logprobs: Optional[int] = None
+    prompt_cache: Optional[PromptCache] = None
+
+
+class Row:
+    """A request in the engine: joining (its prompt being prefilled), decoding, or done."""
+
+    def __init__(self, uid: int, request: BatchRequest, engine: "BatchEngine"):
+        self.uid = uid
+        self.request = request
+        opts = request.options
+        self.state = request.prompt_cache or make_prompt_cache(engine.model, engine.draft)
+        self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
+        self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
+                                      draft_sampling=opts.draft_sampling)
+        self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
+        max_tokens = opts.max_tokens
+        if engine.target.max_context:
+            max_tokens = min(max_tokens, engine.target.max_context - len(request.prompt_ids))
+        self.budget = max_tokens
+        self.first_logits: Optional[list] = [] if request.logprobs is not None else None
+        self._prefill = prefill_chunks(engine.target, self.drafter, self.acceptor, self.state, request.prompt_ids,
+                                       engine.prefill_chunk, self.first_logits)
+        self.queued_at = time.perf_counter()
+        self.started: Optional[float] = None
+        self.last: Optional[mx.array] = None  # [1] the last committed token
+        self.answer: Optional[Answer] = None
+        self.done = False
+
+
+class BatchWidths:
+    """Verify width per cycle for a batch: one `BlockSizer` per batch size bucket (1, 2, 3-4,
+    5-8, ...), keyed on decoding rows only. At B rows a cycle verifies B x width rows, so what
+    pays at one row can lose at eight: each bucket learns its own cycle times (acceptance is
+    the draft's and is observed from every row). The key moves to a new bucket only after
+    `hold` cycles there, so rows joining and leaving do not flip the width every cycle.
+    Bucket 1 is the target/draft pair's own sizer (`sizer_for`), shared with `stream_generate`."""
+
+    def __init__(self, model, draft, hold: int = 4):
+        self.model, self.draft = model, draft
+        self.hold = hold
+        self.sizers: Dict[int, BlockSizer] = {}
+        self.key: Optional[int] = None
+        self._candidate: Optional[int] = None
+        self._seen = 0
+        self.current: Optional[BlockSizer] = None
+        self.chosen: Dict[int, Dict[int, int]] = {}  # bucket -> width -> cycles
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        b = 1
+        while b < rows:
+            b *= 2
+        return b
+
+    def sizer(self, bucket: int) -> BlockSizer:
+        if bucket not in self.sizers:
+            self.sizers[bucket] = (sizer_for(self.model, self.draft) if bucket == 1
+                                   else BlockSizer(self.draft.block_size))
+        return self.sizers[bucket]
+
+    def choose(self, rows: int, remaining: int) -> int:
+        bucket = self.bucket(rows)
+        if self.key is None:
+            self.key = bucket
+        elif bucket == self.key:
+            self._candidate, self._seen = None, 0
+        else:
+            self._seen = self._seen + 1 if bucket == self._candidate else 1
+            self._candidate = bucket
+            if self._seen >= self.hold:
+                self.key, self._candidate, self._seen = bucket, None, 0
+        self.current = self.sizer(self.key)
+        width = self.current.choose(remaining)
+        counts = self.chosen.setdefault(self.key, {})
+        counts[width] = counts.get(width, 0) + 1
+        return width
+
+    def update(self, width: int, accept_lengths: Sequence[int], seconds: float):
+        for a in accept_lengths[1:]:
+            self.current.observe(width, a)
+        self.current.update(width, accept_lengths[0], seconds)
+
+
+class BatchEngine:
+    """Rows decode together; requests join and leave between cycles. Single-threaded: the
+    caller (the server's worker thread) calls `add`, `remove` and `step`."""
+
+    def __init__(self, model, draft, tokenizer, max_batch: int = 8, prefill_chunk: int = 256,
+                 block_size=AUTO):
+        self.model, self.draft, self.tokenizer = model, draft, tokenizer
+        self.target = target_for(model, draft)
+        reason = batch_support(self.target)
+        if reason is not None:
+            raise UnsupportedTargetError(f"{self.target.name} cannot be batched: {reason}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        width = fixed_width(block_size, draft.block_size) if draft is not None else 1
+        self.widths = BatchWidths(model, draft) if width is None else None
+        self.fixed = FixedWidth(width) if width is not None else None
+        self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
+        self.joining: Deque[Row] = deque()
+        self.cache: Optional[List[BatchKVCache]] = None
+        self._uid = 0
+        self.cycles = 0
+
+    # -- admission
+
+    @property
+    def room(self) -> int:
+        return self.max_batch - len(self.rows) - len(self.joining)
+
+    @property
+    def idle(self) -> bool:
+        return not self.rows and not self.joining
+
+    def add(self, request: BatchRequest) -> Row:
+        if not request.prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token of input")
+        if self.target.max_context and len(request.prompt_ids) >= self.target.max_context:
+            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens but {self.target.name} has a "
+                             f"context window of {self.target.max_context} tokens: shorten the prompt")
+        self._uid += 1
+        row = Row(self._uid, request, self)
+        self.joining.append(row)
+        return row
+
+    def remove(self, row: Row):
+        """End a row now (finished or cancelled); its caches go back to its `PromptCache`."""
+        if row.done:
+            return
+        row.done = True
+        if row in self.joining:
+            self.joining.remove(row)
+            row._prefill.close()
+            row.state.valid = False  # a prefill cut short: nothing of it may be reused
+            return
+        self._leave([row])
+
+    def _leave(self, rows: List[Row]):
+        idx = [self.rows.index(r) for r in rows]
+        for r, b in zip(rows, idx):
+            r.state.target_cache = [c.extract(b) for c in self.cache]
+            r.state.valid = True
+        keep = [b for b in range(len(self.rows)) if b not in idx]
+        self.rows = [self.rows[b] for b in keep]
+        if keep:
+            for c in self.cache:
+                c.filter(keep)
+        else:
+            self.cache = None
+
+    def _join(self, row: Row):
+        single = row.state.target_cache
+        merged = [BatchKVCache.merge([c]) for c in single]
+        if self.cache is None:
+            self.cache = merged
+        else:
+            for c, m in zip(self.cache, merged):
+                c.extend(m)
+        row.state.target_cache = []  # the batch holds it now
+        self.rows.append(row)
+
+    # -- one cycle
+
+    def step(self) -> List[Tuple[Row, DFlashResponse]]:
+        """One chunk of the first joining request's prefill (if any), then one cycle of every
+        decoding row. Returns each row's response of this step (rows that end leave)."""
+        events = []
+        if self.joining:
+            events += self._prefill_step(self.joining[0])
+        if self.rows:
+            events += self._cycle()
+        return events
+
+    def _prefill_step(self, row: Row) -> List[Tuple[Row, DFlashResponse]]:
+        if row.started is None:
+            row.started = time.perf_counter()
+        try:
+            next(row._prefill)
+            return []
+        except StopIteration as done:
+            last, prefilled = done.value
+        self.joining.popleft()
+        row.last = last
+        row.answer = Answer(self.tokenizer, len(row.request.prompt_ids), prefilled,
+                            time.perf_counter() - row.started)
+        first = int(last.item())
+        step = first_step(first, row.stops, row.budget, row.first_logits[0] if row.first_logits else None,
+                          row.request.logprobs)
+        row.budget -= 1
+        if step.finish is None:
+            self._join(row)
+        else:
+            row.done = True
+        return [(row, row.answer.response(step, first=True))]
+
+    def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
+        rows = self.rows
+        remaining = max(r.budget for r in rows)
+        width = (self.widths.choose(len(rows), remaining) if self.widths is not None
+                 else self.fixed.choose(remaining))
+        t0 = time.perf_counter()
+        for r in rows:
+            r.state.valid = False
+        with mx.stream(generation_stream):
+            lasts = [r.last[:, None] for r in rows]
+            proposals = [r.drafter.propose(r.last, width, r.acceptor) if width > 1 else None for r in rows]
+            verify_in = mx.concatenate(
+                [mx.concatenate([l, p.tokens], axis=1) if p is not None else l for l, p in zip(lasts, proposals)],
+                axis=0)  # [B, width]
+            mx.async_eval(verify_in)
+            layer_ids = rows[0].drafter.layer_ids
+            h, feats, _ = self.target.forward(verify_in, self.cache, layer_ids)
+            logits = self.target.logits(h)  # [B, width, V]
+            results = [r.acceptor.accept(p, logits[b : b + 1], self.draft)
+                       for b, (r, p) in enumerate(zip(rows, proposals))]
+        mx.eval(verify_in, [x for pair in results for x in pair])  # the cycle's host sync
+        fed = verify_in.tolist()
+        accepts, rejected, steps = [], [], []
+        for b, (r, (accept_len, committed)) in enumerate(zip(rows, results)):
+            a = accept_len.item()
+            tokens = committed[0, : a + 1].tolist()
+            kept, finish = _committed_span(tokens, r.stops, r.budget)
+            lps = (token_logprobs(logits[b, :kept], tokens[:kept], r.request.logprobs)
+                   if r.request.logprobs is not None else None)
+            accepts.append(a)
+            rejected.append(width - kept)
+            steps.append(Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width,
+                              logprobs=lps, proposal="draft" if width > 1 else None))
+            r.last = committed[:, a]
+            r.budget -= kept
+            r.state.tokens.extend(fed[b][:kept])
+        with mx.stream(generation_stream):
+            for c in self.cache:
+                rollback_batch_rows(c, rejected)
+            if feats is not None:
+                for b, r in enumerate(rows):
+                    r.drafter.keep(feats[b : b + 1, : width - rejected[b]])
+        self.cycles += 1
+        if self.widths is not None:
+            mx.eval([c.state for c in self.cache])  # the cycle's time includes its rollback
+            self.widths.update(width, accepts, time.perf_counter() - t0)
+        events = [(r, r.answer.response(s)) for r, s in zip(rows, steps)]
+        ended = [r for r, s in zip(rows, steps) if s.finish is not None]
+        for r in ended:
+            r.done = True
+        if ended:
+            self._leave(ended)
+        return events
+
+    # -- reporting
+
+    def stats(self) -> dict:
+        return {
+            "rows": len(self.rows),
+            "joining": len(self.joining),
+            "max_batch": self.max_batch,
+            "cycles": self.cycles,
+            "widths": ({str(k): {str(w): n for w, n in sorted(v.items())} for k, v in sorted(self.widths.chosen.items())}
+                       if self.widths is not None else {"fixed": self.fixed.width}),
+            "width_key": self.widths.key if self.widths is not None else None,
+        }

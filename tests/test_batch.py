@@ -1,0 +1,198 @@
+"""The batch engine: every row's answer equals the same request served alone (greedy), at batch
+sizes 1-8 with requests joining and leaving mid-stream, ragged accepts and rollbacks, chunked
+prefill, stops, cancels, prompt-cache reuse, logprobs; the width policy per batch size."""
+
+import random
+from functools import lru_cache
+
+import dflash_mlx  # noqa: F401,I001  (before mlx.core: BLAS routing)
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+from dflash_mlx import stream_generate
+from dflash_mlx.adaptive import forget_sizers
+from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, batch_support
+from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.options import GenerationOptions
+from dflash_mlx.rollback import UnsupportedTargetError, rollback_batch_rows
+from dflash_mlx.target import Target
+from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, byte_tokenizer, clean_case, greedy_reference,
+                                tiny_target)
+from dflash_mlx.tiny_archs import build
+
+
+@lru_cache(maxsize=None)
+def target(arch="qwen3", seed=1):
+    return tiny_target(arch, seed=seed)[0] if arch in ("qwen3", "llama") else build(arch)
+
+
+@lru_cache(maxsize=None)
+def cases(arch, n, seed=0):
+    model = target(arch)
+    return [clean_case(model, 5 + 9 * i, 12 + 3 * i, seed=seed + i) for i in range(n)]
+
+
+def run(engine, requests, join_every=1, cancel=None):
+    """Feed `requests` (one joining every `join_every` steps while there is room) and step
+    until all end. `cancel`: {request index: after how many responses to cancel it}.
+    Returns each request's tokens and responses."""
+    waiting = list(range(len(requests)))
+    index, tokens, responses = {}, {}, {}
+    steps = 0
+    while waiting or not engine.idle:
+        if waiting and engine.room and steps % join_every == 0:
+            i = waiting.pop(0)
+            row = engine.add(requests[i])
+            if hasattr(engine.draft, "register"):
+                engine.draft.register(row.state, requests[i].prompt_ids)
+            index[row.uid], tokens[i], responses[i] = i, [], []
+        for row, r in engine.step():
+            i = index[row.uid]
+            tokens[i] += r.tokens
+            responses[i].append(r)
+            if cancel and cancel.get(i) == len(responses[i]):
+                engine.remove(row)
+        steps += 1
+    return tokens, responses
+
+
+def request(prompt, max_tokens, **kw):
+    return BatchRequest(prompt, GenerationOptions(max_tokens=max_tokens, **kw))
+
+
+@pytest.mark.parametrize("max_batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("block_size", [2, 4, 8, "auto"])
+def test_every_row_is_the_targets_own_greedy_with_ragged_accepts(max_batch, block_size):
+    forget_sizers()
+    model = target()
+    cs = cases("qwen3", 8)
+    rng = random.Random(max_batch)
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: rng.randrange(0, 9),
+                              block_size=8)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=max_batch, prefill_chunk=16,
+                         block_size=block_size)
+    tokens, responses = run(engine, [request(p, len(ref)) for p, ref in cs], join_every=2)
+    for i, (p, ref) in enumerate(cs):
+        assert tokens[i] == ref, i
+        assert responses[i][-1].finish_reason == "length"
+    accepted = [a for rs in responses.values() for r in rs[1:] for a in [r.accept_length]]
+    if block_size != 2:
+        assert len(set(accepted)) > 2  # rows accepted different lengths in the same cycles
+
+
+@pytest.mark.parametrize("arch", ["llama", "minimax", "deepseek_v3", "gemma2", "phi3", "olmoe"])
+def test_batches_on_other_architectures(arch):
+    forget_sizers()
+    model = target(arch) if arch != "llama" else tiny_target("llama", seed=2, layer_types=None,
+                                                            sliding_window=None)[0]
+    cs = [clean_case(model, 6 + 11 * i, 14, seed=i) for i in range(4)]
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: (c * 3) % 7, block_size=6)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=4, prefill_chunk=8, block_size=6)
+    tokens, _ = run(engine, [request(p, len(ref)) for p, ref in cs])
+    assert [tokens[i] for i in range(4)] == [ref for _, ref in cs]
+
+
+def test_stops_cancels_and_leaving_rows_do_not_disturb_the_others():
+    forget_sizers()
+    model = target()
+    cs = cases("qwen3", 6, seed=20)
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: c % 5, block_size=8)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=4, prefill_chunk=8, block_size=8)
+    reqs = [request(p, len(ref)) for p, ref in cs]
+    stop = cs[1][1][9]
+    reqs[1] = BatchRequest(cs[1][0], GenerationOptions(max_tokens=len(cs[1][1])), stop_token_ids=[stop])
+    tokens, responses = run(engine, reqs, cancel={3: 3})
+    assert tokens[1] == greedy_reference(model, cs[1][0], len(cs[1][1]), stop_ids={stop, EOS_ID})
+    assert responses[1][-1].finish_reason == "stop"
+    assert tokens[3] == cs[3][1][: len(tokens[3])] and len(tokens[3]) < len(cs[3][1])  # cancelled
+    for i in (0, 2, 4, 5):
+        assert tokens[i] == cs[i][1], i
+
+
+def test_a_finished_rows_caches_serve_the_next_turns_prefix():
+    forget_sizers()
+    model = target()
+    (p, ref), = cases("qwen3", 1, seed=30)
+    draft = RowScriptedDrafts(Target(model), [(p, ref)], lambda c: 3, block_size=8)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=2, prefill_chunk=8, block_size=4)
+    first = engine.add(request(p, len(ref)))
+    draft.register(first.state, p)
+    tokens, _ = [], None
+    while not engine.idle:
+        for _, r in engine.step():
+            tokens += r.tokens
+    assert tokens == ref
+    turn2 = p + ref + p[:5]
+    want = greedy_reference(model, turn2, 10, stop_ids={EOS_ID})
+    draft.add_case(turn2, want)
+    second = BatchRequest(turn2, GenerationOptions(max_tokens=10), prompt_cache=first.state)
+    out, responses = run(engine, [second])
+    assert out[0] == want
+    assert responses[0][0].prefill_tokens < len(turn2) - len(ref)  # the first turn's caches were reused
+
+
+def test_logprobs_and_sampling_rows_beside_greedy_rows():
+    forget_sizers()
+    model = target()
+    cs = cases("qwen3", 3, seed=40)
+    draft = random_draft(model, num_layers=1, block_size=4, seed=0)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, block_size=4)
+    reqs = [BatchRequest(cs[0][0], GenerationOptions(max_tokens=len(cs[0][1])), logprobs=2),
+            request(cs[1][0], 20, temperature=0.9, top_k=5),
+            request(cs[2][0], len(cs[2][1]), temperature=0.7, top_k=1)]  # top-k 1: greedy
+    tokens, responses = run(engine, reqs)
+    assert tokens[0] == cs[0][1] and tokens[2] == cs[2][1]
+    assert len(tokens[1]) == 20
+    alone = [lp for r in stream_generate(model, None, byte_tokenizer(), cs[0][0], max_tokens=len(cs[0][1]),
+                                          logprobs=2) for lp in r.logprobs]
+    batched = [lp for r in responses[0] for lp in r.logprobs]
+    assert [x.token for x in batched] == [x.token for x in alone]
+    assert max(abs(x.logprob - y.logprob) for x, y in zip(batched, alone)) < 1e-4
+
+
+def test_rollback_of_batch_rows_is_each_rows_own_trim():
+    singles = [KVCache() for _ in range(3)]
+    lengths = [6, 8, 3]
+    for b, n in enumerate(lengths):
+        k = mx.random.normal((1, 2, n, 4), key=mx.random.key(b))
+        singles[b].update_and_fetch(k, k * 2)
+    merged = BatchKVCache.merge(singles)
+    for step in range(4):
+        k = mx.random.normal((3, 2, 5, 4), key=mx.random.key(10 + step))
+        merged.update_and_fetch(k, k * 2)
+        rejected = [(step + b) % 5 for b in range(3)]
+        for b in range(3):
+            singles[b].update_and_fetch(k[b : b + 1], k[b : b + 1] * 2)
+            singles[b].trim(rejected[b])
+        rollback_batch_rows(merged, rejected)
+        for b in range(3):
+            got = merged.extract(b)
+            assert got.offset == singles[b].offset == merged.offset[b].item()
+            assert mx.array_equal(got.keys, singles[b].keys[..., : singles[b].offset, :]).item()
+            assert mx.array_equal(got.values, singles[b].values[..., : singles[b].offset, :]).item()
+
+
+def test_width_policy_is_keyed_on_rows_with_hysteresis():
+    model = target()
+    draft = random_draft(model, num_layers=1, block_size=8, seed=0)
+    widths = BatchWidths(model, draft, hold=3)
+    widths.choose(1, 100)
+    assert widths.key == 1
+    for _ in range(2):
+        widths.choose(5, 100)
+    assert widths.key == 1  # not yet
+    widths.choose(1, 100)
+    widths.choose(5, 100)
+    assert widths.key == 1  # the count starts over
+    for _ in range(3):
+        widths.choose(6, 100)
+    assert widths.key == 8 and widths.bucket(3) == 4 and widths.bucket(9) == 16
+
+
+def test_targets_that_cannot_be_batched_are_refused_naming_why():
+    hybrid = build("qwen3_next")
+    assert "ArraysCache" in batch_support(Target(hybrid))
+    with pytest.raises(UnsupportedTargetError, match="cannot be batched"):
+        BatchEngine(hybrid, random_draft(hybrid, num_layers=1, block_size=4, seed=0), byte_tokenizer())
+    assert batch_support(Target(target())) is None
