@@ -4,305 +4,49 @@ FastAPI on uvicorn; request and response bodies are the pydantic models of
 `dflash_mlx.protocol`. Routes: OpenAI's POST /v1/chat/completions and
 /v1/completions (tool calls, logprobs), Anthropic's POST /v1/messages and
 /v1/messages/count_tokens, GET /v1/models and /health. Errors come in each API's
-own shape. One target + draft are loaded at start; a single worker thread runs
-`stream_generate` for one request at a time, taken from a bounded queue (a full
-queue answers 429). The worker keeps one `PromptCache` across requests, so a
-follow-up turn prefills only its new tokens: attention caches are trimmed to the
-shared prefix, and snapshots taken at request boundaries (bounded in bytes)
-serve caches that cannot be trimmed (Gated DeltaNet state) and conversations
-that interleave. A client that goes away cancels its generation at the next
-cycle. Tool calls are parsed by the tokenizer's mlx-lm tool parser
-(`dflash_mlx.tool_calls`).
+own shape. One target + draft are loaded at start; one worker thread runs the
+engine: continuous batching (`--max-batch` requests decode together, new ones join
+between cycles) or, for targets the batch engine does not take, one request at a
+time; either from a bounded queue (a full queue answers 429 with Retry-After).
+A follow-up turn prefills only its new tokens from cached conversations (bounded in
+bytes). A client that goes away cancels its generation at the next cycle. Tool calls
+are parsed by the tokenizer's mlx-lm tool parser (`dflash_mlx.tool_calls`).
 
-Here: the worker (queue, prompt cache, cancellation), the app's routes and the command line.
-Request bodies to `GenerationRequest`s and stop strings: `server_requests.py`; the worker's
-events as each API's answers, whole or streamed: `server_answers.py`.
+Here: the app's routes and the command line. The worker (scheduling, cached
+conversations, cancellation): `server_worker.py`; request bodies to
+`GenerationRequest`s and stop strings: `server_requests.py`; the worker's events as
+each API's answers, whole or streamed: `server_answers.py`.
 """
 
 import argparse
 import asyncio
-import queue
 import sys
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any, List, Optional
+from typing import Optional
 
-import mlx.core as mx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 from starlette.exceptions import HTTPException
 
 from dflash_mlx import protocol as P
 from dflash_mlx.frontend import ArgumentParser, checked_options, load_model_and_draft
-from dflash_mlx.generate import encode_prompt, stream_generate
-from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.packaged import DEFAULT_MODEL
-from dflash_mlx.prompt_cache import make_prompt_cache
-from dflash_mlx.target import Target
 from dflash_mlx.server_answers import (
     anthropic_error, call_id, openai_error, anthropic_complete, anthropic_stream, openai_complete, openai_stream,
 )
 from dflash_mlx.server_requests import (
-    GenerationRequest, RequestError, StopMatcher, anthropic_prompt, completion_request, messages_request,
-    openai_chat_request,
+    RequestError, StopMatcher, anthropic_prompt, completion_request, messages_request, openai_chat_request,
 )
-from dflash_mlx.tool_calls import with_tool_calling
+from dflash_mlx.server_worker import DEFAULT_PROMPT_CACHE_BYTES, Job, Worker, default_max_batch
+
+__all__ = ["Job", "StopMatcher", "Worker", "build_parser", "create_app", "load_worker", "main"]
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
-SCHEDULING = "one request at a time, first come first served, from a bounded queue"
-DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # snapshots kept for prefix reuse: 1 GiB
-
-
-# -- the worker -----------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    ended: threading.Event = field(default_factory=threading.Event)  # the answer is complete: stop generating
-    queued_at: float = field(default_factory=time.perf_counter)
-    cycles: int = 0  # engine responses the worker has taken so far
-    cancel_cycle: Optional[int] = None  # `cycles` when the cancel came
-
-    def cancel(self):
-        if not self.cancelled.is_set():
-            self.cancel_cycle = self.cycles
-            self.cancelled.set()
-
-    def end(self):
-        """The client has all of the answer it asked for (its one tool call): end it as served."""
-        self.ended.set()
-
-    def emit(self, kind: str, payload: Any = None):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-
-
-class Worker:
-    """Runs the engine for one job at a time, in its own thread, with one prompt cache."""
-
-    def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
-                 options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES):
-        """`options`: the server's block size and draft sampling, and the defaults of the
-        request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
-        the bounds of the prompt cache's snapshots (by count and by bytes)."""
-        if queue_size < 1:
-            raise ValueError(f"queue_size must be at least 1, got {queue_size}")
-        self.model, self.draft = model, draft
-        self.tokenizer = with_tool_calling(
-            tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
-        self.model_name, self.draft_name = model_name, draft_name
-        self.model_ids = {model_name}
-        self.options = (options or GenerationOptions(max_tokens=512)).check()
-        self.queue_size = queue_size
-        # MLX streams belong to the thread that made them: an array still lazy here
-        # (weights loaded lazily, a draft's vocabulary ids) could not be evaluated
-        # by the worker thread, so everything is evaluated now.
-        mx.eval(model.parameters())
-        if draft is not None:
-            mx.eval(draft.parameters(), [v for v in vars(draft).values() if isinstance(v, mx.array)])
-        if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
-            raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
-        self.cache = make_prompt_cache(model, draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
-        target = getattr(draft, "target", None) or Target(model)
-        self.context_window = target.max_context
-        self.recurrent = target.recurrent
-        self.vocab_size = target.vocab_size
-        self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
-        self.current: Optional[Job] = None
-        self.stopping = False
-        self.counts = {"served": 0, "cancelled": 0, "rejected": 0, "failed": 0}
-        self.cycles_after_cancel: List[int] = []  # per cancelled job: engine cycles run after the cancel
-        self._thread = threading.Thread(target=self._run, name="dflash-engine", daemon=True)
-        self._thread.start()
-
-    # -- prompts
-
-    def encode_text(self, text: str) -> List[int]:
-        return encode_prompt(self.tokenizer, text)
-
-    def encode_chat(self, messages, tools=None) -> List[int]:
-        try:
-            text = apply_chat_template(self.tokenizer, messages, tools=tools)
-        except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
-            raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
-        return self.encode_text(text)
-
-    # -- scheduling
-
-    def submit(self, job: Job):
-        if self.stopping:
-            raise _shutting_down()
-        try:
-            self.jobs.put_nowait(job)
-        except queue.Full:
-            self.counts["rejected"] += 1
-            raise RequestError(
-                f"the server is busy: {self.queue_size} requests are already waiting; retry shortly",
-                status=429, code="queue_full", type="rate_limit_error",
-            ) from None
-
-    def health(self) -> dict:
-        return {
-            "status": "ok",
-            "model": self.model_name,
-            "draft": self.draft_name,
-            "block_size": self.options.block_size,
-            "scheduling": SCHEDULING,
-            "busy": self.current is not None,
-            "queued": self.jobs.qsize(),
-            "queue_size": self.queue_size,
-            "prompt_cache": self.cache.stats(),
-            **self.counts,
-        }
-
-    def stop(self, timeout: float = 10.0):
-        """Refuse the waiting jobs, cancel the running one, and end the thread (idempotent)."""
-        self.stopping = True
-        while True:
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit("error", _shutting_down())
-        job = self.current
-        if job is not None:
-            job.cancel()
-        if self._thread.is_alive():
-            self.jobs.put(None)
-            self._thread.join(timeout)
-
-    def _run(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            self.current = job
-            try:
-                if self.stopping:  # taken between stop()'s drain and its cancel
-                    job.emit("error", _shutting_down())
-                elif job.cancelled.is_set():
-                    self.counts["cancelled"] += 1
-                    self.cycles_after_cancel.append(0)
-                    job.emit("done", None)
-                else:
-                    self._generate(job)
-            except RequestError as e:
-                job.emit("error", e)
-            except Exception as e:  # keep serving: one failed request must not stop the server
-                self.counts["failed"] += 1
-                job.emit("error", RequestError(f"generation failed: {type(e).__name__}: {e}", status=500,
-                                               type="server_error"))
-            finally:
-                self.current = None
-
-    def _lost_leading_space(self, token: int) -> str:
-        """" " when the streaming detokenizer drops the first token's leading space.
-
-        mlx-lm's BPE detokenizer starts every answer without it, right for a chat
-        answer but not for a completion, whose text continues the prompt.
-        """
-        if not isinstance(self.tokenizer.detokenizer, BPEStreamingDetokenizer):
-            return ""
-        return " " if self.tokenizer.decode([token]).startswith(" ") else ""
-
-    def _generate(self, job: Job):
-        req = job.request
-        started = time.perf_counter()
-        matcher = StopMatcher(req.stop)
-        options = req.options
-        if self.context_window:
-            options = replace(options, max_tokens=min(options.max_tokens, self.context_window - len(req.prompt_ids)))
-        try:
-            stream = stream_generate(
-                self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
-                baseline=self.draft is None, logprobs=req.logprobs, **options.generate_kwargs(),
-            )
-            first, last, finish, widths, stop_matched = True, None, None, {}, False
-            lead = ""
-            for r in stream:
-                job.cycles += 1
-                if first:
-                    first = False
-                    if self.recurrent:
-                        self.cache.snapshot()  # end of the prompt: recurrent state cannot be trimmed back here
-                    if req.kind == "completion":
-                        lead = self._lost_leading_space(r.token)
-                last = r
-                if r.verify_width is not None:
-                    widths[r.verify_width] = widths.get(r.verify_width, 0) + 1
-                text = r.text
-                if lead and text:
-                    text = text if text.startswith(lead) else lead + text
-                    lead = ""
-                text, stop_matched = matcher.feed(text)
-                lps = r.logprobs
-                if lps is not None and r.finish_reason == "stop":
-                    lps = lps[:-1]  # the stop token is not part of the answer
-                if text or lps:
-                    job.emit("text", (text, lps))
-                if stop_matched:
-                    finish = "stop"
-                    break
-                if r.finish_reason is not None:
-                    finish = r.finish_reason
-                    break
-                if job.ended.is_set():
-                    finish = "stop"
-                    break
-                if job.cancelled.is_set():
-                    break
-            stream.close()
-        except ValueError as e:
-            raise RequestError(str(e)) from None
-        if finish is None and job.cancelled.is_set():
-            self.counts["cancelled"] += 1
-            self.cycles_after_cancel.append(job.cycles - job.cancel_cycle)
-            job.emit(*(("error", _shutting_down()) if self.stopping else ("done", None)))
-            return
-        tail = "" if stop_matched else matcher.flush()  # held back for a stop string that never came
-        if tail:
-            job.emit("text", (tail, None))
-        self.counts["served"] += 1
-        accepts = last.accept_lengths
-        reused = last.prompt_tokens - last.prefill_tokens
-        usage = {
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.generation_tokens,
-            "total_tokens": last.prompt_tokens + last.generation_tokens,
-            "prompt_tokens_details": {"cached_tokens": reused},
-            "dflash": {
-                "tau": last.tau,
-                "mean_accept_length": sum(accepts) / len(accepts) if accepts else 0.0,
-                "cycles": len(accepts),
-                "verify_widths": {str(k): v for k, v in sorted(widths.items())},
-                "prompt_tokens_reused": reused,
-                "prefill_tokens": last.prefill_tokens,
-                "prompt_tokens_per_second": last.prompt_tps,
-                "tokens_per_second": last.generation_tps,
-                "queue_seconds": started - job.queued_at,
-                "seconds": time.perf_counter() - started,
-                "block_size": req.options.block_size,
-                "draft": self.draft_name,
-            },
-        }
-        job.emit("done", {"finish_reason": finish, "usage": usage,
-                          "stop_sequence": matcher.matched if stop_matched else None})
-
-
-def _shutting_down() -> RequestError:
-    return RequestError("the server is shutting down; retry on its next start", status=503,
-                        code="shutting_down", type="server_error")
 
 
 # -- the HTTP app ---------------------------------------------------------------
@@ -507,13 +251,18 @@ def build_parser():
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     # --max-tokens and the sampling flags are the defaults of a request's own fields
     add_generation_args(p, GenerationOptions(max_tokens=512))
+    p.add_argument("--max-batch", type=_positive, default=None,
+                   help="requests decoding at once (continuous batching; 1: one at a time; default: "
+                   f"{default_max_batch()} on this machine, one per 3 GiB of memory); targets with "
+                   "recurrent state or sliding windows are served one at a time")
     p.add_argument("--queue-size", type=_positive, default=16,
-                   help="requests that may wait while one runs; more get 429 (default: 16)")
+                   help="requests that may wait for a free row; more get 429 with Retry-After (default: 16)")
     p.add_argument("--snapshots", type=_count, default=4,
-                   help="prompt-cache snapshots kept for prefix reuse across requests (default: 4)")
+                   help="cached conversations kept for prefix reuse across requests (default: 4)")
     p.add_argument("--prompt-cache-bytes", type=_bytes, default=DEFAULT_PROMPT_CACHE_BYTES,
-                   help="most bytes the prompt-cache snapshots hold together, e.g. 512M, 2G or a number "
-                   "(default: 1G); the live cache of the current conversation comes on top")
+                   help="most bytes the cached conversations hold, e.g. 512M, 2G or a number (default: 1G); "
+                   "batched, the running requests' caches count too (no new request joins past it); "
+                   "one at a time, the current conversation comes on top")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--baseline", action="store_true", help="serve the target alone, without a draft")
@@ -526,7 +275,7 @@ def load_worker(args) -> Worker:
                                                                dtype=args.dtype)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
-                  prompt_cache_bytes=args.prompt_cache_bytes)
+                  prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch)
 
 
 def main(argv=None) -> int:
@@ -534,7 +283,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     worker = load_worker(args)
     print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {worker.options.block_size}, "
-          f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
+          f"{worker.scheduling}, on http://{args.host}:{args.port}/v1", file=sys.stderr)
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)
     _serve(config, worker)

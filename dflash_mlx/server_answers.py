@@ -1,6 +1,6 @@
 """The server's answers: the worker's events as text, tool calls, logprobs and an end, in
 OpenAI's and Anthropic's shapes, whole or streamed (server-sent events), and errors in each API's
-own shape. "Worker" and "Job" annotations name `dflash_mlx.server`'s classes (not imported:
+own shape. "Worker" and "Job" annotations name `dflash_mlx.server_worker`'s classes (not imported:
 that module imports this one)."""
 
 import asyncio
@@ -289,8 +289,8 @@ async def _watch_disconnect(request, job: "Job"):
 
 
 def openai_error(err: RequestError):
-    return JSONResponse(err.openai_body(), status_code=err.status)
+    return JSONResponse(err.openai_body(), status_code=err.status, headers=err.headers())
 
 
 def anthropic_error(err: RequestError):
-    return JSONResponse(err.anthropic_body(), status_code=err.status)
+    return JSONResponse(err.anthropic_body(), status_code=err.status, headers=err.headers())

@@ -1,6 +1,6 @@
 """The server's requests: OpenAI and Anthropic request bodies (`dflash_mlx.protocol`) turned
 into one `GenerationRequest` (chat template, tools, sampling options, window check), request
-errors in each API's shape, and stop strings matched across streamed pieces. "Worker" annotations name `dflash_mlx.server.Worker` (not imported: that
+errors in each API's shape, and stop strings matched across streamed pieces. "Worker" annotations name `dflash_mlx.server_worker.Worker` (not imported: that
 module imports this one)."""
 
 import json
@@ -17,9 +17,14 @@ from dflash_mlx.tool_calls import template_tools
 class RequestError(Exception):
     """A request the server refuses; shown in the shape of the API it came to (`openai_body`, `anthropic_body`)."""
 
-    def __init__(self, message, param=None, status=400, code=None, type="invalid_request_error"):
+    def __init__(self, message, param=None, status=400, code=None, type="invalid_request_error",
+                 retry_after: Optional[int] = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code, self.type = message, param, status, code, type
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429, 503)
+
+    def headers(self) -> dict:
+        return {"Retry-After": str(self.retry_after)} if self.retry_after is not None else {}
 
     def body(self) -> dict:
         return self.openai_body()

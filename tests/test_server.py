@@ -182,11 +182,12 @@ def test_models_and_health(attn):
     assert [m.id for m in attn.client.models.list().data] == [MODEL]
     h = httpx.get(attn.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL
-    assert h["scheduling"].startswith("one request at a time") and h["queue_size"] == 16
+    assert h["scheduling"].startswith("continuous batching") and h["queue_size"] == 16
     assert {"busy", "queued", "served", "cancelled", "rejected"} <= set(h)
+    assert {"rows", "joining", "max_batch", "widths"} <= set(h["batch"])
     pc = h["prompt_cache"]
-    assert pc["max_bytes"] == attn.worker.cache.max_bytes == 1 << 30 and pc["max_snapshots"] == 4
-    assert 0 <= pc["snapshot_bytes"] <= pc["max_bytes"] and pc["live_bytes"] >= 0
+    assert pc["max_bytes"] == attn.worker.max_bytes == 1 << 30 and pc["max_conversations"] == 4
+    assert 0 <= pc["pool_bytes"] <= pc["max_bytes"] and pc["rows_bytes"] >= 0
 
 
 # -- stop strings -----------------------------------------------------------------
@@ -263,9 +264,18 @@ def test_eight_concurrent_clients_three_requests_each_exact(attn):
 
 @pytest.fixture(scope="module")
 def endless():
-    """A target whose greedy output never ends (no EOS), for cancellation and queueing."""
+    """A target whose greedy output never ends (no EOS), for cancellation and queueing;
+    served one request at a time."""
     model, tok = chain_target("abcdefghij")
-    with serving(model, random_draft(model, block_size=4), tok, queue_size=1) as s:
+    with serving(model, random_draft(model, block_size=4), tok, queue_size=1, max_batch=1) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def endless_batched():
+    """The endless target served two rows at a time, one more request waiting at most."""
+    model, tok = chain_target("abcdefghij")
+    with serving(model, random_draft(model, block_size=4), tok, queue_size=1, max_batch=2) as s:
         yield s
 
 
@@ -321,6 +331,37 @@ def test_full_queue_answers_429_and_keeps_serving(endless):
     assert endless.client.completions.create(model=MODEL, prompt="b", max_tokens=3).choices[0].text == "cde"
 
 
+def test_batched_rows_then_queue_then_429_with_retry_after(endless_batched):
+    s = endless_batched
+    assert s.worker.engine is not None and s.worker.health()["batch"]["max_batch"] == 2
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as one, \
+            httpx.stream("POST", s.url + "/v1/completions", json={**body, "prompt": "c"}, timeout=30) as two:
+        lines_one, lines_two = one.iter_lines(), two.iter_lines()
+        next(lines_one), next(lines_two)  # both decode at once: two rows
+        deadline = time.time() + 10
+        while httpx.get(s.url + "/health").json()["batch"]["rows"] < 2:
+            assert time.time() < deadline
+            time.sleep(0.01)
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(s.client.completions.create, model=MODEL, prompt="e", max_tokens=4)
+            while httpx.get(s.url + "/health").json()["queued"] < 1:
+                assert time.time() < deadline
+                time.sleep(0.01)
+            refused = httpx.post(s.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+            assert int(refused.headers["Retry-After"]) >= 1
+            anthropic = httpx.post(s.url + "/v1/messages", json={
+                "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]})
+            assert anthropic.status_code == 429 and "Retry-After" in anthropic.headers
+            one.close()  # a row frees: the waiting request joins while the other row keeps going
+            assert waiting.result(timeout=30).choices[0].text == "fghi"
+            assert next(lines_two) is not None
+    wait_idle(s)
+    h = s.worker.health()
+    assert h["rejected"] == 2 and h["cancelled"] == 2 and h["batch"]["rows"] == 0
+
+
 def _rss_mb():
     with open("/proc/self/status") as f:
         for line in f:
@@ -343,7 +384,7 @@ def test_two_hundred_short_requests_keep_memory_flat(attn):
     after = _rss_mb()
     print(f"RSS before {before:.1f} MB, after 200 requests {after:.1f} MB")
     assert after - before < 40
-    assert len(attn.worker.cache.snapshots) <= attn.worker.cache.max_snapshots
+    assert len(attn.worker.pool) <= attn.worker.max_snapshots
 
 
 # -- prefix reuse -----------------------------------------------------------------
