@@ -75,6 +75,9 @@ class BlockSizer:
         load_follow: float = 0.25,
     ):
         self.load = 1.0  # how much slower cycles run now than when the times were learned
+        # whether the cycles being chosen for may verify token trees (set per call by the
+        # engine: a call without trees must not count on what trees would commit)
+        self.trees_on = False
         self.load_follow = load_follow
         self.recheck_every = recheck_every
         self.max_recheck_gap = max_recheck_gap
@@ -140,7 +143,7 @@ class BlockSizer:
         """Tokens a cycle of `width` commits: the draft's chain, or a token tree of that
         width where one has done better (`token_tree.TreePolicy`, riding on this sizer)."""
         chain = self.chain_tokens(width)
-        trees = getattr(self, "trees", None)
+        trees = getattr(self, "trees", None) if self.trees_on else None
         tree = trees.expected_tokens(width) if trees is not None else None
         return chain if tree is None else max(chain, tree)
 

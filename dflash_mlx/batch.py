@@ -132,6 +132,7 @@ class BatchWidths:
             if self._seen >= self.hold:
                 self.key, self._candidate, self._seen = bucket, None, 0
         self.current = self.sizer(self.key)
+        self.current.trees_on = False  # batch cycles verify chains
         width = self.current.choose(remaining)
         counts = self.chosen.setdefault(self.key, {})
         counts[width] = counts.get(width, 0) + 1

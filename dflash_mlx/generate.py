@@ -488,6 +488,7 @@ def stream_generate(
         copies = copy_policy_for(widths) if copy_proposals else None
         if token_trees and isinstance(acceptor, GreedyAcceptor) and tree_support(target) is None:
             trees = tree_policy_for(widths)
+        widths.trees_on = trees is not None
     else:
         widths = FixedWidth(width)
     if max_tokens < 1:

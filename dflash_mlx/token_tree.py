@@ -369,9 +369,9 @@ class TreePolicy:
     The chain's expected tokens are the sizer's; a tree's are learned per width from its
     own cycles (decayed mean of the tokens they committed). A chain says nothing about
     what a tree of its width would find, so trees are tried: at a width the sizer
-    chose, until tried `tries` times; at the tree widths (`TREE_WIDTHS`) while drafting
-    pays at all, one every `explore_every` drafted cycles, a width that did not win
-    waiting twice as long for its next try.
+    chose, until tried `tries` times; at the tree widths (`TREE_WIDTHS`) up to twice the
+    chosen width while drafting pays at all, one every `explore_every` drafted cycles,
+    each width waiting twice as long for its next try.
     """
 
     def __init__(self, decay: float = 0.9, margin: float = 0.03, tries: int = 2, explore_every: int = 8,
@@ -407,7 +407,8 @@ class TreePolicy:
         self.drafted += 1
         if self.drafted - self.last_try < self.explore_every:
             return None
-        due = [w for w in TREE_WIDTHS if w <= limit and w != chosen
+        # at most twice the rows the sizer chose: wider verifies are what it found too dear
+        due = [w for w in TREE_WIDTHS if w <= min(limit, 2 * max(chosen, 2)) and w != chosen
                and self.drafted - self.last_try >= self.gap.get(w, 0)]
         if not due:
             return None

@@ -176,6 +176,8 @@ def test_policy_tries_trees_then_keeps_the_better_of_tree_and_chain():
     assert policy.choose(8, 2.0) and not policy.choose(8, 3.0)
     sizer = BlockSizer(16)
     sizer.trees = policy
+    assert sizer.expected_tokens(8) == sizer.chain_tokens(8)  # a call without trees counts on chains
+    sizer.trees_on = True
     assert sizer.expected_tokens(8) == pytest.approx(max(3.0, sizer.chain_tokens(8)))
 
 
