@@ -18,10 +18,13 @@ caches one chunk per cycle (`generate.prefill_chunks`), reusing whatever prefix 
 `PromptCache` holds, then merged into the batch; a finished or cancelled row leaves at
 once and its KV goes back to its `PromptCache` (for a later request's prefix).
 
-Targets: every cache a plain attention KV (`batch_support`). Recurrent states and
-sliding windows would need a per-row replay / per-row window; those targets are
-served one request at a time. Token trees and copy proposals are single-row features
-(`stream_generate`); batch cycles verify draft chains.
+Targets (`batch_support`): plain attention KV, and Qwen3.5/3.6 hybrids, whose Gated
+DeltaNet layers run taped in the verify and are rewound row by row to what each row
+kept (`rollback.replay_gdn_rows`: each row's conv window and its pre-verify state
+advanced by its own kept steps). Other recurrent states (re-run per row) and sliding
+windows (a per-row window) are not batched yet: those targets are served one request
+at a time. Token trees and copy proposals are single-row features (`stream_generate`);
+batch cycles verify draft chains.
 """
 
 import time
@@ -31,7 +34,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx.accept import make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
@@ -39,16 +42,24 @@ from dflash_mlx.generate import (Answer, DFlashResponse, DraftContext, PlainDeco
                                  first_step, prefill_chunks, stop_ids, token_logprobs)
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
-from dflash_mlx.rollback import UnsupportedTargetError, rollback_batch_rows
+from dflash_mlx.rollback import UnsupportedTargetError, replay_gdn_rows, rollback_batch_rows
 from dflash_mlx.target import Target, target_for
 
 
 def batch_support(target: Target) -> Optional[str]:
-    """None when the batch engine serves `target`, else why not."""
-    kinds = sorted({type(c).__name__ for c in target.make_cache() if type(c) is not KVCache})
-    if kinds:
-        return f"its caches include {', '.join(kinds)} (batches need plain attention KV)"
+    """None when the batch engine serves `target`, else why not: its caches must be plain
+    attention KV or Qwen3.5/3.6 Gated DeltaNet state (rewound per row from its tape)."""
+    refused = sorted({type(c).__name__ for c, kind in zip(target.make_cache(), target.rollback_kinds())
+                      if not ((type(c) is KVCache and kind == "trim") or kind == "gdn")})
+    if refused:
+        return (f"its caches include {', '.join(refused)} (batches take plain attention KV and "
+                "Qwen3.5/3.6 Gated DeltaNet state)")
     return None
+
+
+def _batched(c):
+    """A row's cache as the first row of a batch of its kind."""
+    return BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c])
 
 
 @dataclass
@@ -70,7 +81,10 @@ class Row:
         self.uid = uid
         self.request = request
         opts = request.options
-        self.state = request.prompt_cache or make_prompt_cache(engine.model, engine.draft)
+        # a recurrent state cannot be trimmed back to a shared prefix: the end of the prompt is
+        # kept as a snapshot, which a next turn that starts with this prompt restores
+        self.state = request.prompt_cache or make_prompt_cache(engine.model, engine.draft,
+                                                               max_snapshots=1 if engine.target.recurrent else 0)
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
@@ -164,7 +178,8 @@ class BatchEngine:
         self.fixed = FixedWidth(width) if width is not None else None
         self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
         self.joining: Deque[Row] = deque()
-        self.cache: Optional[List[BatchKVCache]] = None
+        self.cache: Optional[List] = None  # per layer: BatchKVCache, or ArraysCache (Gated DeltaNet)
+        self.kinds = self.target.rollback_kinds()
         self._uid = 0
         self.cycles = 0
 
@@ -216,7 +231,7 @@ class BatchEngine:
 
     def _join(self, row: Row):
         single = row.state.target_cache
-        merged = [BatchKVCache.merge([c]) for c in single]
+        merged = [_batched(c) for c in single]
         if self.cache is None:
             self.cache = merged
         else:
@@ -253,6 +268,8 @@ class BatchEngine:
         step = first_step(first, row.stops, row.budget, row.first_logits[0] if row.first_logits else None,
                           row.request.logprobs)
         row.budget -= 1
+        if self.target.recurrent:
+            row.state.snapshot()
         if step.finish is None:
             self._join(row)
         else:
@@ -275,7 +292,7 @@ class BatchEngine:
                 axis=0)  # [B, width]
             mx.async_eval(verify_in)
             layer_ids = rows[0].drafter.layer_ids
-            h, feats, _ = self.target.forward(verify_in, self.cache, layer_ids)
+            h, feats, record = self.target.forward(verify_in, self.cache, layer_ids, record=width > 1)
             logits = self.target.logits(h)  # [B, width, V]
             results = [r.acceptor.accept(p, logits[b : b + 1], self.draft)
                        for b, (r, p) in enumerate(zip(rows, proposals))]
@@ -296,8 +313,12 @@ class BatchEngine:
             r.budget -= kept
             r.state.tokens.extend(fed[b][:kept])
         with mx.stream(generation_stream):
-            for c in self.cache:
-                rollback_batch_rows(c, rejected)
+            for idx, (c, kind) in enumerate(zip(self.cache, self.kinds)):
+                if kind == "gdn":
+                    if record is not None and idx in record.gdn:
+                        replay_gdn_rows(c, record.gdn[idx], [width - r for r in rejected])
+                else:
+                    rollback_batch_rows(c, rejected)
             if feats is not None:
                 for b, r in enumerate(rows):
                     r.drafter.keep(feats[b : b + 1, : width - rejected[b]])

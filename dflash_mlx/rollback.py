@@ -234,6 +234,20 @@ def replay_gdn(c: ArraysCache, tape: GDNTape, keep: int):
     c[1] = kernels.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)
 
 
+def replay_gdn_rows(c: ArraysCache, tape: GDNTape, keep: Sequence[int]):
+    """`replay_gdn` for a batch whose row b keeps its first `keep[b]` verify tokens."""
+    n_conv = tape.conv_input.shape[1] - tape.k.shape[1]  # K - 1
+    steps = tape.k.shape[1]
+    if all(k == steps for k in keep):
+        return  # every row kept everything: the cache is what the verify left
+    c[0] = mx.concatenate([tape.conv_input[b : b + 1, k : k + n_conv] for b, k in enumerate(keep)], axis=0)
+    c[1] = mx.concatenate([
+        c[1][b : b + 1] if k == steps else kernels.gdn_rewind(
+            tape.state[b : b + 1], tape.q[b : b + 1], tape.k[b : b + 1], tape.v[b : b + 1], tape.g[b : b + 1],
+            tape.beta[b : b + 1], None if tape.deltas is None else tape.deltas[b : b + 1], k)
+        for b, k in enumerate(keep)], axis=0)
+
+
 _SIGNATURES: Dict[type, List[str]] = {}
 
 

@@ -444,12 +444,13 @@ class Worker:
         self._evict()
 
     def _pool_bytes(self) -> int:
-        return sum(s.live_bytes for s in list(self.pool.values()))
+        return sum(s.live_bytes + s.snapshot_bytes for s in list(self.pool.values()))
 
     def _rows_bytes(self) -> int:
         engine = self.engine
         rows = list(engine.rows) + list(engine.joining)
-        return nbytes(engine.cache) + sum(nbytes(r.state.draft_cache) + nbytes(r.state.target_cache) for r in rows)
+        return nbytes(engine.cache) + sum(nbytes(r.state.draft_cache) + nbytes(r.state.target_cache)
+                                          + r.state.snapshot_bytes for r in rows)
 
     def _evict(self):
         """Least recently used conversations out while rows and pool hold more than `max_bytes`."""

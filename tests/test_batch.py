@@ -24,7 +24,7 @@ from dflash_mlx.tiny_archs import build
 
 @lru_cache(maxsize=None)
 def target(arch="qwen3", seed=1):
-    return tiny_target(arch, seed=seed)[0] if arch in ("qwen3", "llama") else build(arch)
+    return tiny_target(arch, seed=seed)[0] if arch in ("qwen3", "qwen3_5") else build(arch)
 
 
 @lru_cache(maxsize=None)
@@ -63,10 +63,13 @@ def request(prompt, max_tokens, **kw):
 
 @pytest.mark.parametrize("max_batch", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("block_size", [2, 4, 8, "auto"])
-def test_every_row_is_the_targets_own_greedy_with_ragged_accepts(max_batch, block_size):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
+def test_every_row_is_the_targets_own_greedy_with_ragged_accepts(max_batch, block_size, arch):
+    """An attention target and a Gated DeltaNet hybrid, every batch size with rows joining
+    and leaving mid-stream (prompts and answers of different lengths)."""
     forget_sizers()
-    model = target()
-    cs = cases("qwen3", 8)
+    model = target(arch)
+    cs = cases(arch, 8)
     rng = random.Random(max_batch)
     draft = RowScriptedDrafts(Target(model), cs, lambda c: rng.randrange(0, 9),
                               block_size=8)
@@ -81,11 +84,16 @@ def test_every_row_is_the_targets_own_greedy_with_ragged_accepts(max_batch, bloc
         assert len(set(accepted)) > 2  # rows accepted different lengths in the same cycles
 
 
-@pytest.mark.parametrize("arch", ["llama", "minimax", "deepseek_v3", "gemma2", "phi3", "olmoe"])
+@pytest.mark.parametrize("arch", ["llama", "minimax", "deepseek_v3", "gemma2", "phi3", "olmoe", "qwen3_5",
+                                  "qwen3_5_moe"])
 def test_batches_on_other_architectures(arch):
     forget_sizers()
-    model = target(arch) if arch != "llama" else tiny_target("llama", seed=2, layer_types=None,
-                                                            sliding_window=None)[0]
+    if arch == "llama":
+        model = tiny_target("llama", seed=2, layer_types=None, sliding_window=None)[0]
+    elif arch == "qwen3_5":  # a Gated DeltaNet hybrid: per-row rewinds of the recurrent state
+        model = tiny_target("qwen3_5", seed=2)[0]
+    else:
+        model = target(arch)
     cs = [clean_case(model, 6 + 11 * i, 14, seed=i) for i in range(4)]
     draft = RowScriptedDrafts(Target(model), cs, lambda c: (c * 3) % 7, block_size=6)
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=4, prefill_chunk=8, block_size=6)
@@ -191,8 +199,10 @@ def test_width_policy_is_keyed_on_rows_with_hysteresis():
 
 
 def test_targets_that_cannot_be_batched_are_refused_naming_why():
-    hybrid = build("qwen3_next")
+    hybrid = build("qwen3_next")  # its DeltaNet state is rewound by re-running the layer: not per row yet
     assert "ArraysCache" in batch_support(Target(hybrid))
+    assert "RotatingKVCache" in batch_support(Target(build("gpt_oss")))
+    assert batch_support(Target(target("qwen3_5"))) is None
     with pytest.raises(UnsupportedTargetError, match="cannot be batched"):
         BatchEngine(hybrid, random_draft(hybrid, num_layers=1, block_size=4, seed=0), byte_tokenizer())
     assert batch_support(Target(target())) is None
