@@ -14,8 +14,9 @@ every row's caches drop what that row rejected:
   row, as one `stream_generate` call has): the draft needs no rollback.
 
 Requests join between cycles: a joining request's prompt is prefilled in its own
-caches one chunk per cycle (`generate.prefill_chunks`), reusing whatever prefix its
-`PromptCache` holds, then merged into the batch; a finished or cancelled row leaves at
+caches a chunk at a time, up to a budget of prompt tokens per cycle shared first come
+first served (`generate.prefill_chunks`), reusing whatever prefix its `PromptCache`
+holds, then merged into the batch; a finished or cancelled row leaves at
 once and its KV goes back to its `PromptCache` (for a later request's prefix).
 
 Targets (`batch_support`): plain attention KV, and Qwen3.5/3.6 hybrids, whose Gated
@@ -40,20 +41,56 @@ from dflash_mlx.accept import make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
 from dflash_mlx.generate import (Answer, DFlashResponse, DraftContext, PlainDecoding, Step, _committed_span,
                                  first_step, prefill_chunks, stop_ids, token_logprobs)
+from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.rollback import UnsupportedTargetError, replay_gdn_rows, rollback_batch_rows
 from dflash_mlx.target import Target, target_for
 
 
+_SUPPORT = IdentityMap()
+
+
 def batch_support(target: Target) -> Optional[str]:
     """None when the batch engine serves `target`, else why not: its caches must be plain
-    attention KV or Qwen3.5/3.6 Gated DeltaNet state (rewound per row from its tape)."""
+    attention KV or Qwen3.5/3.6 Gated DeltaNet state (rewound per row from its tape), and
+    its code must batch rows of different lengths (checked once per model: three rows
+    against each alone)."""
+    found = _SUPPORT.get((target.model,))
+    if found is None:
+        found = (_check(target),)
+        _SUPPORT.put((target.model,), found)
+    return found[0]
+
+
+def _check(target: Target) -> Optional[str]:
     refused = sorted({type(c).__name__ for c, kind in zip(target.make_cache(), target.rollback_kinds())
                       if not ((type(c) is KVCache and kind == "trim") or kind == "gdn")})
     if refused:
         return (f"its caches include {', '.join(refused)} (batches take plain attention KV and "
                 "Qwen3.5/3.6 Gated DeltaNet state)")
+    vocab = target.vocab_size
+    prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate((3, 5, 2))]
+    step = mx.array([[(11 + i) % vocab, (13 + i) % vocab] for i in range(3)])
+    tight = 1e-4 if target.embed_tokens_dtype == mx.float32 else 3e-2
+    try:
+        singles, alone = [], []
+        for i, p in enumerate(prompts):
+            cache = target.make_cache()
+            target.forward(mx.array([p]), cache)
+            singles.append(cache)
+        merged = [_batched(c) for c in singles[0]]
+        for other in singles[1:]:
+            for c, o in zip(merged, other):
+                c.extend(_batched(o))
+        for i, cache in enumerate(singles):
+            alone.append(target.forward(step[i : i + 1], cache)[0])
+        together, _, _ = target.forward(step, merged)
+        alone = mx.concatenate(alone, axis=0).astype(mx.float32)
+        if (mx.abs(together.astype(mx.float32) - alone).max() > tight * (1.0 + mx.abs(alone).max())).item():
+            return "its rows do not come out of a batch as they do alone"
+    except Exception as e:  # model code that cannot take a batch of different lengths
+        return f"a batch of rows failed ({type(e).__name__}: {e})"
     return None
 
 
@@ -163,7 +200,10 @@ class BatchEngine:
     caller (the server's worker thread) calls `add`, `remove` and `step`."""
 
     def __init__(self, model, draft, tokenizer, max_batch: int = 8, prefill_chunk: int = 256,
-                 block_size=AUTO):
+                 prefill_budget: int = 512, block_size=AUTO):
+        """`prefill_chunk`: prompt tokens per prefill forward; `prefill_budget`: prompt tokens
+        run per step before the decoding rows' cycle (joining requests' time to first token
+        against the running rows' pace)."""
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.target = target_for(model, draft)
         reason = batch_support(self.target)
@@ -173,6 +213,7 @@ class BatchEngine:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.prefill_budget = prefill_budget
         width = fixed_width(block_size, draft.block_size) if draft is not None else 1
         self.widths = BatchWidths(model, draft) if width is None else None
         self.fixed = FixedWidth(width) if width is not None else None
@@ -243,21 +284,25 @@ class BatchEngine:
     # -- one cycle
 
     def step(self) -> List[Tuple[Row, DFlashResponse]]:
-        """One chunk of the first joining request's prefill (if any), then one cycle of every
-        decoding row. Returns each row's response of this step (rows that end leave)."""
+        """Prefill chunks of joining requests, first come first served, up to `prefill_budget`
+        tokens, then one cycle of every decoding row. Returns each row's response of this step
+        (rows that end leave)."""
         events = []
-        if self.joining:
-            events += self._prefill_step(self.joining[0])
+        budget = self.prefill_budget
+        while self.joining and budget > 0:
+            spent, joined = self._prefill_step(self.joining[0])
+            budget -= spent
+            events += joined
         if self.rows:
             events += self._cycle()
         return events
 
-    def _prefill_step(self, row: Row) -> List[Tuple[Row, DFlashResponse]]:
+    def _prefill_step(self, row: Row) -> Tuple[int, List[Tuple[Row, DFlashResponse]]]:
+        """One chunk of `row`'s prefill: (tokens run, [its first response] when it was the last)."""
         if row.started is None:
             row.started = time.perf_counter()
         try:
-            next(row._prefill)
-            return []
+            return next(row._prefill), []
         except StopIteration as done:
             last, prefilled = done.value
         self.joining.popleft()
@@ -274,7 +319,8 @@ class BatchEngine:
             self._join(row)
         else:
             row.done = True
-        return [(row, row.answer.response(step, first=True))]
+        ran = (prefilled - 1) % self.prefill_chunk + 1 if prefilled else 1  # the last chunk's tokens
+        return ran, [(row, row.answer.response(step, first=True))]
 
     def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
         rows = self.rows

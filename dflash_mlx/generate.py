@@ -261,9 +261,9 @@ def prefill(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: L
 
 def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
                    step_size: int, logits_out: Optional[list] = None):
-    """`prefill` a chunk of `step_size` tokens at a time: a generator that yields after each
-    chunk but the last and returns what `prefill` returns (the batch engine runs one chunk
-    of a joining request per cycle, so the running ones keep flowing)."""
+    """`prefill` a chunk of `step_size` tokens at a time: a generator that yields the tokens
+    run after each chunk but the last and returns what `prefill` returns (the batch engine
+    runs a few chunks of joining requests per cycle, so the running ones keep flowing)."""
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
@@ -278,7 +278,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
             if state.draft_cache:
                 mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
         if start + step_size < len(new_ids):
-            yield
+            yield chunk.shape[1]
     with mx.stream(generation_stream):
         logits = target.logits(h[:, -1, :])
         first = acceptor.first_token(logits)
