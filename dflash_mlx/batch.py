@@ -39,11 +39,11 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx.accept import make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
-from dflash_mlx.generate import (Answer, DFlashResponse, DraftContext, PlainDecoding, Step, _committed_span,
-                                 first_step, prefill_chunks, stop_ids, token_logprobs)
+from dflash_mlx.generate import DraftContext, PlainDecoding, prefill_chunks, stop_ids
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
+from dflash_mlx.responses import Answer, DFlashResponse, Step, committed_span, first_step, token_logprobs
 from dflash_mlx.rollback import UnsupportedTargetError, replay_gdn_rows, rollback_batch_rows
 from dflash_mlx.target import Target, target_for
 
@@ -348,7 +348,7 @@ class BatchEngine:
         for b, (r, (accept_len, committed)) in enumerate(zip(rows, results)):
             a = accept_len.item()
             tokens = committed[0, : a + 1].tolist()
-            kept, finish = _committed_span(tokens, r.stops, r.budget)
+            kept, finish = committed_span(tokens, r.stops, r.budget)
             lps = (token_logprobs(logits[b, :kept], tokens[:kept], r.request.logprobs)
                    if r.request.logprobs is not None else None)
             accepts.append(a)
