@@ -37,7 +37,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
-from dflash_mlx.accept import make_acceptor
+from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
 from dflash_mlx.generate import DraftContext, PlainDecoding, prefill_chunks, stop_ids
 from dflash_mlx.identity import IdentityMap
@@ -340,14 +340,21 @@ class BatchEngine:
             layer_ids = rows[0].drafter.layer_ids
             h, feats, record = self.target.forward(verify_in, self.cache, layer_ids, record=width > 1)
             logits = self.target.logits(h)  # [B, width, V]
-            results = [r.acceptor.accept(p, logits[b : b + 1], self.draft)
-                       for b, (r, p) in enumerate(zip(rows, proposals))]
-        mx.eval(verify_in, [x for pair in results for x in pair])  # the cycle's host sync
-        fed = verify_in.tolist()
+            if all(isinstance(r.acceptor, GreedyAcceptor) for r in rows):  # one acceptance for the batch
+                accept_len, committed = rows[0].acceptor.accept(
+                    Proposal(verify_in[:, 1:]) if width > 1 else None, logits, self.draft)
+            else:  # each row with its own sampling
+                each = [r.acceptor.accept(p, logits[b : b + 1], self.draft)
+                        for b, (r, p) in enumerate(zip(rows, proposals))]
+                accept_len = mx.concatenate([a for a, _ in each])
+                committed = mx.concatenate([c[:, :width] for _, c in each])
+        mx.eval(verify_in, accept_len, committed)  # the cycle's host sync
+        seconds = time.perf_counter() - t0
+        fed, accept_lens, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
         accepts, rejected, steps = [], [], []
-        for b, (r, (accept_len, committed)) in enumerate(zip(rows, results)):
-            a = accept_len.item()
-            tokens = committed[0, : a + 1].tolist()
+        for b, r in enumerate(rows):
+            a = accept_lens[b]
+            tokens = chosen[b][: a + 1]
             kept, finish = committed_span(tokens, r.stops, r.budget)
             lps = (token_logprobs(logits[b, :kept], tokens[:kept], r.request.logprobs)
                    if r.request.logprobs is not None else None)
@@ -355,7 +362,7 @@ class BatchEngine:
             rejected.append(width - kept)
             steps.append(Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width,
                               logprobs=lps, proposal="draft" if width > 1 else None))
-            r.last = committed[:, a]
+            r.last = committed[b : b + 1, a]
             r.budget -= kept
             r.state.tokens.extend(fed[b][:kept])
         with mx.stream(generation_stream):
@@ -370,8 +377,8 @@ class BatchEngine:
                     r.drafter.keep(feats[b : b + 1, : width - rejected[b]])
         self.cycles += 1
         if self.widths is not None:
-            mx.eval([c.state for c in self.cache])  # the cycle's time includes its rollback
-            self.widths.update(width, accepts, time.perf_counter() - t0)
+            # (a cycle's rollback runs lazily in the next cycle's graph, and is timed there)
+            self.widths.update(width, accepts, seconds)
         events = [(r, r.answer.response(s)) for r, s in zip(rows, steps)]
         ended = [r for r, s in zip(rows, steps) if s.finish is not None]
         for r in ended:
