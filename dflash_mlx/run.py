@@ -113,9 +113,10 @@ def run(args) -> int:
         print(json.dumps(out, ensure_ascii=False))
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
-    copied = last.proposal_counts.get("copy")
-    if copied:
-        tau_s += f", {copied[1]} from copies"
+    for kind, label in (("tree", "trees"), ("copy", "copies")):
+        counts = last.proposal_counts.get(kind)
+        if counts:
+            tau_s += f", {counts[1]} from {label}"
     print()
     print(
         f"[{stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s{tau_s}, "
