@@ -284,18 +284,23 @@ class BatchEngine:
     # -- one cycle
 
     def step(self) -> List[Tuple[Row, DFlashResponse]]:
+        """`prefill_step`, then `decode_step`: every row's response of this step."""
+        return self.prefill_step() + self.decode_step()
+
+    def prefill_step(self) -> List[Tuple[Row, DFlashResponse]]:
         """Prefill chunks of joining requests, first come first served, up to `prefill_budget`
-        tokens, then one cycle of every decoding row. Returns each row's response of this step
-        (rows that end leave)."""
+        tokens; the first response of each request whose prompt is done (it joins the batch)."""
         events = []
         budget = self.prefill_budget
         while self.joining and budget > 0:
             spent, joined = self._prefill_step(self.joining[0])
             budget -= spent
             events += joined
-        if self.rows:
-            events += self._cycle()
         return events
+
+    def decode_step(self) -> List[Tuple[Row, DFlashResponse]]:
+        """One cycle of every decoding row: each row's response (rows that end leave)."""
+        return self._cycle() if self.rows else []
 
     def _prefill_step(self, row: Row) -> Tuple[int, List[Tuple[Row, DFlashResponse]]]:
         """One chunk of `row`'s prefill: (tokens run, [its first response] when it was the last)."""

@@ -365,7 +365,12 @@ class Worker:
             if engine.idle:
                 continue
             try:
-                events = engine.step()
+                # joined requests' first tokens go out before the cycle of the running rows
+                for step in (engine.prefill_step, engine.decode_step):
+                    for row, r in step():
+                        job, answer, _ = self.active[row.uid]
+                        if answer.feed(r) and not row.done:
+                            engine.remove(row)
             except Exception as e:  # the batch is lost: fail its jobs, start a new engine
                 for job, _, _ in self.active.values():
                     self._failed(job, e)
@@ -373,10 +378,6 @@ class Worker:
                 self.engine = engine = BatchEngine(self.model, self.draft, self.tokenizer, max_batch=self.max_batch,
                                                    block_size=self.options.block_size)
                 continue
-            for row, r in events:
-                job, answer, _ = self.active[row.uid]
-                if answer.feed(r) and not row.done:
-                    engine.remove(row)
             for uid, (job, answer, row) in list(self.active.items()):
                 if not row.done and (job.cancelled.is_set() or job.ended.is_set()):
                     engine.remove(row)
