@@ -19,6 +19,7 @@ from dflash_mlx import kernels
 from dflash_mlx.draft_config import validate_for_target
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.layout import transposed
+from dflash_mlx.token_tree import TreeRoPE, rope_slots, tree_caches
 from dflash_mlx.rollback import (
     UnsupportedTargetError, VerifyRecord, ReplayTap, StandIn, TapedGatedDeltaNet, gdn_class,
     sub_caches, replay_gdn, replay_layer, rollback_cache, rollback_kind,
@@ -164,6 +165,7 @@ class Target:
         self._quantized = [x for layer in self.layers for x in _quantized_linears(layer)]
         self._replay_kinds = self._check_caches()
         self._own_head = self._needs_own_head()
+        self._rope_slots = None
 
     def _check_caches(self) -> List[Optional[str]]:
         """Each cache entry's rollback ("trim" | "gdn" | "replay"); refuses what has none."""
@@ -317,6 +319,13 @@ class Target:
         """Whether some cache holds recurrent state (it cannot be trimmed back to a prefix)."""
         return any(kind != "trim" for kind in self._replay_kinds)
 
+    @property
+    def rope_slots(self) -> List[Tuple[Any, Any]]:
+        """(parent, key) of every rotary embedding in the decoder layers (for tree verifies)."""
+        if self._rope_slots is None:
+            self._rope_slots = rope_slots(self.layers)
+        return self._rope_slots
+
     def rollback_kinds(self) -> List[str]:
         """Each cache entry's rollback path: "trim", "gdn" (taped replay) or "replay" (re-run)."""
         return list(self._replay_kinds)
@@ -325,7 +334,7 @@ class Target:
 
     @contextmanager
     def _taps(self, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool,
-              cache: List[Any]):
+              cache: List[Any], tree=None):
         layers = self.layers
         slot: Dict[int, List[int]] = {}
         for i, lid in enumerate(layer_ids):  # an id may repeat (small targets)
@@ -366,6 +375,10 @@ class Target:
                 for parent, key, q in self._quantized:
                     swapped.append((parent, key, q))
                     parent[key] = _SmallMQuantizedLinear(q)
+            if tree is not None:
+                for parent, key in self.rope_slots:
+                    swapped.append((parent, key, parent[key]))
+                    parent[key] = TreeRoPE(parent[key], tree)
             for idx in slot:
                 swapped.append((layers, idx, layers[idx]))
                 layers[idx] = make_tap(idx, layers[idx])
@@ -380,21 +393,24 @@ class Target:
         cache: List[Any],
         layer_ids: Sequence[int] = (),
         record: bool = False,
+        tree=None,
     ) -> Tuple[mx.array, Optional[mx.array], Optional[VerifyRecord]]:
         """tokens: [B, S] -> final hidden [B, S, H], features [B, S, n*H] (None if no taps), record.
 
         `record=True` marks a verify forward: Gated DeltaNet layers run taped and the
         layers holding other recurrent state are recorded (the VerifyRecord `rollback`
         replays). A quantized target's projections go through the small-M kernel when
-        it is on and B*S fits its widths.
+        it is on and B*S fits its widths. `tree` (a `token_tree.TokenTree` of S nodes):
+        the tokens are its nodes, each seeing its ancestors at the position of its depth
+        (the caches' masks and the rotary embeddings are swapped for the call).
         """
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
         width = tokens.shape[0] * tokens.shape[1]
         small_m = (bool(self._quantized) and kernels.QMM_MIN_M <= width <= kernels.QMM_MAX_M
                    and kernels.use_metal("qmm_small_m"))
-        with self._taps(layer_ids, features, rec, small_m, cache):
-            h = self.text_model(tokens, cache=cache)
+        with self._taps(layer_ids, features, rec, small_m, cache, tree):
+            h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
         feats = mx.concatenate(features, axis=-1) if layer_ids else None
         return h, feats, rec
 

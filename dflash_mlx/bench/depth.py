@@ -110,7 +110,7 @@ def _run(stream) -> dict:
         "tau": (sum(a + 1 for a in accepts) / len(accepts)) if accepts else None,
         "accept_lengths": accepts,
         "widths": widths,
-        # kind ("draft" | "copy" | "plain") -> [cycles, tokens committed]
+        # kind ("draft" | "tree" | "copy" | "plain") -> [cycles, tokens committed]
         "proposals": dict(getattr(r, "proposal_counts", None) or {}),
     }
 
@@ -396,13 +396,13 @@ def markdown(doc: dict) -> str:
         "## Per document",
         "",
         "| depth | document | plain tok/s | auto tok/s | tau | TTFT plain / auto s | settled | auto's tokens "
-        "(draft / copy / plain) | " + " | ".join(f"block {w} tok/s" for w in widths) + " |",
+        "(draft / tree / copy / plain) | " + " | ".join(f"block {w} tok/s" for w in widths) + " |",
         "|---:|---|---:|---:|---:|---|---:|---|" + "---:|" * len(widths),
     ]
     for r in doc["records"]:
         p, a = r["runs"]["plain"], r["runs"]["auto"]
         kinds = a.get("proposals") or {}
-        split = " / ".join(str(kinds.get(k, [0, 0])[1]) for k in ("draft", "copy", "plain")) if kinds else "–"
+        split = " / ".join(str(kinds.get(k, [0, 0])[1]) for k in ("draft", "tree", "copy", "plain")) if kinds else "–"
         lines.append(
             f"| {r['depth']} | {r['document']} | {_f(p['decode_tps'])} | {_f(a['decode_tps'])} | {_f(a['tau'])} | "
             f"{_f(p['ttft_s'])} / {_f(a['ttft_s'])} | {r['settled_width']} | {split} | "

@@ -172,7 +172,8 @@ def markdown(doc: dict) -> str:
         kinds = sorted({k for s in per.values() for k in (s.get("proposals") or {})})
         if kinds:
             lines += ["What the cycles verified (cycles / tokens committed): draft = the draft's block, "
-                      "copy = a span copied from the context, plain = a one-token step.", "",
+                      "tree = a token tree from the draft's top-k, copy = a span copied from the context, "
+                      "plain = a one-token step.", "",
                       "| suite | " + " | ".join(kinds) + " |", "|---|" + "---:|" * len(kinds)]
             for suite, s in per.items():
                 counts = s.get("proposals") or {}

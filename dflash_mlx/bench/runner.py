@@ -249,7 +249,7 @@ def _dflash_record(trace: metrics.Trace, base: metrics.Trace, block: Union[int, 
         "tokens_match": (mismatch is None) if greedy else None,
         "first_mismatch": mismatch,
         "finish_reason": trace.finish_reason,
-        "proposals": trace.proposals,  # kind ("draft" | "copy" | "plain") -> [cycles, tokens committed]
+        "proposals": trace.proposals,  # kind ("draft" | "tree" | "copy" | "plain") -> [cycles, tokens committed]
         "baseline_generated": base.generated,
         "baseline_generation_s": base.generation_s,
         "baseline_prefill_s": base.prefill_s,
