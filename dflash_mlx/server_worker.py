@@ -267,8 +267,9 @@ class Worker:
         if self.engine is not None:
             stats = self.engine.stats()  # read from another thread: a moment's view
             out["batch"] = stats
-            out["prompt_cache"] = {"conversations": len(self.pool), "max_conversations": self.max_snapshots,
-                                   "pool_bytes": self._pool_bytes(), "rows_bytes": self._rows_bytes(),
+            # the one-at-a-time keys: kept conversations as "snapshots", the rows' caches as "live"
+            out["prompt_cache"] = {"snapshots": len(self.pool), "max_snapshots": self.max_snapshots,
+                                   "snapshot_bytes": self._pool_bytes(), "live_bytes": self._rows_bytes(),
                                    "max_bytes": self.max_bytes}
         else:
             out["prompt_cache"] = self.cache.stats()

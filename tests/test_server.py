@@ -186,8 +186,8 @@ def test_models_and_health(attn):
     assert {"busy", "queued", "served", "cancelled", "rejected"} <= set(h)
     assert {"rows", "joining", "max_batch", "widths"} <= set(h["batch"])
     pc = h["prompt_cache"]
-    assert pc["max_bytes"] == attn.worker.max_bytes == 1 << 30 and pc["max_conversations"] == 4
-    assert 0 <= pc["pool_bytes"] <= pc["max_bytes"] and pc["rows_bytes"] >= 0
+    assert pc["max_bytes"] == attn.worker.max_bytes == 1 << 30 and pc["max_snapshots"] == 4
+    assert 0 <= pc["snapshot_bytes"] <= pc["max_bytes"] and pc["live_bytes"] >= 0
 
 
 # -- stop strings -----------------------------------------------------------------
