@@ -309,6 +309,10 @@ class BatchEngine:
         """One chunk of `row`'s prefill: (tokens run, [its first response] when it was the last)."""
         if row.started is None:
             row.started = time.perf_counter()
+            if row.request.options.seed is not None:
+                # as stream_generate does; the random stream is the batch's, so a seed reproduces
+                # a sampled answer only for a row that runs alone (at a fixed width)
+                mx.random.seed(row.request.options.seed)
         try:
             return next(row._prefill), []
         except StopIteration as done:

@@ -209,3 +209,22 @@ def test_targets_that_cannot_be_batched_are_refused_naming_why():
     with pytest.raises(UnsupportedTargetError, match="cannot be batched"):
         BatchEngine(hybrid, random_draft(hybrid, num_layers=1, block_size=4, seed=0), byte_tokenizer())
     assert batch_support(Target(target())) is None
+
+
+def test_a_seeded_row_alone_samples_what_stream_generate_samples():
+    """At a fixed width, a row alone in the batch draws the same randoms in the same order as
+    `stream_generate` with the LM head in one piece (the batch never splits it)."""
+    model = target()
+    draft = random_draft(model, num_layers=1, block_size=4, seed=0)
+    prompt, _ = clean_case(model, 12, 20, seed=3)
+
+    def alone(seed):
+        return [t for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=20, block_size=4,
+                                           temperature=3.0, seed=seed, split_head=False) for t in r.tokens]
+
+    def batched(seed):
+        engine = BatchEngine(model, draft, byte_tokenizer(), block_size=4)
+        tokens, _ = run(engine, [request(prompt, 20, temperature=3.0, seed=seed)])
+        return tokens[0]
+
+    assert batched(5) == alone(5) != alone(6)
