@@ -362,6 +362,30 @@ def test_batched_rows_then_queue_then_429_with_retry_after(endless_batched):
     assert h["rejected"] == 2 and h["cancelled"] == 2 and h["batch"]["rows"] == 0
 
 
+def test_batched_memory_bound_counts_the_rows_and_keeps_no_conversation_past_it():
+    """With a byte bound below one row's caches, rows join one at a time (one running row
+    already holds more than the bound) and no finished conversation is kept."""
+    model, tok = chain_target("abcdefghij")
+    with serving(model, random_draft(model, block_size=4), tok, max_batch=4, prompt_cache_bytes=1) as s:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 3000, "stream": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as one:
+            lines = one.iter_lines()
+            next(lines)
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(s.client.completions.create, model=MODEL, prompt="e", max_tokens=4)
+                deadline = time.time() + 10
+                while httpx.get(s.url + "/health").json()["queued"] < 1:
+                    assert time.time() < deadline
+                    time.sleep(0.01)
+                h = httpx.get(s.url + "/health").json()
+                assert h["batch"]["rows"] == 1 and h["prompt_cache"]["live_bytes"] > h["prompt_cache"]["max_bytes"]
+                one.close()  # the running row leaves: the waiting request runs
+                assert waiting.result(timeout=30).choices[0].text == "fghi"
+        wait_idle(s)
+        h = s.worker.health()
+        assert h["prompt_cache"]["snapshots"] == 0 and h["prompt_cache"]["snapshot_bytes"] == 0
+
+
 def _rss_mb():
     with open("/proc/self/status") as f:
         for line in f:
