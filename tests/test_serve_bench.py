@@ -70,9 +70,11 @@ class H(BaseHTTPRequestHandler):
             send({"choices": [{"index": 0, "delta": {"content": (" " if i else "") + w}}]})
         if body.get("stream_options", {}).get("include_usage") and not opt("--no-usage"):
             send({"choices": [], "usage": {"completion_tokens": len(words), "prompt_tokens": 1}})
-        self.wfile.write(b"data: [DONE]\n\n")
+        # Counted out before [DONE] goes: a client that has read it may send its next request
+        # at once, and that one must not overlap this one in the count.
         with lock:
             state["active"] -= 1
+        self.wfile.write(b"data: [DONE]\n\n")
 
 ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
 '''
