@@ -19,13 +19,19 @@ first served (`generate.prefill_chunks`), reusing whatever prefix its `PromptCac
 holds, then merged into the batch; a finished or cancelled row leaves at
 once and its KV goes back to its `PromptCache` (for a later request's prefix).
 
-Targets (`batch_support`): plain attention KV, and Qwen3.5/3.6 hybrids, whose Gated
-DeltaNet layers run taped in the verify and are rewound row by row to what each row
-kept (`rollback.replay_gdn_rows`: each row's conv window and its pre-verify state
-advanced by its own kept steps). Other recurrent states (re-run per row) and sliding
-windows (a per-row window) are not batched yet: those targets are served one request
-at a time. Token trees and copy proposals are single-row features (`stream_generate`);
-batch cycles verify draft chains.
+Targets (`batch_support`), each cache kind with its own per-row rollback:
+- attention KV (`BatchKVCache`) and sliding windows (`BatchRotatingKVCache`, put in
+  temporal order before a verify of two or more tokens: `rollback.in_temporal_order`):
+  `rollback.rollback_batch_rows`;
+- Qwen3.5/3.6 Gated DeltaNet, taped in the verify: each row's conv window and its
+  pre-verify state advanced by its own kept steps (`rollback.replay_gdn_rows`);
+- any other recurrent state in an `ArraysCache` (Mamba, RWKV, short convs, Qwen3-Next's
+  DeltaNet, ...): the layer's verify call is recorded, and rows that kept the same number
+  of tokens re-run it together from their pre-verify states (`rollback.replay_layer_rows`).
+Refused: caches in a `CacheList` (attention and recurrent state in one layer's cache), and
+models whose code does not batch rows of different lengths (mlx-lm's Gemma 2); those are
+served one request at a time. Token trees and copy proposals are single-row features
+(`stream_generate`); batch cycles verify draft chains.
 """
 
 import time
@@ -35,7 +41,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
@@ -44,7 +50,8 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.responses import Answer, DFlashResponse, Step, committed_span, first_step, token_logprobs
-from dflash_mlx.rollback import UnsupportedTargetError, replay_gdn_rows, rollback_batch_rows
+from dflash_mlx.rollback import (UnsupportedTargetError, in_temporal_order, replay_gdn_rows, replay_layer_rows,
+                                 rollback_batch_rows)
 from dflash_mlx.target import Target, target_for
 
 
@@ -52,8 +59,8 @@ _SUPPORT = IdentityMap()
 
 
 def batch_support(target: Target) -> Optional[str]:
-    """None when the batch engine serves `target`, else why not: its caches must be plain
-    attention KV or Qwen3.5/3.6 Gated DeltaNet state (rewound per row from its tape), and
+    """None when the batch engine serves `target`, else why not: its caches must be attention
+    KV, sliding windows or recurrent state in an `ArraysCache` (rewound per row), and
     its code must batch rows of different lengths (checked once per model: three rows
     against each alone)."""
     found = _SUPPORT.get((target.model,))
@@ -65,10 +72,11 @@ def batch_support(target: Target) -> Optional[str]:
 
 def _check(target: Target) -> Optional[str]:
     refused = sorted({type(c).__name__ for c, kind in zip(target.make_cache(), target.rollback_kinds())
-                      if not ((type(c) is KVCache and kind == "trim") or kind == "gdn")})
+                      if not ((type(c) in (KVCache, RotatingKVCache) and kind == "trim") or kind == "gdn"
+                              or (type(c) is ArraysCache and kind == "replay"))})
     if refused:
-        return (f"its caches include {', '.join(refused)} (batches take plain attention KV and "
-                "Qwen3.5/3.6 Gated DeltaNet state)")
+        return (f"its caches include {', '.join(refused)} (batches take attention KV, sliding windows and "
+                "recurrent state held in an ArraysCache)")
     vocab = target.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate((3, 5, 2))]
     step = mx.array([[(11 + i) % vocab, (13 + i) % vocab] for i in range(3)])
@@ -96,6 +104,8 @@ def _check(target: Target) -> Optional[str]:
 
 def _batched(c):
     """A row's cache as the first row of a batch of its kind."""
+    if isinstance(c, RotatingKVCache):
+        return BatchRotatingKVCache.merge([c])
     return BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c])
 
 
@@ -350,6 +360,9 @@ class BatchEngine:
                 axis=0)  # [B, width]
             mx.async_eval(verify_in)
             layer_ids = rows[0].drafter.layer_ids
+            if width > 1:
+                for c in self.cache:
+                    in_temporal_order(c)
             h, feats, record = self.target.forward(verify_in, self.cache, layer_ids, record=width > 1)
             logits = self.target.logits(h)  # [B, width, V]
             if all(isinstance(r.acceptor, GreedyAcceptor) for r in rows):  # one acceptance for the batch
@@ -382,6 +395,9 @@ class BatchEngine:
                 if kind == "gdn":
                     if record is not None and idx in record.gdn:
                         replay_gdn_rows(c, record.gdn[idx], [width - r for r in rejected])
+                elif kind == "replay":
+                    if record is not None and id(c) in record.replay:
+                        replay_layer_rows(record.replay[id(c)], width, [width - r for r in rejected])
                 else:
                     rollback_batch_rows(c, rejected)
             if feats is not None:

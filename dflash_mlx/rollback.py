@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, CacheList, RotatingKVCache, _BaseCache
+from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, RotatingKVCache, _BaseCache
 
 from dflash_mlx import kernels
 
@@ -186,8 +186,9 @@ def rollback_cache(c, n: int):
         c.trim(n)
 
 
-def rollback_batch_rows(c: BatchKVCache, rejected: Sequence[int]):
-    """Drop the last `rejected[b]` entries of row b of a batch of attention caches.
+def rollback_batch_rows(c, rejected: Sequence[int]):
+    """Drop the last `rejected[b]` entries of row b of a batch of attention caches
+    (`BatchKVCache`, or `BatchRotatingKVCache` after a verify of two or more tokens).
 
     Rows share one write index, so what all rows rejected is trimmed, and a row that
     rejected more moves its entries right by the difference: the dropped ones wrap
@@ -197,6 +198,11 @@ def rollback_batch_rows(c: BatchKVCache, rejected: Sequence[int]):
     common = min(rejected)
     if common:
         c.trim(common)
+        if isinstance(c, BatchRotatingKVCache):
+            # trim only moves the write index; a later one-token write would rotate the
+            # trimmed tail into the window, so it goes (as `rollback_rotating` does)
+            c.keys = c.keys[..., : c._idx, :]
+            c.values = c.values[..., : c._idx, :]
     extra = [r - common for r in rejected]
     if not any(extra):
         return
@@ -207,8 +213,18 @@ def rollback_batch_rows(c: BatchKVCache, rejected: Sequence[int]):
             c.keys[b : b + 1, :, shift:end, :] = keys[b : b + 1, :, : end - shift, :]
             c.values[b : b + 1, :, shift:end, :] = values[b : b + 1, :, : end - shift, :]
     shifts = mx.array(extra)
-    c.left_padding = c.left_padding + shifts
+    # A window's row that has dropped entries off its front has a negative left padding
+    # (all it holds is valid); its wrapped entries start at index 0 all the same.
+    c.left_padding = mx.maximum(c.left_padding, 0) + shifts
     c.offset = c.offset - shifts
+
+
+def in_temporal_order(c):
+    """Before a verify of two or more tokens: mlx-lm's batch window writes one token in
+    place (its ring may wrap) but computes a longer input's mask for a buffer in temporal
+    order, so one is put in that order first (a no-op when it is)."""
+    if isinstance(c, BatchRotatingKVCache) and c.rotated:
+        c._temporal_order()
 
 
 def rollback_rotating(c: RotatingKVCache, n: int):
@@ -246,6 +262,46 @@ def replay_gdn_rows(c: ArraysCache, tape: GDNTape, keep: Sequence[int]):
             tape.state[b : b + 1], tape.q[b : b + 1], tape.k[b : b + 1], tape.v[b : b + 1], tape.g[b : b + 1],
             tape.beta[b : b + 1], None if tape.deltas is None else tape.deltas[b : b + 1], k)
         for b, k in enumerate(keep)], axis=0)
+
+
+def replay_layer_rows(entry: LayerReplay, num_tokens: int, keep: Sequence[int]):
+    """`replay_layer` for a batch whose row b keeps its first `keep[b]` verify tokens (its
+    cache an `ArraysCache` of B rows): rows that kept the same number re-run together from
+    their pre-verify states, on their own rows of the recorded inputs; rows that kept
+    everything keep what the verify left."""
+    c = entry.cache
+    rows = len(keep)
+    if all(k == num_tokens for k in keep):
+        return
+    after = list(c.cache)
+    start = entry.start[0]
+    names = _parameter_names(entry.layer)
+    per_row: List[Optional[List[Any]]] = [None] * rows
+    for k in sorted(set(keep)):
+        if k == num_tokens:
+            continue
+        idx = [b for b in range(rows) if keep[b] == k]
+        sel = mx.array(idx)
+        group = ArraysCache(len(start))
+        group.cache = [s[sel] if s is not None else None for s in start]
+        if k > 0:
+            def cut(value, name):
+                if value is c:
+                    return group
+                if isinstance(value, mx.array) and value.ndim >= 1 and value.shape[0] == rows and rows > 1:
+                    value = value[sel]
+                return _kept_input(value, name, num_tokens, k)
+
+            args = [cut(a, names[i] if i < len(names) else "") for i, a in enumerate(entry.args)]
+            kwargs = {n: cut(v, n) for n, v in entry.kwargs.items()}
+            entry.layer(*args, **kwargs)
+        for j, b in enumerate(idx):
+            per_row[b] = [s[j : j + 1] if s is not None else None for s in group.cache]
+    c.cache = [
+        None if a is None else mx.concatenate(
+            [a[b : b + 1] if per_row[b] is None else per_row[b][e] for b in range(rows)], axis=0)
+        for e, a in enumerate(after)
+    ]
 
 
 _SIGNATURES: Dict[type, List[str]] = {}

@@ -2,20 +2,21 @@
 sizes 1-8 with requests joining and leaving mid-stream, ragged accepts and rollbacks, chunked
 prefill, stops, cancels, prompt-cache reuse, logprobs; the width policy per batch size."""
 
+import itertools
 import random
 from functools import lru_cache
 
 import dflash_mlx  # noqa: F401,I001  (before mlx.core: BLAS routing)
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx import stream_generate
 from dflash_mlx.adaptive import forget_sizers
-from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, batch_support
+from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, _batched, batch_support
 from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.options import GenerationOptions
-from dflash_mlx.rollback import UnsupportedTargetError, rollback_batch_rows
+from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
 from dflash_mlx.target import Target
 from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, byte_tokenizer, clean_case, greedy_reference,
                                 tiny_target)
@@ -101,6 +102,67 @@ def test_batches_on_other_architectures(arch):
     assert [tokens[i] for i in range(4)] == [ref for _, ref in cs]
 
 
+class Schedule:
+    """Widths in a fixed cycle: one-token cycles (a window's ring wraps in place) between
+    wider verifies (which need its buffer in temporal order) and rollbacks."""
+
+    def __init__(self, widths):
+        self.widths = itertools.cycle(widths)
+
+    def choose(self, remaining):
+        return min(next(self.widths), max(1, remaining))
+
+
+WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "mimo_v2_flash"]
+RECURRENT = ["qwen3_next", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "plamo2", "kimi_linear",
+             "olmo_hybrid", "bailing_hybrid", "recurrent_gemma", "mamba2", "rwkv7"]
+
+
+@pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
+def test_sliding_windows_and_recurrent_states_batch_exactly(arch):
+    """Sliding windows of 16 (rows past it, so rings wrap) and recurrent states re-run per row
+    (Mamba, RWKV, short convs, Qwen3-Next's DeltaNet...): every row equals the target's own
+    greedy output, with widths 1-5 mixed cycle by cycle and rows joining and leaving."""
+    model = build(arch)
+    assert batch_support(Target(model)) is None
+    cs = [clean_case(model, 6 + 11 * i, 40, seed=i) for i in range(5)]
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: (c * 3) % 5, block_size=8)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
+    engine.fixed = Schedule([1, 1, 1, 4, 1, 3, 2, 1, 1, 5])
+    tokens, _ = run(engine, [request(p, len(ref)) for p, ref in cs], join_every=3)
+    assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "rwkv7", "lfm2"])
+def test_replay_of_batch_rows_is_each_rows_own_forward(arch):
+    """Each row's recurrent state after `replay_layer_rows` equals a forward of that row's kept
+    tokens alone (rows keeping 1, all, 2 and 3 of 4 verify tokens)."""
+    model = build(arch)
+    t = Target(model)
+    prompts = [[3 + i, 40, 7 * i + 1, 9][: 2 + i % 3] for i in range(4)]
+    verify = mx.array([[11 + i, 12, 13 + i, 14] for i in range(4)])
+    keep = [1, 4, 2, 3]
+    singles = []
+    for p in prompts:
+        c = t.make_cache()
+        t.forward(mx.array([p]), c)
+        singles.append(c)
+    merged = [_batched(c) for c in singles[0]]
+    for other in singles[1:]:
+        for c, o in zip(merged, other):
+            c.extend(_batched(o))
+    _, _, record = t.forward(verify, merged, record=True)
+    recurrent = [i for i, c in enumerate(merged) if isinstance(c, ArraysCache)]
+    assert recurrent and all(id(merged[i]) in record.replay for i in recurrent)
+    for i in recurrent:
+        replay_layer_rows(record.replay[id(merged[i])], 4, keep)
+    for b, (c, k) in enumerate(zip(singles, keep)):
+        t.forward(verify[b : b + 1, :k], c)
+        for i in recurrent:
+            for got, want in zip(merged[i].cache, c[i].cache):
+                assert mx.allclose(got[b : b + 1], want, atol=1e-5).item(), (b, i)
+
+
 def test_stops_cancels_and_leaving_rows_do_not_disturb_the_others():
     forget_sizers()
     model = target()
@@ -118,10 +180,13 @@ def test_stops_cancels_and_leaving_rows_do_not_disturb_the_others():
         assert tokens[i] == cs[i][1], i
 
 
-def test_a_finished_rows_caches_serve_the_next_turns_prefix():
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", "mamba2"])
+def test_a_finished_rows_caches_serve_the_next_turns_prefix(arch):
+    """Attention KV, a sliding window past its size, a recurrent state: what a row leaves in its
+    `PromptCache` is a prefix the next turn does not prefill again."""
     forget_sizers()
-    model = target()
-    (p, ref), = cases("qwen3", 1, seed=30)
+    model = target() if arch == "qwen3" else build(arch)
+    (p, ref), = cases("qwen3", 1, seed=30) if arch == "qwen3" else [clean_case(model, 12, 20, seed=30)]
     draft = RowScriptedDrafts(Target(model), [(p, ref)], lambda c: 3, block_size=8)
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=2, prefill_chunk=8, block_size=4)
     first = engine.add(request(p, len(ref)))
@@ -199,9 +264,8 @@ def test_width_policy_is_keyed_on_rows_with_hysteresis():
 
 
 def test_targets_that_cannot_be_batched_are_refused_naming_why():
-    hybrid = build("qwen3_next")  # its DeltaNet state is rewound by re-running the layer: not per row yet
-    assert "ArraysCache" in batch_support(Target(hybrid))
-    assert "RotatingKVCache" in batch_support(Target(build("gpt_oss")))
+    hybrid = build("falcon_h1")  # attention and Mamba state in one CacheList per layer
+    assert "CacheList" in batch_support(Target(hybrid))
     # mlx-lm's Gemma 2 reshapes its queries for grouped heads so that a batch's per-row mask
     # no longer lines up with them: found by the check (three rows against each alone)
     assert "failed" in batch_support(Target(build("gemma2")))
