@@ -66,7 +66,7 @@ def timed(stream):
 
 
 def ours(model, draft, tokenizer, block_size, baseline=False, split_head=None):
-    """`split_head=False`: the verify's LM head over all rows at once (see generate.HeadRows)."""
+    """`split_head=False`: the verify's LM head over all rows at once (see cycle.HeadRows)."""
 
     def run(prompt, max_tokens):
         return timed(stream_generate(model, draft, tokenizer, prompt, max_tokens=max_tokens,

@@ -1,6 +1,10 @@
-"""Many answers at once: continuous batching with DFlash, one target forward per cycle.
+"""The engine: one answer or many at once, continuous batching with DFlash.
 
-`BatchEngine` advances every decoding row together. Each cycle, at a width chosen for
+A row that decodes alone runs `cycle.cycle` on its own caches (token trees, copy
+proposals, a split LM head): every `stream_generate` call is this batch-of-one case.
+With two rows or more, `BatchEngine` advances every decoding row together, one target
+forward per cycle; when the batch is down to one row again, that row's caches are
+extracted back and it goes on alone. Each batched cycle, at a width chosen for
 the batch (`BatchWidths`), every row's draft proposes its own block from its own
 context, the target verifies all rows' blocks in one forward (B x width rows), every
 row accepts its own length with its own acceptor (greedy or its own sampling), and
@@ -15,7 +19,7 @@ every row's caches drop what that row rejected:
 
 Requests join between cycles: a joining request's prompt is prefilled in its own
 caches a chunk at a time, up to a budget of prompt tokens per cycle shared first come
-first served (`generate.prefill_chunks`), reusing whatever prefix its `PromptCache`
+first served (`cycle.prefill_chunks`), reusing whatever prefix its `PromptCache`
 holds, then merged into the batch; a finished or cancelled row leaves at
 once and its KV goes back to its `PromptCache` (for a later request's prefix).
 
@@ -30,10 +34,13 @@ Targets (`batch_support`), each cache kind with its own per-row rollback:
   of tokens re-run it together from their pre-verify states (`rollback.replay_layer_rows`).
 Refused: caches in a `CacheList` (attention and recurrent state in one layer's cache), and
 models whose code does not batch rows of different lengths (mlx-lm's Gemma 2); those are
-served one request at a time. Token trees and copy proposals are single-row features
-(`stream_generate`); batch cycles verify draft chains.
+served one request at a time (`stream_generate`). Token trees and copy proposals are
+features of a lone row; batched cycles verify draft chains (not built for batches: on the
+CPU measured here trees are about neutral at one row, and at 4-8 rows the width policy
+settles on width 1, where neither has room).
 """
 
+import copy
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -45,7 +52,9 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache,
 
 from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
-from dflash_mlx.generate import DraftContext, PlainDecoding, prefill_chunks, stop_ids
+from dflash_mlx.copy_proposals import copy_policy_for
+from dflash_mlx.cycle import (DraftContext, HeadRows, NoTimer, PhaseTimer, PlainDecoding, cycle, prefill_chunks,
+                              stop_ids)
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
@@ -53,6 +62,7 @@ from dflash_mlx.responses import Answer, DFlashResponse, Step, committed_span, f
 from dflash_mlx.rollback import (UnsupportedTargetError, in_temporal_order, replay_gdn_rows, replay_layer_rows,
                                  rollback_batch_rows)
 from dflash_mlx.target import Target, target_for
+from dflash_mlx.token_tree import tree_policy_for, tree_support
 
 
 _SUPPORT = IdentityMap()
@@ -135,6 +145,16 @@ class Row:
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
+        # what the row uses while it decodes alone (`cycle.cycle`): copies and trees ride on
+        # the pair's own sizer (bucket 1), as in every single-sequence call
+        self.head_rows = HeadRows(split=mx.default_device() == mx.cpu if engine.split_head is None
+                                  else engine.split_head)
+        sizer = engine.widths.sizer(1) if engine.widths is not None and engine.draft is not None else None
+        self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
+        self.trees = (tree_policy_for(sizer) if sizer is not None and engine.token_trees
+                      and isinstance(self.acceptor, GreedyAcceptor) and tree_support(engine.target) is None
+                      else None)
+        self.index = None  # the context's copy index, made when the row first decodes alone
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         max_tokens = opts.max_tokens
         if engine.target.max_context:
@@ -213,26 +233,42 @@ class BatchEngine:
     caller (the server's worker thread) calls `add`, `remove` and `step`."""
 
     def __init__(self, model, draft, tokenizer, max_batch: int = 8, prefill_chunk: int = 256,
-                 prefill_budget: int = 512, block_size=AUTO):
+                 prefill_budget: int = 512, block_size=AUTO, target: Optional[Target] = None,
+                 copy_proposals: bool = True, token_trees: bool = True, split_head: Optional[bool] = None,
+                 profile: bool = False, snapshot_prompts: bool = True):
         """`prefill_chunk`: prompt tokens per prefill forward; `prefill_budget`: prompt tokens
         run per step before the decoding rows' cycle (joining requests' time to first token
-        against the running rows' pace)."""
+        against the running rows' pace). A row decoding alone runs `cycle.cycle` on its own
+        caches, where `copy_proposals`, `token_trees` (greedy rows) and `split_head` apply as in
+        `stream_generate`; `profile`: phase times in its steps (from a copy of the width policy).
+        `snapshot_prompts`: a recurrent target's prompt end is kept as a snapshot (the next
+        turn's prefix). `target`: the adapter to use (default: the one `draft` is bound to)."""
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
-        self.target = target_for(model, draft)
-        reason = batch_support(self.target)
-        if reason is not None:
-            raise UnsupportedTargetError(f"{self.target.name} cannot be batched: {reason}")
+        self.target = target if target is not None else target_for(model, draft)
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_batch > 1:
+            reason = batch_support(self.target)
+            if reason is not None:
+                raise UnsupportedTargetError(f"{self.target.name} cannot be batched: {reason}")
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget
+        self.copy_proposals, self.token_trees, self.split_head = copy_proposals, token_trees, split_head
+        self.snapshot_prompts = snapshot_prompts
         width = fixed_width(block_size, draft.block_size) if draft is not None else 1
         self.widths = BatchWidths(model, draft) if width is None else None
+        if self.widths is not None and profile:
+            # profiling syncs at every phase: its cycle times must not teach the shared policy
+            self.widths.sizers[1] = copy.deepcopy(sizer_for(model, draft))  # copies and trees come along
         self.fixed = FixedWidth(width) if width is not None else None
+        self.timer = PhaseTimer() if profile else NoTimer()
         self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
         self.joining: Deque[Row] = deque()
-        self.cache: Optional[List] = None  # per layer: BatchKVCache, or ArraysCache (Gated DeltaNet)
+        # per layer: a lone row's own caches (`batched` False), or the batch's (BatchKVCache,
+        # BatchRotatingKVCache, ArraysCache) once two rows decode
+        self.cache: Optional[List] = None
+        self.batched = False
         self.kinds = self.target.rollback_kinds()
         self._uid = 0
         self.cycles = 0
@@ -271,6 +307,9 @@ class BatchEngine:
         self._leave([row])
 
     def _leave(self, rows: List[Row]):
+        if not self.batched:  # the lone row: its caches are its PromptCache's already
+            self.rows, self.cache = [], None
+            return
         idx = [self.rows.index(r) for r in rows]
         for r, b in zip(rows, idx):
             r.state.target_cache = [c.extract(b) for c in self.cache]
@@ -282,16 +321,25 @@ class BatchEngine:
                 c.filter(keep)
         else:
             self.cache = None
+        if len(self.rows) == 1:  # alone again: back on its own caches, for trees and copies
+            alone = self.rows[0]
+            alone.state.target_cache = self.cache = [c.extract(0) for c in self.cache]
+            alone.index = None
+            self.batched = False
 
     def _join(self, row: Row):
-        single = row.state.target_cache
-        merged = [_batched(c) for c in single]
-        if self.cache is None:
-            self.cache = merged
-        else:
-            for c, m in zip(self.cache, merged):
-                c.extend(m)
-        row.state.target_cache = []  # the batch holds it now
+        if not self.rows:  # alone: the row decodes on its PromptCache's own caches
+            self.cache, self.batched = row.state.target_cache, False
+            self.rows.append(row)
+            return
+        if not self.batched:
+            alone = self.rows[0]
+            self.cache = [_batched(c) for c in self.cache]
+            alone.state.target_cache, alone.state.valid = [], False  # the batch holds it now
+            self.batched = True
+        for c, m in zip(self.cache, [_batched(c) for c in row.state.target_cache]):
+            c.extend(m)
+        row.state.target_cache, row.state.valid = [], False
         self.rows.append(row)
 
     # -- one cycle
@@ -335,7 +383,7 @@ class BatchEngine:
         step = first_step(first, row.stops, row.budget, row.first_logits[0] if row.first_logits else None,
                           row.request.logprobs)
         row.budget -= 1
-        if self.target.recurrent:
+        if self.target.recurrent and self.snapshot_prompts:
             row.state.snapshot()
         if step.finish is None:
             self._join(row)
@@ -344,8 +392,29 @@ class BatchEngine:
         ran = (prefilled - 1) % self.prefill_chunk + 1 if prefilled else 1  # the last chunk's tokens
         return ran, [(row, row.answer.response(step, first=True))]
 
+    def _cycle_alone(self, row: Row) -> List[Tuple[Row, DFlashResponse]]:
+        """A lone row's cycle on its own caches: `cycle.cycle`, with copies and trees."""
+        if self.widths is not None:
+            widths = self.widths.sizer(1)
+            widths.trees_on = row.trees is not None
+        else:
+            widths = self.fixed
+        if row.copies is not None and row.index is None:
+            row.index = row.state.context_index(int(row.last.item()))
+        step, row.last = cycle(self.target, row.drafter, row.acceptor, widths, row.state, row.last, row.budget,
+                               row.stops, self.timer, row.head_rows, row.request.logprobs, row.copies, row.index,
+                               row.trees)
+        row.budget -= len(step.tokens)
+        self.cycles += 1
+        if step.finish is not None:
+            row.done = True
+            self._leave([row])
+        return [(row, row.answer.response(step))]
+
     def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
         rows = self.rows
+        if not self.batched:
+            return self._cycle_alone(rows[0])
         remaining = max(r.budget for r in rows)
         width = (self.widths.choose(len(rows), remaining) if self.widths is not None
                  else self.fixed.choose(remaining))

@@ -18,8 +18,8 @@ from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
 from dflash_mlx.target import Target
-from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, byte_tokenizer, clean_case, greedy_reference,
-                                tiny_target)
+from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, byte_tokenizer, chain_target, clean_case,
+                                greedy_reference, tiny_target)
 from dflash_mlx.tiny_archs import build
 
 
@@ -111,6 +111,9 @@ class Schedule:
 
     def choose(self, remaining):
         return min(next(self.widths), max(1, remaining))
+
+    def update(self, *args, **kwargs):
+        pass
 
 
 WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "mimo_v2_flash"]
@@ -275,16 +278,50 @@ def test_targets_that_cannot_be_batched_are_refused_naming_why():
     assert batch_support(Target(target())) is None
 
 
+def test_a_lone_row_runs_the_single_sequence_cycle_before_and_after_a_batch():
+    """One engine: a row decoding alone verifies copies and trees (as `stream_generate` does), verifies
+    draft chains while a second row shares the batch, and copies again once that row has
+    left (its caches extracted back from the batch's); both answers are the target's own."""
+    forget_sizers()
+    model, tok = chain_target("Quick-brown,fx")  # greedy repeats a 14-token text
+    draft = random_draft(model, num_layers=1, block_size=8, seed=0)  # all but never right: copies pay
+    long = tok.encode("Quick", add_special_tokens=False)
+    short = tok.encode("brown,", add_special_tokens=False)
+    refs = [greedy_reference(model, long, 90), greedy_reference(model, short, 12)]
+    engine = BatchEngine(model, draft, tok, max_batch=4, prefill_chunk=8)
+    rows = [engine.add(request(long, 90))]
+    out = {0: [], 1: []}
+    phases = {0: [], 1: []}  # (batched?, proposal) per response of each row
+    steps = 0
+    while not engine.idle:
+        if steps == 12:  # the first row has been decoding alone for a while
+            rows.append(engine.add(request(short, 12)))
+        for row, r in engine.step():
+            i = rows.index(row)
+            out[i] += r.tokens
+            phases[i].append((engine.batched or len(engine.rows) > 1, r.proposal))
+        steps += 1
+    assert out[0] == refs[0] and out[1] == refs[1]
+    together = [p for b, p in phases[0] if b]
+    assert together and set(together) <= {None, "draft"}  # chains in the batch
+    i_first = next(i for i, (b, _) in enumerate(phases[0]) if b)
+    i_last = max(i for i, (b, _) in enumerate(phases[0]) if b)
+    lone = {"copy", "tree"}  # proposals only the single-sequence cycle makes
+    assert lone & {p for _, p in phases[0][:i_first]}
+    assert "copy" in [p for _, p in phases[0][i_last + 1 :]]  # alone again: copies again
+    assert not engine.batched and engine.cache is None
+
+
 def test_a_seeded_row_alone_samples_what_stream_generate_samples():
-    """At a fixed width, a row alone in the batch draws the same randoms in the same order as
-    `stream_generate` with the LM head in one piece (the batch never splits it)."""
+    """At a fixed width, a row alone in the engine runs what `stream_generate` runs, so it
+    draws the same randoms in the same order."""
     model = target()
     draft = random_draft(model, num_layers=1, block_size=4, seed=0)
     prompt, _ = clean_case(model, 12, 20, seed=3)
 
     def alone(seed):
         return [t for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=20, block_size=4,
-                                           temperature=3.0, seed=seed, split_head=False) for t in r.tokens]
+                                           temperature=3.0, seed=seed) for t in r.tokens]
 
     def batched(seed):
         engine = BatchEngine(model, draft, byte_tokenizer(), block_size=4)
