@@ -406,6 +406,9 @@ class BatchEngine:
                                row.trees)
         row.budget -= len(step.tokens)
         self.cycles += 1
+        if self.widths is not None:  # reported with the batch's widths, under batch size 1
+            counts = self.widths.chosen.setdefault(1, {})
+            counts[step.width] = counts.get(step.width, 0) + 1
         if step.finish is not None:
             row.done = True
             self._leave([row])
