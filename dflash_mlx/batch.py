@@ -32,7 +32,8 @@ Targets (`batch_support`), each cache kind with its own per-row rollback:
 - any other recurrent state in an `ArraysCache` (Mamba, RWKV, short convs, Qwen3-Next's
   DeltaNet, ...): the layer's verify call is recorded, and rows that kept the same number
   of tokens re-run it together from their pre-verify states (`rollback.replay_layer_rows`).
-Refused: caches in a `CacheList` (attention and recurrent state in one layer's cache), and
+A `CacheList` of attention caches (GLM's DSA) rolls back each of them. Refused: a `CacheList`
+holding recurrent state (Falcon-H1: attention and Mamba state in one layer's cache), and
 models whose code does not batch rows of different lengths (mlx-lm's Gemma 2); those are
 served one request at a time (`stream_generate`). Token trees and copy proposals are
 features of a lone row; batched cycles verify draft chains (not built for batches: on the
@@ -48,7 +49,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
 
 from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
@@ -60,7 +61,7 @@ from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.responses import Answer, DFlashResponse, Step, committed_span, first_step, token_logprobs
 from dflash_mlx.rollback import (UnsupportedTargetError, in_temporal_order, replay_gdn_rows, replay_layer_rows,
-                                 rollback_batch_rows)
+                                 rollback_batch_rows, sub_caches)
 from dflash_mlx.target import Target, target_for
 from dflash_mlx.token_tree import tree_policy_for, tree_support
 
@@ -81,12 +82,16 @@ def batch_support(target: Target) -> Optional[str]:
 
 
 def _check(target: Target) -> Optional[str]:
+    def attention(c):
+        return type(c) in (KVCache, RotatingKVCache) or (
+            type(c) is CacheList and all(type(s) in (KVCache, RotatingKVCache) for s in c.caches))
+
     refused = sorted({type(c).__name__ for c, kind in zip(target.make_cache(), target.rollback_kinds())
-                      if not ((type(c) in (KVCache, RotatingKVCache) and kind == "trim") or kind == "gdn"
+                      if not ((attention(c) and kind == "trim") or kind == "gdn"
                               or (type(c) is ArraysCache and kind == "replay"))})
     if refused:
-        return (f"its caches include {', '.join(refused)} (batches take attention KV, sliding windows and "
-                "recurrent state held in an ArraysCache)")
+        return (f"its caches include {', '.join(refused)} (batches take attention KV, sliding windows, lists "
+                "of them, and recurrent state held in an ArraysCache of its own)")
     vocab = target.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate((3, 5, 2))]
     step = mx.array([[(11 + i) % vocab, (13 + i) % vocab] for i in range(3)])
@@ -114,6 +119,8 @@ def _check(target: Target) -> Optional[str]:
 
 def _batched(c):
     """A row's cache as the first row of a batch of its kind."""
+    if isinstance(c, CacheList):
+        return CacheList(*(_batched(s) for s in c.caches))
     if isinstance(c, RotatingKVCache):
         return BatchRotatingKVCache.merge([c])
     return BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c])
@@ -434,7 +441,8 @@ class BatchEngine:
             layer_ids = rows[0].drafter.layer_ids
             if width > 1:
                 for c in self.cache:
-                    in_temporal_order(c)
+                    for sub in sub_caches(c):
+                        in_temporal_order(sub)
             h, feats, record = self.target.forward(verify_in, self.cache, layer_ids, record=width > 1)
             logits = self.target.logits(h)  # [B, width, V]
             if all(isinstance(r.acceptor, GreedyAcceptor) for r in rows):  # one acceptance for the batch
@@ -471,7 +479,8 @@ class BatchEngine:
                     if record is not None and id(c) in record.replay:
                         replay_layer_rows(record.replay[id(c)], width, [width - r for r in rejected])
                 else:
-                    rollback_batch_rows(c, rejected)
+                    for sub in sub_caches(c):
+                        rollback_batch_rows(sub, rejected)
             if feats is not None:
                 for b, r in enumerate(rows):
                     r.drafter.keep(feats[b : b + 1, : width - rejected[b]])

@@ -451,8 +451,10 @@ class Worker:
     def _rows_bytes(self) -> int:
         engine = self.engine
         rows = list(engine.rows) + list(engine.joining)
-        return nbytes(engine.cache) + sum(nbytes(r.state.draft_cache) + nbytes(r.state.target_cache)
-                                          + r.state.snapshot_bytes for r in rows)
+        # a lone row decodes on its own PromptCache's caches, which are the engine's then
+        batch = nbytes(engine.cache) if engine.batched else 0
+        return batch + sum(nbytes(r.state.draft_cache) + nbytes(r.state.target_cache) + r.state.snapshot_bytes
+                           for r in rows)
 
     def _evict(self):
         """Least recently used conversations out while rows and pool hold more than `max_bytes`."""

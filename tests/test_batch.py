@@ -116,14 +116,16 @@ class Schedule:
         pass
 
 
-WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "mimo_v2_flash"]
+WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "mimo_v2_flash",
+            "glm_moe_dsa"]  # (its caches: a CacheList of attention caches per layer)
 RECURRENT = ["qwen3_next", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "plamo2", "kimi_linear",
              "olmo_hybrid", "bailing_hybrid", "recurrent_gemma", "mamba2", "rwkv7"]
 
 
 @pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
 def test_sliding_windows_and_recurrent_states_batch_exactly(arch):
-    """Sliding windows of 16 (rows past it, so rings wrap) and recurrent states re-run per row
+    """Sliding windows of 16 (rows past it, so rings wrap), lists of attention caches, and
+    recurrent states re-run per row
     (Mamba, RWKV, short convs, Qwen3-Next's DeltaNet...): every row equals the target's own
     greedy output, with widths 1-5 mixed cycle by cycle and rows joining and leaving."""
     model = build(arch)
