@@ -159,8 +159,7 @@ class Row:
         sizer = engine.widths.sizer(1) if engine.widths is not None and engine.draft is not None else None
         self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
         self.trees = (tree_policy_for(sizer) if sizer is not None and engine.token_trees
-                      and isinstance(self.acceptor, GreedyAcceptor) and tree_support(engine.target) is None
-                      else None)
+                      and tree_support(engine.target) is None else None)
         self.index = None  # the context's copy index, made when the row first decodes alone
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         max_tokens = opts.max_tokens
@@ -246,7 +245,7 @@ class BatchEngine:
         """`prefill_chunk`: prompt tokens per prefill forward; `prefill_budget`: prompt tokens
         run per step before the decoding rows' cycle (joining requests' time to first token
         against the running rows' pace). A row decoding alone runs `cycle.cycle` on its own
-        caches, where `copy_proposals`, `token_trees` (greedy rows) and `split_head` apply as in
+        caches, where `copy_proposals`, `token_trees` and `split_head` apply as in
         `stream_generate`; `profile`: phase times in its steps (from a copy of the width policy).
         `snapshot_prompts`: a recurrent target's prompt end is kept as a snapshot (the next
         turn's prefix). `target`: the adapter to use (default: the one `draft` is bound to)."""

@@ -196,7 +196,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     `copies` (with `index`, the context so far): the cycle may verify a copy of what followed
     an earlier occurrence of the context's suffix instead of the draft's block, when that
     is expected to commit more tokens per second (`copy_proposals.CopyPolicy`).
-    `trees` (greedy, on targets `token_tree.tree_support` accepts): a drafted cycle may
+    `trees` (on targets `token_tree.tree_support` accepts; sampled exactly at T > 0): a drafted cycle may
     spend its rows on a token tree from the draft's top-k instead of its chain
     (`token_tree.TreePolicy`; two host syncs in such a cycle).
     `logprobs` (None: off) >= 0: the step carries its tokens' `TokenLogprob`s with that

@@ -72,10 +72,11 @@ def stream_generate(
     `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
     instead of the draft's block, when measured acceptance and cost say it commits more
     tokens per second (`dflash_mlx.copy_proposals`); exact either way.
-    `token_trees` (with "auto", greedy, on attention-only targets that take a tree's mask
-    and positions, `dflash_mlx.token_tree.tree_support`): a drafted cycle may verify a
-    tree of the draft's likeliest continuations instead of its chain, when trees have
-    committed more tokens at that width. At temperature > 0 cycles verify chains.
+    `token_trees` (with "auto", on attention-only targets that take a tree's mask and
+    positions, `dflash_mlx.token_tree.tree_support`): a drafted cycle may verify a tree of
+    the draft's likeliest continuations instead of its chain, when trees have committed
+    more tokens at that width; at temperature > 0 the tree is sampled down exactly
+    (`token_tree.accept_sampled`).
     """
     tokenizer = _wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)

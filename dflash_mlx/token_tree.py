@@ -19,8 +19,12 @@ not assumed: `tree_support` checks it once per model on a tiny tree against
 chains, and a model that does not (learned absolute positions, a mask built without
 asking the cache, a recurrent state) keeps chains.
 
-Trees are greedy only: at temperature > 0 every cycle verifies a chain (exact
-speculative sampling over siblings is not built).
+At temperature > 0 the walk down the tree samples exactly (`accept_sampled`): at each
+node the children, proposals that are fixed tokens, are tried in turn, each accepted with
+its probability under what is left of the target's sampling distribution once the
+siblings tried before it are removed; when all are rejected the token comes from that
+residual. So every committed token follows the target's own distribution (the recursive
+rejection of SpecInfer, with one-hot proposals).
 """
 
 import heapq
@@ -32,6 +36,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from dflash_mlx.accept import GreedyAcceptor
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.rollback import StandIn
 
@@ -137,6 +142,45 @@ def accept_greedy(tree: TokenTree, choices: Sequence[int]) -> Tuple[List[int], i
         if child is None:
             return path, int(choices[path[-1]])
         path.append(child)
+
+
+def accept_sampled(tree: TokenTree, logprobs: mx.array) -> Tuple[List[int], int]:
+    """logprobs [N, V]: the target's sampling distribution at each node (temperature and
+    filters applied, `SamplingAcceptor.logprobs`). -> (accepted path of nodes, root first;
+    the token drawn after its last node).
+
+    At a node with distribution p whose children hold tokens x1, x2, ... (best first):
+    x1 is accepted with probability p(x1); else x2 with probability p(x2) / (1 - p(x1)),
+    its probability under p without x1; and so on; when every child is rejected the
+    token is drawn from p without them. Each token is then distributed as p, and an
+    accepted child's own node holds the target's distribution after it. The draws are
+    one uniform per edge and one categorical, whatever the path (a seed reproduces)."""
+    children = tree.children()
+    edges = [(node, token, child) for node in range(len(tree)) for token, child in children[node].items()]
+    u = mx.random.uniform(shape=(max(1, len(edges)),))
+    if edges:
+        p_edge = mx.exp(logprobs[mx.array([e[0] for e in edges]), mx.array([e[1] for e in edges])])
+        mx.eval(u, p_edge)
+        p_edge, u_host = p_edge.tolist(), u.tolist()
+    by_node: Dict[int, List[int]] = {}
+    for i, (node, _, _) in enumerate(edges):
+        by_node.setdefault(node, []).append(i)
+    path = [0]
+    while True:
+        node, nxt, removed, removed_mass = path[-1], None, [], 0.0
+        for i in by_node.get(node, []):
+            if u_host[i] * (1.0 - removed_mass) < p_edge[i]:
+                nxt = edges[i][2]
+                break
+            removed.append(edges[i][1])
+            removed_mass += p_edge[i]
+        if nxt is None:
+            row = logprobs[node]
+            if removed:
+                tried = (mx.arange(row.shape[-1])[:, None] == mx.array(removed)[None]).any(axis=1)
+                row = mx.where(tried, -mx.inf, row)
+            return path, int(mx.random.categorical(row).item())
+        path.append(nxt)
 
 
 # -- handing the tree to mlx-lm's models --------------------------------------------
@@ -353,9 +397,12 @@ def verify_tree(target, drafter, acceptor, cache: List[Any], last: mx.array, wid
     start = cache[0].offset
     h, feats, _ = target.forward(mx.array([tree.tokens]), cache, drafter.layer_ids, tree=tree)
     logits = target.logits(h)[0]
-    choices = mx.argmax(logits, axis=-1)
-    mx.eval(choices)
-    path, bonus = accept_greedy(tree, choices.tolist())
+    if isinstance(acceptor, GreedyAcceptor):
+        choices = mx.argmax(logits, axis=-1)
+        mx.eval(choices)
+        path, bonus = accept_greedy(tree, choices.tolist())
+    else:
+        path, bonus = accept_sampled(tree, acceptor.logprobs(logits))
     tokens = [tree.tokens[n] for n in path[1:]] + [bonus]
     return TreeVerify(tree, path, tokens, logits, feats, start)
 

@@ -544,3 +544,38 @@ def test_a_vanishing_temperature_or_top_p_is_greedy_in_the_library():
     want = greedy_reference(model, prompt, 8, stop_ids=[])
     for sampling in ({"temperature": 1e-300}, {"temperature": 1.0, "top_p": 1e-300}):
         assert tokens_of(model, draft, tok, prompt, max_tokens=8, stop_token_ids=[], seed=0, **sampling) == want
+
+
+def test_stream_generate_with_token_trees_follows_target(monkeypatch):
+    """Every drafted cycle a token tree (the policy forced), sampled down exactly
+    (`token_tree.accept_sampled`): the first three tokens over many seeds still follow
+    the target's own distribution."""
+    from dflash_mlx import token_tree
+    from dflash_mlx.adaptive import forget_sizers
+
+    monkeypatch.setattr(token_tree.TreePolicy, "explore", lambda self, chosen, limit: max(4, min(chosen, limit)))
+    from dflash_mlx.testing import byte_tokenizer
+    from dflash_mlx.tiny_archs import build
+
+    model, tok = build("qwen3_moe", vocab_size=4), byte_tokenizer()
+    assert token_tree.tree_support(token_tree_target(model)) is None
+    draft = random_draft(model, block_size=4, seed=4)
+    outs, kinds = [], {}
+    for seed in range(100):
+        forget_sizers()
+        rs = list(stream_generate(model, draft, tok, E2E_PROMPT, max_tokens=3, seed=seed, stop_token_ids=[],
+                                  copy_proposals=False, **E2E_FILTERS))
+        outs.append([t for r in rs for t in r.tokens])
+        for kind, (cycles, _) in rs[-1].proposal_counts.items():
+            kinds[kind] = kinds.get(kind, 0) + cycles
+    assert kinds.get("tree", 0) >= 100  # every run's cycles were trees
+    exact = exact_first_tokens(model, E2E_PROMPT, 3, **E2E_FILTERS)
+    assert exact.max() < 0.5  # a spread distribution
+    _, pval = chi_square(encode(np.array(outs), 4), exact)
+    assert pval > 1e-3
+
+
+def token_tree_target(model):
+    from dflash_mlx.target import Target
+
+    return Target(model)

@@ -264,13 +264,98 @@ def test_logprobs_from_a_tree_are_the_chains():
     assert [[t for t, _ in x.top] for x in a] == [[t for t, _ in x.top] for x in b]
 
 
-def test_no_trees_when_sampling_or_on_recurrent_targets_or_when_turned_off():
+# -- sampling down a tree -----------------------------------------------------------------
+
+V_MARKOV = 5
+W_MARKOV = (np.random.default_rng(3).normal(size=(V_MARKOV, V_MARKOV)) * 1.5).astype(np.float32)
+# root 0; its children 2, 1, 4 (best first); under 2: 3, 0; under 1: 1; under 3: 2
+MARKOV_TREE = tt.TokenTree([0, 2, 1, 4, 3, 0, 1, 2], [-1, 0, 0, 0, 1, 1, 2, 4], [0, 1, 1, 1, 2, 2, 2, 3])
+
+
+def markov_probs(prev, temperature):
+    w = W_MARKOV[prev] / temperature
+    e = np.exp(w - w.max())
+    return e / e.sum()
+
+
+def sample_walks(walk, n, temperature, seed=0):
+    """First two committed tokens of `n` walks down MARKOV_TREE on a Markov target (each
+    node's logits: W at its token); when a walk commits one token, the second is drawn
+    from the target after it, as the next cycle would."""
+    from dflash_mlx.accept import SamplingAcceptor
+
+    logprobs = SamplingAcceptor(temperature).logprobs(mx.array(W_MARKOV[MARKOV_TREE.tokens]))
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        path, bonus = walk(MARKOV_TREE, logprobs)
+        tokens = [MARKOV_TREE.tokens[i] for i in path[1:]] + [bonus]
+        if len(tokens) == 1:
+            tokens.append(int(rng.choice(V_MARKOV, p=markov_probs(tokens[0], temperature))))
+        out.append(tokens[:2])
+    return np.array(out)
+
+
+def exact_pairs(temperature):
+    first = markov_probs(0, temperature)
+    return np.concatenate([first[a] * markov_probs(a, temperature) for a in range(V_MARKOV)])
+
+
+def test_sampling_down_a_tree_keeps_the_targets_distribution():
+    """Siblings tried in turn against what is left of p: the first two committed tokens
+    follow the target's joint distribution (chi-square), and the walk goes deep."""
+    from test_sampling import chi_square
+
+    pairs = sample_walks(tt.accept_sampled, 3000, temperature=1.0)
+    _, pval = chi_square(pairs[:, 0] * V_MARKOV + pairs[:, 1], exact_pairs(1.0))
+    assert pval > 1e-3
+    # and the same test is not vacuous: trying each sibling with its plain p(x) fails it
+    def unnormalized(tree, logprobs):
+        children = tree.children()
+        path = [0]
+        p = np.exp(np.array(logprobs))
+        while True:
+            for token, child in children[path[-1]].items():
+                if mx.random.uniform().item() < p[path[-1], token]:
+                    path.append(child)
+                    break
+            else:
+                return path, int(mx.random.categorical(logprobs[path[-1]]).item())
+
+    pairs = sample_walks(unnormalized, 3000, temperature=1.0)
+    _, pval = chi_square(pairs[:, 0] * V_MARKOV + pairs[:, 1], exact_pairs(1.0))
+    assert pval < 1e-6
+
+
+def test_sampling_down_a_tree_at_a_tiny_temperature_is_the_greedy_walk():
+    logits = mx.array(W_MARKOV[MARKOV_TREE.tokens])
+    from dflash_mlx.accept import SamplingAcceptor
+
+    greedy = tt.accept_greedy(MARKOV_TREE, mx.argmax(logits, axis=-1).tolist())
+    for seed in range(5):
+        mx.random.seed(seed)
+        assert tt.accept_sampled(MARKOV_TREE, SamplingAcceptor(1e-4).logprobs(logits)) == greedy
+
+
+def test_trees_at_temperature_above_zero_through_the_engine():
+    """Sampling with trees on: tree cycles run, and a seed reproduces the answer."""
+    forget_sizers()
+    model, _ = tiny_target("qwen3", seed=8)
+    prompt, ref = clean_case(model, 16, 40, seed=1)
+    draft = RankedDraft(Target(model), prompt + ref, ranked_schedule, block_size=8)
+    a, sampled = decode(model, draft, prompt, max_tokens=40, temperature=0.3, seed=0, copy_proposals=False)
+    assert "tree" in sampled[-1].proposal_counts
+    forget_sizers()
+    b, _ = decode(model, draft, prompt, max_tokens=40, temperature=0.3, seed=0, copy_proposals=False)
+    assert a == b
+
+
+def test_no_trees_on_recurrent_targets_or_when_turned_off():
     forget_sizers()
     model, _ = tiny_target("qwen3", seed=8)
     prompt, ref = clean_case(model, 16, 24, seed=1)
     draft = RankedDraft(Target(model), prompt + ref, ranked_schedule, block_size=8)
-    _, sampled = decode(model, draft, prompt, max_tokens=24, temperature=0.8, seed=0, copy_proposals=False)
-    assert "tree" not in sampled[-1].proposal_counts
     tokens, off = decode(model, draft, prompt, max_tokens=24, token_trees=False, copy_proposals=False)
     assert tokens == ref and "tree" not in off[-1].proposal_counts
     hybrid = model_for("qwen3_next")
