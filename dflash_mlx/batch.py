@@ -34,8 +34,8 @@ Targets (`batch_support`), each cache kind with its own per-row rollback:
   of tokens re-run it together from their pre-verify states (`rollback.replay_layer_rows`).
 A `CacheList` of attention caches (GLM's DSA) rolls back each of them. Refused: a `CacheList`
 holding recurrent state (Falcon-H1: attention and Mamba state in one layer's cache), and
-models whose code does not batch rows of different lengths (mlx-lm's Gemma 2); those are
-served one request at a time (`stream_generate`). Token trees and copy proposals are
+models whose code does not batch rows of different lengths even with `HeadAxisMask` (which
+mlx-lm's Gemma 2 needs); those are served one request at a time (`stream_generate`). Token trees and copy proposals are
 features of a lone row; batched cycles verify draft chains (not built for batches: on the
 CPU measured here trees are about neutral at one row, and at 4-8 rows the width policy
 settles on width 1, where neither has room).
@@ -60,7 +60,7 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.responses import Answer, DFlashResponse, Step, committed_span, first_step, token_logprobs
-from dflash_mlx.rollback import (UnsupportedTargetError, in_temporal_order, replay_gdn_rows, replay_layer_rows,
+from dflash_mlx.rollback import (StandIn, UnsupportedTargetError, in_temporal_order, replay_gdn_rows, replay_layer_rows,
                                  rollback_batch_rows, sub_caches)
 from dflash_mlx.target import Target, target_for
 from dflash_mlx.token_tree import tree_policy_for, tree_support
@@ -74,14 +74,46 @@ def batch_support(target: Target) -> Optional[str]:
     KV, sliding windows or recurrent state in an `ArraysCache` (rewound per row), and
     its code must batch rows of different lengths (checked once per model: three rows
     against each alone)."""
+    return _support(target)[0]
+
+
+def mask_head_axis(target: Target) -> bool:
+    """Whether the batch's masks need an axis for grouped query heads (`HeadAxisMask`)."""
+    return _support(target)[1]
+
+
+def _support(target: Target) -> Tuple[Optional[str], bool]:
     found = _SUPPORT.get((target.model,))
     if found is None:
-        found = (_check(target),)
+        reason = _check(target)
+        found = (reason, False)
+        if reason is not None and reason.startswith(("its rows", "a batch of rows")):
+            # mlx-lm's Gemma 2 splits the query heads into (kv heads, repeats) before it applies
+            # the mask, which a batch's per-row mask [B, 1, L, K] does not broadcast against
+            if _check(target, head_axis=True) is None:
+                found = (None, True)
         _SUPPORT.put((target.model,), found)
-    return found[0]
+    return found
 
 
-def _check(target: Target) -> Optional[str]:
+class HeadAxisMask(StandIn):
+    """A batch's attention cache as such a model sees it for one forward: everything passes
+    through to the cache, except that its mask [B, 1, L, K] gets an axis for the repeats
+    of each KV head, [B, 1, 1, L, K]."""
+
+    def __init__(self, cache):
+        self._wrapped = cache
+
+    def make_mask(self, *args, **kwargs):
+        mask = self._wrapped.make_mask(*args, **kwargs)
+        return mask[:, :, None] if isinstance(mask, mx.array) and mask.ndim == 4 else mask
+
+
+def _for_forward(caches: List, kinds: Sequence[str], head_axis: bool) -> List:
+    return [HeadAxisMask(c) if head_axis and kind == "trim" else c for c, kind in zip(caches, kinds)]
+
+
+def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     def attention(c):
         return type(c) in (KVCache, RotatingKVCache) or (
             type(c) is CacheList and all(type(s) in (KVCache, RotatingKVCache) for s in c.caches))
@@ -108,7 +140,7 @@ def _check(target: Target) -> Optional[str]:
                 c.extend(_batched(o))
         for i, cache in enumerate(singles):
             alone.append(target.forward(step[i : i + 1], cache)[0])
-        together, _, _ = target.forward(step, merged)
+        together, _, _ = target.forward(step, _for_forward(merged, target.rollback_kinds(), head_axis))
         alone = mx.concatenate(alone, axis=0).astype(mx.float32)
         if (mx.abs(together.astype(mx.float32) - alone).max() > tight * (1.0 + mx.abs(alone).max())).item():
             return "its rows do not come out of a batch as they do alone"
@@ -276,6 +308,7 @@ class BatchEngine:
         self.cache: Optional[List] = None
         self.batched = False
         self.kinds = self.target.rollback_kinds()
+        self.head_axis = max_batch > 1 and mask_head_axis(self.target)
         self._uid = 0
         self.cycles = 0
 
@@ -442,7 +475,8 @@ class BatchEngine:
                 for c in self.cache:
                     for sub in sub_caches(c):
                         in_temporal_order(sub)
-            h, feats, record = self.target.forward(verify_in, self.cache, layer_ids, record=width > 1)
+            h, feats, record = self.target.forward(verify_in, _for_forward(self.cache, self.kinds, self.head_axis),
+                                                   layer_ids, record=width > 1)
             logits = self.target.logits(h)  # [B, width, V]
             if all(isinstance(r.acceptor, GreedyAcceptor) for r in rows):  # one acceptance for the batch
                 accept_len, committed = rows[0].acceptor.accept(

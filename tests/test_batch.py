@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx import stream_generate
 from dflash_mlx.adaptive import forget_sizers
-from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, _batched, batch_support
+from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, _batched, batch_support, mask_head_axis
 from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
@@ -117,7 +117,8 @@ class Schedule:
 
 
 WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "mimo_v2_flash",
-            "glm_moe_dsa"]  # (its caches: a CacheList of attention caches per layer)
+            "glm_moe_dsa",  # (its caches: a CacheList of attention caches per layer)
+            "gemma2"]  # (grouped query heads split before the mask: `HeadAxisMask`)
 RECURRENT = ["qwen3_next", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "plamo2", "kimi_linear",
              "olmo_hybrid", "bailing_hybrid", "recurrent_gemma", "mamba2", "rwkv7"]
 
@@ -272,8 +273,11 @@ def test_targets_that_cannot_be_batched_are_refused_naming_why():
     hybrid = build("falcon_h1")  # attention and Mamba state in one CacheList per layer
     assert "CacheList" in batch_support(Target(hybrid))
     # mlx-lm's Gemma 2 reshapes its queries for grouped heads so that a batch's per-row mask
-    # no longer lines up with them: found by the check (three rows against each alone)
-    assert "failed" in batch_support(Target(build("gemma2")))
+    # no longer lines up with them: found by the check (three rows against each alone), which
+    # then passes with the mask's extra axis
+    gemma2 = Target(build("gemma2"))
+    assert batch_support(gemma2) is None and mask_head_axis(gemma2)
+    assert not mask_head_axis(Target(target()))
     assert batch_support(Target(target("qwen3_5"))) is None
     with pytest.raises(UnsupportedTargetError, match="cannot be batched"):
         BatchEngine(hybrid, random_draft(hybrid, num_layers=1, block_size=4, seed=0), byte_tokenizer())
