@@ -550,6 +550,24 @@ def test_stream_generate_with_token_trees_follows_target(monkeypatch):
     """Every drafted cycle a token tree (the policy forced), sampled down exactly
     (`token_tree.accept_sampled`): the first three tokens over many seeds still follow
     the target's own distribution."""
+    assert tree_sampling_pvalue(monkeypatch) > 1e-3
+
+
+def test_stream_generate_with_trees_that_always_take_the_first_child_fails(monkeypatch):
+    """The engine-level check is not vacuous: a walk that accepts every first child fails it."""
+    from dflash_mlx import token_tree
+
+    def first_child(tree, logprobs):
+        children, path = tree.children(), [0]
+        while children[path[-1]]:
+            path.append(next(iter(children[path[-1]].values())))
+        return path, int(mx.random.categorical(logprobs[path[-1]]).item())
+
+    monkeypatch.setattr(token_tree, "accept_sampled", first_child)
+    assert tree_sampling_pvalue(monkeypatch) < 1e-6
+
+
+def tree_sampling_pvalue(monkeypatch):
     from dflash_mlx import token_tree
     from dflash_mlx.adaptive import forget_sizers
 
@@ -572,7 +590,7 @@ def test_stream_generate_with_token_trees_follows_target(monkeypatch):
     exact = exact_first_tokens(model, E2E_PROMPT, 3, **E2E_FILTERS)
     assert exact.max() < 0.5  # a spread distribution
     _, pval = chi_square(encode(np.array(outs), 4), exact)
-    assert pval > 1e-3
+    return pval
 
 
 def token_tree_target(model):
