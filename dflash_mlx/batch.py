@@ -110,7 +110,9 @@ class HeadAxisMask(StandIn):
 
 
 def _for_forward(caches: List, kinds: Sequence[str], head_axis: bool) -> List:
-    return [HeadAxisMask(c) if head_axis and kind == "trim" else c for c, kind in zip(caches, kinds)]
+    if not head_axis:
+        return caches
+    return [HeadAxisMask(c) if kind == "trim" else c for c, kind in zip(caches, kinds)]
 
 
 def _check(target: Target, head_axis: bool = False) -> Optional[str]:
@@ -134,10 +136,7 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
             cache = target.make_cache()
             target.forward(mx.array([p]), cache)
             singles.append(cache)
-        merged = [_batched(c) for c in singles[0]]
-        for other in singles[1:]:
-            for c, o in zip(merged, other):
-                c.extend(_batched(o))
+        merged = merge_rows(singles)
         for i, cache in enumerate(singles):
             alone.append(target.forward(step[i : i + 1], cache)[0])
         together, _, _ = target.forward(step, _for_forward(merged, target.rollback_kinds(), head_axis))
@@ -147,6 +146,20 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     except Exception as e:  # model code that cannot take a batch of different lengths
         return f"a batch of rows failed ({type(e).__name__}: {e})"
     return None
+
+
+def merge_rows(rows: List[List]) -> List:
+    """Rows' own caches (one list per row, a cache per layer) as one batch's, in row order."""
+    merged = [_batched(c) for c in rows[0]]
+    for other in rows[1:]:
+        extend_rows(merged, other)
+    return merged
+
+
+def extend_rows(batch: List, row: List):
+    """Append one row's own caches to a batch's."""
+    for c, o in zip(batch, row):
+        c.extend(_batched(o))
 
 
 def _batched(c):
@@ -256,9 +269,13 @@ class BatchWidths:
         self.current = self.sizer(self.key)
         self.current.trees_on = False  # batch cycles verify chains
         width = self.current.choose(remaining)
-        counts = self.chosen.setdefault(self.key, {})
-        counts[width] = counts.get(width, 0) + 1
+        self.count(self.key, width)
         return width
+
+    def count(self, bucket: int, width: int):
+        """A cycle of `width` at batch size `bucket`, for `chosen` (what /health reports)."""
+        counts = self.chosen.setdefault(bucket, {})
+        counts[width] = counts.get(width, 0) + 1
 
     def update(self, width: int, accept_lengths: Sequence[int], seconds: float):
         for a in accept_lengths[1:]:
@@ -303,10 +320,9 @@ class BatchEngine:
         self.timer = PhaseTimer() if profile else NoTimer()
         self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
         self.joining: Deque[Row] = deque()
-        # per layer: a lone row's own caches (`batched` False), or the batch's (BatchKVCache,
-        # BatchRotatingKVCache, ArraysCache) once two rows decode
+        # per layer: a lone row's own caches, or the batch's (BatchKVCache, BatchRotatingKVCache,
+        # ArraysCache) while two rows or more decode (`batched`)
         self.cache: Optional[List] = None
-        self.batched = False
         self.kinds = self.target.rollback_kinds()
         self.head_axis = max_batch > 1 and mask_head_axis(self.target)
         self._uid = 0
@@ -317,6 +333,11 @@ class BatchEngine:
     @property
     def room(self) -> int:
         return self.max_batch - len(self.rows) - len(self.joining)
+
+    @property
+    def batched(self) -> bool:
+        """Whether `cache` holds a batch's caches (else a lone row's own, or none)."""
+        return len(self.rows) > 1
 
     @property
     def idle(self) -> bool:
@@ -364,21 +385,17 @@ class BatchEngine:
             alone = self.rows[0]
             alone.state.target_cache = self.cache = [c.extract(0) for c in self.cache]
             alone.index = None
-            self.batched = False
 
     def _join(self, row: Row):
         if not self.rows:  # alone: the row decodes on its PromptCache's own caches
-            self.cache, self.batched = row.state.target_cache, False
-            self.rows.append(row)
-            return
-        if not self.batched:
-            alone = self.rows[0]
-            self.cache = [_batched(c) for c in self.cache]
-            alone.state.target_cache, alone.state.valid = [], False  # the batch holds it now
-            self.batched = True
-        for c, m in zip(self.cache, [_batched(c) for c in row.state.target_cache]):
-            c.extend(m)
-        row.state.target_cache, row.state.valid = [], False
+            self.cache = row.state.target_cache
+        else:
+            if not self.batched:
+                alone = self.rows[0]
+                self.cache = merge_rows([self.cache])
+                alone.state.target_cache, alone.state.valid = [], False  # the batch holds it now
+            extend_rows(self.cache, row.state.target_cache)
+            row.state.target_cache, row.state.valid = [], False
         self.rows.append(row)
 
     # -- one cycle
@@ -446,8 +463,7 @@ class BatchEngine:
         row.budget -= len(step.tokens)
         self.cycles += 1
         if self.widths is not None:  # reported with the batch's widths, under batch size 1
-            counts = self.widths.chosen.setdefault(1, {})
-            counts[step.width] = counts.get(step.width, 0) + 1
+            self.widths.count(1, step.width)
         if step.finish is not None:
             row.done = True
             self._leave([row])

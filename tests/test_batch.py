@@ -13,7 +13,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx import stream_generate
 from dflash_mlx.adaptive import forget_sizers
-from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, _batched, batch_support, mask_head_axis
+from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, batch_support, mask_head_axis, merge_rows
 from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
@@ -153,10 +153,7 @@ def test_replay_of_batch_rows_is_each_rows_own_forward(arch):
         c = t.make_cache()
         t.forward(mx.array([p]), c)
         singles.append(c)
-    merged = [_batched(c) for c in singles[0]]
-    for other in singles[1:]:
-        for c, o in zip(merged, other):
-            c.extend(_batched(o))
+    merged = merge_rows(singles)
     _, _, record = t.forward(verify, merged, record=True)
     recurrent = [i for i, c in enumerate(merged) if isinstance(c, ArraysCache)]
     assert recurrent and all(id(merged[i]) in record.replay for i in recurrent)
@@ -305,7 +302,7 @@ def test_a_lone_row_runs_the_single_sequence_cycle_before_and_after_a_batch():
         for row, r in engine.step():
             i = rows.index(row)
             out[i] += r.tokens
-            phases[i].append((engine.batched or len(engine.rows) > 1, r.proposal))
+            phases[i].append((engine.batched, r.proposal))
         steps += 1
     assert out[0] == refs[0] and out[1] == refs[1]
     together = [p for b, p in phases[0] if b]
