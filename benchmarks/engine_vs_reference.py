@@ -205,6 +205,8 @@ def main(argv=None):
             "ours block 16, head in one piece": ours(model, shipped, tokenizer, 16, split_head=False),
             "ours block 16 full vocab": ours(model, full, tokenizer, 16),
             "ours auto": ours(model, shipped, tokenizer, "auto"),
+            # plain decoding in the same run, so both ratios come from one set of conditions
+            "mlx-lm plain decoding": mlx_lm_plain(model, tokenizer),
         }
         base = "z-lab block 16"
     elif args.part == "auto":
