@@ -32,9 +32,10 @@ Targets (`batch_support`), each cache kind with its own per-row rollback:
 - any other recurrent state in an `ArraysCache` (Mamba, RWKV, short convs, Qwen3-Next's
   DeltaNet, ...): the layer's verify call is recorded, and rows that kept the same number
   of tokens re-run it together from their pre-verify states (`rollback.replay_layer_rows`).
-A `CacheList` of attention caches (GLM's DSA) rolls back each of them. Refused: a `CacheList`
-holding recurrent state (Falcon-H1: attention and Mamba state in one layer's cache), and
-models whose code does not batch rows of different lengths even with `HeadAxisMask` (which
+A `CacheList` rolls back each of its caches: attention (GLM's DSA) per row; recurrent state
+beside attention (Falcon-H1's Mamba) through the module the layer hands it to, recorded on
+its own in the verify, re-run per group of rows. Refused: such state not handed to a module
+of its own, and models whose code does not batch rows of different lengths even with `HeadAxisMask` (which
 mlx-lm's Gemma 2 needs); those are served one request at a time (`stream_generate`). Token trees and copy proposals are
 features of a lone row; batched cycles verify draft chains (not built for batches: on the
 CPU measured here trees are about neutral at one row, and at 4-8 rows the width policy
@@ -60,8 +61,8 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.responses import Answer, DFlashResponse, Step, committed_span, first_step, token_logprobs
-from dflash_mlx.rollback import (StandIn, UnsupportedTargetError, in_temporal_order, replay_gdn_rows, replay_layer_rows,
-                                 rollback_batch_rows, sub_caches)
+from dflash_mlx.rollback import (StandIn, UnsupportedTargetError, in_temporal_order, recorded_apart, replay_gdn_rows,
+                                 replay_layer_rows, rollback_batch_rows, sub_caches)
 from dflash_mlx.target import Target, target_for
 from dflash_mlx.token_tree import tree_policy_for, tree_support
 
@@ -116,17 +117,27 @@ def _for_forward(caches: List, kinds: Sequence[str], head_axis: bool) -> List:
 
 
 def _check(target: Target, head_axis: bool = False) -> Optional[str]:
-    def attention(c):
-        return type(c) in (KVCache, RotatingKVCache) or (
-            type(c) is CacheList and all(type(s) in (KVCache, RotatingKVCache) for s in c.caches))
+    def batchable(c):
+        return type(c) in (KVCache, RotatingKVCache, ArraysCache) or (
+            type(c) is CacheList and all(batchable(s) and type(s) is not CacheList for s in c.caches))
 
-    refused = sorted({type(c).__name__ for c, kind in zip(target.make_cache(), target.rollback_kinds())
-                      if not ((attention(c) and kind == "trim") or kind == "gdn"
-                              or (type(c) is ArraysCache and kind == "replay"))})
+    kinds = target.rollback_kinds()
+    refused = sorted({type(c).__name__ for c, kind in zip(target.make_cache(), kinds)
+                      if not (batchable(c) and (kind != "gdn" or type(c) is ArraysCache))})
     if refused:
-        return (f"its caches include {', '.join(refused)} (batches take attention KV, sliding windows, lists "
-                "of them, and recurrent state held in an ArraysCache of its own)")
+        return (f"its caches include {', '.join(refused)} (batches take attention KV, sliding windows, "
+                "recurrent state in an ArraysCache, and lists of them)")
     vocab = target.vocab_size
+    listed = [i for i, (c, kind) in enumerate(zip(target.make_cache(), kinds))
+              if kind == "replay" and type(c) is CacheList]
+    if listed:
+        # a batch re-runs recurrent state per group of rows, which for state beside attention
+        # in one CacheList needs the module that state is handed to, recorded on its own
+        cache = target.make_cache()
+        _, _, record = target.forward(mx.array([[1 % vocab, 2 % vocab]]), cache, record=True)
+        if not all(recorded_apart(cache[i], record) for i in listed):
+            return ("its CacheList's recurrent state is not handed to a module of its own, so it cannot be "
+                    "re-run per row beside the list's attention")
     prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate((3, 5, 2))]
     step = mx.array([[(11 + i) % vocab, (13 + i) % vocab] for i in range(3)])
     tight = 1e-4 if target.embed_tokens_dtype == mx.float32 else 3e-2
@@ -524,6 +535,13 @@ class BatchEngine:
                 if kind == "gdn":
                     if record is not None and idx in record.gdn:
                         replay_gdn_rows(c, record.gdn[idx], [width - r for r in rejected])
+                elif kind == "replay" and isinstance(c, CacheList):
+                    if record is not None:  # recorded apart (checked by `batch_support`)
+                        for sub in c.caches:
+                            if isinstance(sub, ArraysCache):
+                                replay_layer_rows(record.replay[id(sub)], width, [width - r for r in rejected])
+                            else:
+                                rollback_batch_rows(sub, rejected)
                 elif kind == "replay":
                     if record is not None and id(c) in record.replay:
                         replay_layer_rows(record.replay[id(c)], width, [width - r for r in rejected])

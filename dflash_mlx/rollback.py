@@ -5,7 +5,9 @@
   without running the layer again (`replay_gdn`);
 - any other recurrent state (Mamba, Qwen3-Next's DeltaNet, short convs, RWKV, a `CacheList`
   holding one): the layer's verify call is recorded (`ReplayTap`), its state restored and the
-  layer run again on the kept positions (`replay_layer`).
+  layer run again on the kept positions (`replay_layer`). State beside attention in one
+  `CacheList` (Falcon-H1) is also recorded by the module the layer hands it to: that module
+  alone runs again, and the attention beside it is trimmed (`recorded_apart`).
 
 `rollback_kind` says which applies to a cache; `target.Target` swaps the taps in for a verify
 forward and calls these after it.
@@ -79,6 +81,16 @@ class VerifyRecord:
 
 def sub_caches(c) -> list:
     return list(c.caches) if isinstance(c, CacheList) else [c]
+
+
+def recorded_apart(c, record: Optional["VerifyRecord"]) -> bool:
+    """Whether a `CacheList`'s recurrent parts were recorded by the modules they were handed
+    to: then each is replayed alone and its attention parts trimmed, instead of the layer
+    running again whole."""
+    if record is None or not isinstance(c, CacheList):
+        return False
+    recurrent = [s for s in c.caches if isinstance(s, ArraysCache)]
+    return bool(recurrent) and all(id(s) in record.replay for s in recurrent)
 
 
 def rollback_kind(c) -> Optional[str]:

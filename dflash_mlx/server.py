@@ -254,7 +254,7 @@ def build_parser():
     p.add_argument("--max-batch", type=_positive, default=None,
                    help="requests decoding at once (continuous batching; 1: one at a time; default: "
                    f"{default_max_batch()} on this machine, one per 3 GiB of memory); targets the batch "
-                   "engine does not take (Falcon-H1) are served one at a time")
+                   "engine does not take are served one at a time")
     p.add_argument("--queue-size", type=_positive, default=16,
                    help="requests that may wait for a free row; more get 429 with Retry-After (default: 16)")
     p.add_argument("--snapshots", type=_count, default=4,

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, make_prompt_cache
 
 from dflash_mlx import kernels
 from dflash_mlx.draft_config import validate_for_target
@@ -22,7 +22,7 @@ from dflash_mlx.layout import transposed
 from dflash_mlx.token_tree import TreeRoPE, rope_slots, tree_caches
 from dflash_mlx.rollback import (
     UnsupportedTargetError, VerifyRecord, ReplayTap, StandIn, TapedGatedDeltaNet, gdn_class,
-    sub_caches, replay_gdn, replay_layer, rollback_cache, rollback_kind,
+    recorded_apart, sub_caches, replay_gdn, replay_layer, rollback_cache, rollback_kind,
 )
 
 # Where mlx-lm's text models keep their token embedding, and their LM head when untied.
@@ -364,13 +364,25 @@ class Target:
                     layer = layers[idx]
                     swapped.append((layer, "linear_attn", layer["linear_attn"]))
                     layer["linear_attn"] = TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
-                watched = {id(c): c for c, kind in zip(cache, self._replay_kinds) if kind == "replay"}
+                replayed = [c for c, kind in zip(cache, self._replay_kinds) if kind == "replay"]
+                watched = {id(c): c for c in replayed}
+                # recurrent state beside attention in one CacheList (Falcon-H1): the module the
+                # layer hands that state to is recorded too, so a rollback re-runs that module
+                # alone and the attention beside it is trimmed (per row in a batch)
+                inner = {id(s): s for c in replayed if isinstance(c, CacheList)
+                         for s in c.caches if isinstance(s, ArraysCache)}
                 if watched:
                     # which layer gets which cache is the model's business: every layer is
                     # watched, and one handed a watched cache records its call
                     for idx in range(len(layers)):
-                        swapped.append((layers, idx, layers[idx]))
-                        layers[idx] = ReplayTap(layers[idx], watched, keep_replay)
+                        layer = layers[idx]
+                        if inner:
+                            for name, child in list(layer.children().items()):
+                                if isinstance(child, nn.Module):
+                                    swapped.append((layer, name, child))
+                                    layer[name] = ReplayTap(child, inner, keep_replay)
+                        swapped.append((layers, idx, layer))
+                        layers[idx] = ReplayTap(layer, watched, keep_replay)
             if small_m:
                 for parent, key, q in self._quantized:
                     swapped.append((parent, key, q))
@@ -433,6 +445,12 @@ class Target:
                 rollback_cache(c, num_rejected)
             elif kind == "gdn":
                 replay_gdn(c, record.gdn[idx], keep)
+            elif recorded_apart(c, record):
+                for sub in sub_caches(c):
+                    if isinstance(sub, ArraysCache):
+                        replay_layer(record.replay[id(sub)], num_tokens, keep)
+                    else:
+                        rollback_cache(sub, num_rejected)
             elif id(c) in record.replay:
                 replay_layer(record.replay[id(c)], num_tokens, keep)
             else:

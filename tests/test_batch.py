@@ -18,7 +18,7 @@ from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
 from dflash_mlx.target import Target
-from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, byte_tokenizer, chain_target, clean_case,
+from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, chain_target, clean_case,
                                 greedy_reference, tiny_target)
 from dflash_mlx.tiny_archs import build
 
@@ -120,7 +120,8 @@ WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "m
             "glm_moe_dsa",  # (its caches: a CacheList of attention caches per layer)
             "gemma2"]  # (grouped query heads split before the mask: `HeadAxisMask`)
 RECURRENT = ["qwen3_next", "nemotron_h", "granitemoehybrid", "lfm2", "jamba", "plamo2", "kimi_linear",
-             "olmo_hybrid", "bailing_hybrid", "recurrent_gemma", "mamba2", "rwkv7"]
+             "olmo_hybrid", "bailing_hybrid", "recurrent_gemma", "mamba2", "rwkv7",
+             "falcon_h1"]  # (Mamba state beside attention in one CacheList: the mixer re-run alone)
 
 
 @pytest.mark.parametrize("arch", WINDOWED + RECURRENT)
@@ -266,9 +267,35 @@ def test_width_policy_is_keyed_on_rows_with_hysteresis():
     assert widths.key == 8 and widths.bucket(3) == 4 and widths.bucket(9) == 16
 
 
+def inline_mixer_falcon_h1():
+    """Falcon-H1 whose layers run their Mamba mixer through a bound method instead of the child
+    module: its state beside attention in one CacheList is no longer handed to a module of its own."""
+    from mlx_lm.models.falcon_h1 import FalconH1DecoderLayer
+
+    class InlineMixer(FalconH1DecoderLayer):
+        def __call__(self, h, cache, attn_mask, mamba_mask):
+            x = self.input_layernorm(h)
+            h = h + self._mixer(input_states=x, cache=cache[0], mask=mamba_mask) + self.self_attn(
+                x, mask=attn_mask, cache=cache[1])
+            return h + self.feed_forward(self.pre_ff_layernorm(h))
+
+    model = build("falcon_h1")
+    for layer in model.layers:
+        object.__setattr__(layer, "_mixer", layer.mamba.__call__)
+        layer.__class__ = InlineMixer
+    return model
+
+
 def test_targets_that_cannot_be_batched_are_refused_naming_why():
-    hybrid = build("falcon_h1")  # attention and Mamba state in one CacheList per layer
-    assert "CacheList" in batch_support(Target(hybrid))
+    hybrid = inline_mixer_falcon_h1()
+    assert "not handed to a module of its own" in batch_support(Target(hybrid))
+    # served alone, the whole layer runs again on the kept tokens: still the target's own output
+    (prompt, ref), = [clean_case(hybrid, 9, 30, seed=3)]
+    draft = ScriptedDraft(Target(hybrid), prompt + ref, lambda c: (c * 3) % 5, block_size=6)
+    got = [t for r in stream_generate(hybrid, draft, byte_tokenizer(), prompt, max_tokens=len(ref), block_size=6)
+           for t in r.tokens]
+    assert got == ref
+    assert batch_support(Target(build("falcon_h1"))) is None  # the mixer re-run alone, per row
     # mlx-lm's Gemma 2 reshapes its queries for grouped heads so that a batch's per-row mask
     # no longer lines up with them: found by the check (three rows against each alone), which
     # then passes with the mask's extra axis
