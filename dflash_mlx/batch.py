@@ -54,7 +54,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache,
 
 from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
-from dflash_mlx.copy_proposals import copy_policy_for
+from dflash_mlx.copy_proposals import batch_copy_policy_for, copy_policy_for
 from dflash_mlx.cycle import (DraftContext, HeadRows, NoTimer, PhaseTimer, PlainDecoding, cycle, prefill_chunks,
                               stop_ids)
 from dflash_mlx.identity import IdentityMap
@@ -157,6 +157,13 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     except Exception as e:  # model code that cannot take a batch of different lengths
         return f"a batch of rows failed ({type(e).__name__}: {e})"
     return None
+
+
+def _copy_proposal(continuation: List[int], n: int, width: int) -> Proposal:
+    """A row's copy of `n` tokens in a verify of `width`: the tokens after the copy (when the
+    batch is wider) repeat its last one; a deterministic proposal, exact at every temperature."""
+    tokens = continuation[:n] + [continuation[n - 1]] * (width - 1 - n)
+    return Proposal(mx.array([tokens], dtype=mx.int32))
 
 
 def merge_rows(rows: List[List]) -> List:
@@ -279,19 +286,24 @@ class BatchWidths:
                 self.key, self._candidate, self._seen = bucket, None, 0
         self.current = self.sizer(self.key)
         self.current.trees_on = False  # batch cycles verify chains
-        width = self.current.choose(remaining)
-        self.count(self.key, width)
-        return width
+        return self.current.choose(remaining)
 
     def count(self, bucket: int, width: int):
         """A cycle of `width` at batch size `bucket`, for `chosen` (what /health reports)."""
         counts = self.chosen.setdefault(bucket, {})
         counts[width] = counts.get(width, 0) + 1
 
-    def update(self, width: int, accept_lengths: Sequence[int], seconds: float):
+    def update(self, width: int, accept_lengths: Sequence[int], seconds: Optional[float]):
+        """`accept_lengths`: of the rows that verified the draft's chain; `seconds`: the
+        cycle's time, None when rows verified copies instead (a cycle cheaper than a drafted
+        one of its width: it must not price the width)."""
+        if seconds is None:
+            for a in accept_lengths:
+                self.current.observe(width, a)
+            return
         for a in accept_lengths[1:]:
             self.current.observe(width, a)
-        self.current.update(width, accept_lengths[0], seconds)
+        self.current.update(width, accept_lengths[0] if accept_lengths else 0, seconds, chain=bool(accept_lengths))
 
 
 class BatchEngine:
@@ -328,6 +340,9 @@ class BatchEngine:
             # profiling syncs at every phase: its cycle times must not teach the shared policy
             self.widths.sizers[1] = copy.deepcopy(sizer_for(model, draft))  # copies and trees come along
         self.fixed = FixedWidth(width) if width is not None else None
+        # copies in batched cycles (with `auto`, as a lone row's): their acceptance is the lone rows'
+        self.batch_copies = (batch_copy_policy_for(self.widths.sizer(1))
+                             if self.widths is not None and draft is not None and copy_proposals else None)
         self.timer = PhaseTimer() if profile else NoTimer()
         self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
         self.joining: Deque[Row] = deque()
@@ -480,6 +495,25 @@ class BatchEngine:
             self._leave([row])
         return [(row, row.answer.response(step))]
 
+    def _copies(self, width: int) -> Tuple[int, List[int], List]:
+        """This batched cycle's width and copy tokens per row (0: the row drafts), with each
+        row's match (`BatchCopyPolicy`); the draft's width and no copies when copies are off."""
+        rows = self.rows
+        if self.batch_copies is None or not any(r.copies is not None for r in rows):
+            return width, [0] * len(rows), [None] * len(rows)
+        matches = []
+        for r in rows:
+            if r.copies is None:
+                matches.append(None)
+                continue
+            if r.index is None:
+                r.index = r.state.context_index(int(r.last.item()))
+            matches.append(r.index.match(self.batch_copies.max_length))
+        policy, sizer = self.batch_copies, self.widths.current
+        policy.seed({w: t * self.widths.sizer(1).load for w, t in self.widths.sizer(1).times.items()})
+        width, copied = policy.plan(matches, [r.budget for r in rows], width, sizer.chain_tokens)
+        return width, copied, matches
+
     def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
         rows = self.rows
         if not self.batched:
@@ -487,12 +521,17 @@ class BatchEngine:
         remaining = max(r.budget for r in rows)
         width = (self.widths.choose(len(rows), remaining) if self.widths is not None
                  else self.fixed.choose(remaining))
+        width, copied, matches = self._copies(width)
+        if self.widths is not None:
+            self.widths.count(self.widths.key, width)
         t0 = time.perf_counter()
         for r in rows:
             r.state.valid = False
         with mx.stream(generation_stream):
             lasts = [r.last[:, None] for r in rows]
-            proposals = [r.drafter.propose(r.last, width, r.acceptor) if width > 1 else None for r in rows]
+            proposals = [_copy_proposal(m.continuation, c, width) if c else
+                         r.drafter.propose(r.last, width, r.acceptor) if width > 1 else None
+                         for r, m, c in zip(rows, matches, copied)]
             verify_in = mx.concatenate(
                 [mx.concatenate([l, p.tokens], axis=1) if p is not None else l for l, p in zip(lasts, proposals)],
                 axis=0)  # [B, width]
@@ -526,10 +565,14 @@ class BatchEngine:
             accepts.append(a)
             rejected.append(width - kept)
             steps.append(Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width,
-                              logprobs=lps, proposal="draft" if width > 1 else None))
+                              logprobs=lps, proposal="copy" if copied[b] else "draft" if width > 1 else None))
             r.last = committed[b : b + 1, a]
             r.budget -= kept
             r.state.tokens.extend(fed[b][:kept])
+            if r.index is not None:
+                r.index.extend(tokens[:kept])
+            if copied[b]:
+                self.batch_copies.record.update(matches[b].length, copied[b], min(a, copied[b]))
         with mx.stream(generation_stream):
             for idx, (c, kind) in enumerate(zip(self.cache, self.kinds)):
                 if kind == "gdn":
@@ -554,7 +597,9 @@ class BatchEngine:
         self.cycles += 1
         if self.widths is not None:
             # (a cycle's rollback runs lazily in the next cycle's graph, and is timed there)
-            self.widths.update(width, accepts, seconds)
+            self.widths.update(width, [a for a, c in zip(accepts, copied) if not c], None if any(copied) else seconds)
+            if self.batch_copies is not None:
+                self.batch_copies.update(len(rows) * width, seconds)
         events = [(r, r.answer.response(s)) for r, s in zip(rows, steps)]
         ended = [r for r, s in zip(rows, steps) if s.finish is not None]
         for r in ended:

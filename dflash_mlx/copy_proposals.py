@@ -183,3 +183,89 @@ def copy_policy_for(sizer) -> CopyPolicy:
     if policy is None:
         policy = sizer.copies = CopyPolicy(sizer, max_length=max(1, sizer.max_block - 1))
     return policy
+
+
+class BatchCopyPolicy:
+    """Copies in a batched cycle. Rows verify together at one width, so a copy that pays for
+    one row widens every row's verify: a width is worth the tokens all rows are expected
+    to commit at it (each row the better of its draft chain and its own copy) per second
+    of a verify of that many rows. The batch's draft width is the rival.
+
+    Copy acceptance is the lone rows' `CopyRecord` (same pair, same texts). Cost is per
+    verify rows in all (rows x width): batched cycles time it, and a lone row's widths
+    seed it (`seed`). A count beyond the measured ones is priced by the last two measured
+    points, or in proportion to the one measured point: copies start out underrated."""
+
+    def __init__(self, record: CopyRecord, max_length: int, margin: float = 0.05, recent_cycles: int = 9):
+        self.record = record
+        self.max_length = max_length
+        self.margin = margin
+        self.recent_cycles = recent_cycles
+        self.times: Dict[int, float] = {}  # verify rows in all -> seconds (median of recent cycles)
+        self._recent: Dict[int, List[float]] = {}
+
+    def seed(self, times: Dict[int, float]):
+        """Cycle seconds of verifies of so many rows measured elsewhere (a lone row's widths),
+        for counts the batch has not timed itself."""
+        for n, t in times.items():
+            self.times.setdefault(n, t)
+
+    def cost(self, rows: int) -> Optional[float]:
+        if rows in self.times:
+            return self.times[rows]
+        if not self.times:
+            return None
+        above = [n for n in self.times if n > rows]
+        below = sorted(n for n in self.times if n < rows)
+        if not above and len(below) == 1:
+            return self.times[below[0]] * rows / below[0]
+        return _interpolate(rows, self.times)
+
+    def plan(self, matches: Sequence[Optional[CopyMatch]], budgets: Sequence[int], width: int,
+             chain_tokens) -> Tuple[int, List[int]]:
+        """(verify width, copy tokens per row: 0 for a row that drafts) for this cycle.
+        `width`: the batch's draft width; `chain_tokens(w)`: a drafted row's expected tokens
+        at width w."""
+        rows = len(matches)
+        none = (width, [0] * rows)
+        usable = [min(self.max_length, len(m.continuation), b - 1) if m is not None else 0
+                  for m, b in zip(matches, budgets)]
+        if max(usable) < 1:
+            return none
+
+        def value(w: int) -> Tuple[float, List[int]]:
+            drafted = chain_tokens(w) if w > 1 else 1.0
+            total, copies = 0.0, []
+            for m, n in zip(matches, usable):
+                c = min(n, w - 1)
+                copied = 1.0 + self.record.expected_tokens(m.length, c) if c >= 1 else 0.0
+                copies.append(c if copied > drafted else 0)
+                total += max(drafted, copied)
+            return total, copies
+
+        def rate(w: int) -> float:
+            t = self.cost(rows * w)
+            return value(w)[0] / t if t else 0.0
+
+        base = rate(width)
+        candidates = sorted({n + 1 for n in COPY_LENGTHS if n <= max(usable)} | {width})
+        best = max(candidates, key=rate)
+        if best != width and rate(best) <= base * (1 + self.margin):
+            best = width
+        return best, value(best)[1]
+
+    def update(self, rows: int, seconds: float):
+        """The time of a batched verify of `rows` rows in all (copies or not)."""
+        recent = self._recent.setdefault(rows, [])
+        recent.append(seconds)
+        del recent[: -self.recent_cycles]
+        self.times[rows] = statistics.median(recent)
+
+
+def batch_copy_policy_for(sizer) -> BatchCopyPolicy:
+    """The `BatchCopyPolicy` of a target/draft pair, sharing its lone rows' copy record."""
+    policy = getattr(sizer, "batch_copies", None)
+    if policy is None:
+        lone = copy_policy_for(sizer)
+        policy = sizer.batch_copies = BatchCopyPolicy(lone.record, lone.max_length)
+    return policy

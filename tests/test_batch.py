@@ -309,9 +309,10 @@ def test_targets_that_cannot_be_batched_are_refused_naming_why():
 
 
 def test_a_lone_row_runs_the_single_sequence_cycle_before_and_after_a_batch():
-    """One engine: a row decoding alone verifies copies and trees (as `stream_generate` does), verifies
-    draft chains while a second row shares the batch, and copies again once that row has
-    left (its caches extracted back from the batch's); both answers are the target's own."""
+    """One engine: a row decoding alone verifies copies and trees (as `stream_generate` does),
+    copies but no trees while a second row shares the batch (the batch's copy policy, from what
+    the lone row's copies taught it), and copies alone again once that row has left (its
+    caches extracted back from the batch's); both answers are the target's own."""
     forget_sizers()
     model, tok = chain_target("Quick-brown,fx")  # greedy repeats a 14-token text
     draft = random_draft(model, num_layers=1, block_size=8, seed=0)  # all but never right: copies pay
@@ -333,11 +334,10 @@ def test_a_lone_row_runs_the_single_sequence_cycle_before_and_after_a_batch():
         steps += 1
     assert out[0] == refs[0] and out[1] == refs[1]
     together = [p for b, p in phases[0] if b]
-    assert together and set(together) <= {None, "draft"}  # chains in the batch
+    assert "copy" in together and "tree" not in together  # batched cycles copy, trees are the lone row's
     i_first = next(i for i, (b, _) in enumerate(phases[0]) if b)
     i_last = max(i for i, (b, _) in enumerate(phases[0]) if b)
-    lone = {"copy", "tree"}  # proposals only the single-sequence cycle makes
-    assert lone & {p for _, p in phases[0][:i_first]}
+    assert {p for _, p in phases[0][:i_first]} & {"copy", "tree"}
     assert "copy" in [p for _, p in phases[0][i_last + 1 :]]  # alone again: copies again
     assert not engine.batched and engine.cache is None
 
@@ -359,3 +359,112 @@ def test_a_seeded_row_alone_samples_what_stream_generate_samples():
         return tokens[0]
 
     assert batched(5) == alone(5) != alone(6)
+
+
+# -- copies in batched cycles
+
+
+@pytest.fixture
+def batch_always_copies(monkeypatch):
+    """Every batched cycle verifies each row's copy as far as its match and budget go, at the
+    width of the longest (rows without a match draft at that width)."""
+    from dflash_mlx.copy_proposals import BatchCopyPolicy
+
+    def plan(self, matches, budgets, width, chain_tokens):
+        usable = [min(self.max_length, len(m.continuation), b - 1) if m is not None else 0
+                  for m, b in zip(matches, budgets)]
+        if max(usable) < 1:
+            return width, [0] * len(matches)
+        return max(usable) + 1, usable
+
+    monkeypatch.setattr(BatchCopyPolicy, "plan", plan)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "gpt_oss", "falcon_h1", "mamba2", "glm_moe_dsa"])
+def test_copies_in_batched_cycles_stay_exact_on_every_cache_kind(batch_always_copies, monkeypatch, arch):
+    """Rows copying in every batched cycle, each copy right for a random number of tokens (the
+    index's match replaced by the row's known answer, spoilt after k tokens), rows joining and
+    leaving: every row is the target's own greedy output, a stop id and budgets inside copies."""
+    from dflash_mlx.copy_proposals import MAX_NGRAM, ContextIndex, CopyMatch
+
+    forget_sizers()
+    model = target(arch) if arch in ("qwen3", "qwen3_5") else build(arch)
+    cs = [clean_case(model, 6 + 11 * i, 30 + 7 * i, seed=40 + i) for i in range(5)]
+    rng = random.Random(arch)
+
+    def match(index, max_tokens):
+        answer = next(p + ref for p, ref in cs if index.tokens[: len(p)] == p)
+        start, k = len(index.tokens), rng.randrange(0, 9)
+        continuation = [t if j < k else (t + 1) % 256
+                        for j, t in enumerate((answer + [0] * max_tokens)[start : start + max_tokens])]
+        return CopyMatch(MAX_NGRAM, start, continuation)
+
+    monkeypatch.setattr(ContextIndex, "match", match)
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: (c * 3) % 5, block_size=16)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8)
+    reqs = [request(p, len(ref)) for p, ref in cs]
+    stop = cs[2][1][17]
+    reqs[2] = BatchRequest(cs[2][0], GenerationOptions(max_tokens=len(cs[2][1])), stop_token_ids=[stop])
+    tokens, responses = run(engine, reqs, join_every=2)
+    for i, (p, ref) in enumerate(cs):
+        want = ref[: ref.index(stop) + 1] if i == 2 else ref
+        assert tokens[i] == want, i
+    copies = [r for rs in responses.values() for r in rs if r.proposal == "copy"]
+    assert len(copies) > 10 and len({r.accept_length for r in copies}) > 3
+
+
+def test_copies_in_batched_cycles_keep_the_targets_distribution(batch_always_copies):
+    """At temperature > 0 each row's copy is a one-hot proposal against its own sampling: two
+    rows decoding together, one copying from the first cycle on, sample their first three
+    tokens from the target's exact joint distribution (chi-square, vocabulary 4)."""
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_sampling import chi_square, encode, exact_first_tokens
+
+    model, tok = tiny_target("llama", seed=1, vocab_size=4)
+    draft = random_draft(model, block_size=4, seed=4)
+    prompt = [1, 2, 3, 0, 1, 2, 3, 0, 1]  # the suffix [.., 0, 1] occurred: copies from cycle one
+    other = [2, 2, 1]
+    outs, kinds = [], set()
+    for seed in range(150):
+        forget_sizers()
+        mx.random.seed(seed)
+        engine = BatchEngine(model, draft, tok, max_batch=2)
+        tokens, responses = run(engine, [request(other, 6, temperature=0.8),
+                                         request(prompt, 3, temperature=0.8)], join_every=1)
+        outs.append(tokens[1][:3])
+        kinds |= {r.proposal for r in responses[1][1:]}
+    assert "copy" in kinds
+    exact = exact_first_tokens(model, prompt, 3, temperature=0.8)
+    _, pval = chi_square(encode(np.array(outs), 4), exact)
+    assert pval > 1e-3
+
+
+def test_batch_copy_policy_widens_only_where_copies_pay():
+    """The plan: no copies without a match or with a record of failed copies; a batch-wide
+    copy width when rows' copies are right and a wider verify costs little more."""
+    from dflash_mlx.copy_proposals import BatchCopyPolicy, CopyMatch, CopyRecord
+
+    record = CopyRecord(15)
+    policy = BatchCopyPolicy(record, 15)
+    policy.seed({n: 0.1 + 0.005 * n for n in range(1, 65)})  # cost grows slowly with rows
+    match = CopyMatch(4, 0, list(range(15)))
+    draft_chain = lambda w: 1.0 + 0.1 * min(w - 1, 3)  # noqa: E731  (a poor draft)
+    assert policy.plan([None, None], [50, 50], 1, draft_chain) == (1, [0, 0])
+    for _ in range(30):
+        record.update(4, 15, 15)  # copies of matches of 4 tokens: always right
+    width, copies = policy.plan([match, None, match], [50, 50, 50], 1, draft_chain)
+    assert width > 4 and copies[0] == copies[2] == width - 1 and copies[1] == 0
+    assert policy.plan([match], [3], 1, draft_chain)[1][0] <= 2  # never past the budget
+    for _ in range(60):
+        record.update(4, 15, 0)  # now always wrong
+    assert policy.plan([match, match], [50, 50], 1, draft_chain) == (1, [0, 0])
+    expensive = BatchCopyPolicy(CopyRecord(15), 15)
+    for _ in range(30):
+        expensive.record.update(4, 15, 15)
+    expensive.seed({8: 0.1})  # one point: more rows priced in proportion (copies start underrated)
+    assert expensive.cost(64) == pytest.approx(0.8)
