@@ -36,10 +36,13 @@ A `CacheList` rolls back each of its caches: attention (GLM's DSA) per row; recu
 beside attention (Falcon-H1's Mamba) through the module the layer hands it to, recorded on
 its own in the verify, re-run per group of rows. Refused: such state not handed to a module
 of its own, and models whose code does not batch rows of different lengths even with `HeadAxisMask` (which
-mlx-lm's Gemma 2 needs); those are served one request at a time (`stream_generate`). Token trees and copy proposals are
-features of a lone row; batched cycles verify draft chains (not built for batches: on the
-CPU measured here trees are about neutral at one row, and at 4-8 rows the width policy
-settles on width 1, where neither has room).
+mlx-lm's Gemma 2 needs); those are served one request at a time (`stream_generate`).
+
+Proposals in batched cycles: each row verifies its draft's chain or, with `auto`, a copy of
+its own context (`copy_proposals.BatchCopyPolicy` picks the batch's width from every row's
+expected tokens per second of a verify of that many rows; a copying row runs no draft
+forward). Token trees are a lone row's: at one row they are about neutral on the CPU
+measured here, and at 4-8 rows the width policy settles on width 1, where a tree has no room.
 """
 
 import copy
