@@ -41,7 +41,7 @@ mlx-lm's Gemma 2 needs); those are served one request at a time (`stream_generat
 Proposals in batched cycles: each row verifies its draft's chain or, with `auto`, a copy of
 its own context (`copy_proposals.BatchCopyPolicy` picks the batch's width from every row's
 expected tokens per second of a verify of that many rows; a copying row runs no draft
-forward). Token trees are a lone row's: at one row they are about neutral on the CPU
+forward; the drafting rows share one draft forward, `cycle.propose_rows`). Token trees are a lone row's: at one row they are about neutral on the CPU
 measured here, and at 4-8 rows the width policy settles on width 1, where a tree has no room.
 """
 
@@ -59,7 +59,7 @@ from dflash_mlx.accept import GreedyAcceptor, Proposal, make_acceptor
 from dflash_mlx.adaptive import BlockSizer, FixedWidth, sizer_for
 from dflash_mlx.copy_proposals import batch_copy_policy_for, copy_policy_for
 from dflash_mlx.cycle import (DraftContext, HeadRows, NoTimer, PhaseTimer, PlainDecoding, cycle, prefill_chunks,
-                              stop_ids)
+                              propose_rows, stop_ids)
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache
@@ -532,9 +532,13 @@ class BatchEngine:
             r.state.valid = False
         with mx.stream(generation_stream):
             lasts = [r.last[:, None] for r in rows]
-            proposals = [_copy_proposal(m.continuation, c, width) if c else
-                         r.drafter.propose(r.last, width, r.acceptor) if width > 1 else None
-                         for r, m, c in zip(rows, matches, copied)]
+            proposals = [_copy_proposal(m.continuation, c, width) if c else None for m, c in zip(matches, copied)]
+            drafting = [b for b, c in enumerate(copied) if not c] if width > 1 else []
+            if drafting:
+                drafted = propose_rows([rows[b].drafter for b in drafting], [rows[b].last for b in drafting], width,
+                                       [rows[b].acceptor for b in drafting])
+                for b, p in zip(drafting, drafted):
+                    proposals[b] = p
             verify_in = mx.concatenate(
                 [mx.concatenate([l, p.tokens], axis=1) if p is not None else l for l, p in zip(lasts, proposals)],
                 axis=0)  # [B, width]

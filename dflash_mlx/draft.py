@@ -9,7 +9,7 @@ this in `dflash_mlx.draft2`; `dflash_mlx.draft_loading` picks the class from the
 config and reads/writes z-lab's checkpoint layout.
 """
 
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,6 +19,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 from dflash_mlx import kernels
 from dflash_mlx.context_cache import ContextCache
 from dflash_mlx.draft_config import DraftConfig, DraftMismatchError
+from dflash_mlx.rope_offsets import rotate_rows
 
 
 class DraftAttention(nn.Module):
@@ -72,6 +73,47 @@ class DraftAttention(nn.Module):
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
+    def rows(self, x: mx.array, rope, caches: Sequence[ContextCache]) -> mx.array:
+        """`__call__` for B rows, each with its own context (`caches[b]`, lengths differing):
+        x [B, L, H]. The contexts are left-padded to the longest, the padding masked out."""
+        B, L, _ = x.shape
+        starts = [c.offset for c in caches]
+        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = rotate_rows(rope, q, starts)
+        k_blk = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        k_blk = rotate_rows(rope, k_blk, starts)
+        v_blk = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        held = [c.fetch() for c in caches]
+        lengths = [0 if k is None else k.shape[2] for k, _ in held]
+        n_ctx = max(lengths)
+
+        def padded(i, b):
+            part = held[b][i]
+            pad = n_ctx - lengths[b]
+            if not pad:
+                return part
+            zeros = mx.zeros((1, self.n_kv_heads, pad, self.head_dim), dtype=k_blk.dtype)
+            return zeros if part is None else mx.concatenate([zeros, part], axis=2)
+
+        if n_ctx:
+            keys = mx.concatenate([mx.concatenate([padded(0, b) for b in range(B)], axis=0), k_blk], axis=2)
+            values = mx.concatenate([mx.concatenate([padded(1, b) for b in range(B)], axis=0), v_blk], axis=2)
+        else:
+            keys, values = k_blk, v_blk
+        # [B, 1, L, n_ctx + L]: row b's context is its last lengths[b] slots before the block
+        slot = mx.arange(n_ctx + L)[None, None]
+        is_ctx = slot < n_ctx
+        ctx_ok = is_ctx & (slot >= n_ctx - mx.array(lengths)[:, None, None])
+        query = mx.arange(L)[None, :, None]
+        if self.window is not None:  # block query l sees context slot j at distance l + n_ctx - j
+            ctx_ok = ctx_ok & (query + n_ctx - slot < self.window)
+        blk_ok = ~is_ctx
+        if self.is_causal:
+            blk_ok = blk_ok & (slot - n_ctx <= query)
+        mask = (ctx_ok | blk_ok)[:, None]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
     def _mask(self, L: int, n_ctx: int, start: int):
         if self.window is None and not self.is_causal:
             return None
@@ -97,6 +139,10 @@ class DraftLayer(nn.Module):
 
     def __call__(self, x, rope, cache):
         h = x + self.self_attn(self.input_layernorm(x), rope, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def rows(self, x, rope, caches):
+        h = x + self.self_attn.rows(self.input_layernorm(x), rope, caches)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -194,6 +240,29 @@ class DFlashDraftModel(nn.Module):
         mask_ids = mx.full((B, block_size - 1), self.config.mask_token_id, dtype=last_token.dtype)
         block = mx.concatenate([last_token[:, None], mask_ids], axis=1)
         return self.hidden(block, cache)[:, 1:]
+
+    def batches_rows(self, caches: Sequence[List[ContextCache]]) -> bool:
+        """Whether `propose_logits_rows` serves rows with these caches (DFlash drafts on
+        `ContextCache`s; a DFlash 2 draft's selector keeps one row's state)."""
+        return type(self).layer_class is DraftLayer and all(
+            type(c) is ContextCache for cache in caches for c in cache)
+
+    def propose_logits_rows(self, last_tokens: Sequence[mx.array], features: Sequence[Optional[mx.array]],
+                            caches: Sequence[List[ContextCache]], block_size: int) -> mx.array:
+        """`propose_logits` for B rows with their own contexts in one forward: last_tokens[b] [1],
+        features[b] [1, S_b, n_tl*H] or None, caches[b] its context cache. Returns logits
+        [B, block_size-1, V_draft]; row b's are what `propose_logits` gives it alone, up to
+        rounding (its context padded and masked out)."""
+        for f, cache in zip(features, caches):
+            self.inject(f, cache)
+        last = mx.concatenate(list(last_tokens))  # [B]
+        mask_ids = mx.full((last.shape[0], block_size - 1), self.config.mask_token_id, dtype=last.dtype)
+        h = self.target.embed(mx.concatenate([last[:, None], mask_ids], axis=1))
+        if self.config.input_embedding_scale != 1.0:
+            h = h * self.config.input_embedding_scale
+        for i, layer in enumerate(self.layers):
+            h = layer.rows(h, self._rope, [cache[i] for cache in caches])
+        return self.logits(self.norm(h)[:, 1:])
 
     def propose_logits(
         self, last_token: mx.array, features: Optional[mx.array], cache: List[ContextCache], block_size: int

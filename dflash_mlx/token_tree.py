@@ -38,6 +38,7 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx.accept import GreedyAcceptor
 from dflash_mlx.identity import IdentityMap
+from dflash_mlx.rope_offsets import takes_offset_arrays
 from dflash_mlx.rollback import StandIn
 
 # Runner-ups per drafted position a node may branch into.
@@ -217,24 +218,6 @@ class TreeCache(StandIn):
         return tree_mask(self._tree, self._wrapped.offset, window_size)
 
 
-def _rope_takes_offset_arrays(rope) -> bool:
-    """Whether `rope` rotates a batch with one offset per batch entry, as `mx.fast.rope`
-    does (some scaled variants size tables from an int offset)."""
-    x = mx.random.normal((3, 1, 1, 8), key=mx.random.key(0))
-    dims = getattr(rope, "dims", None) or getattr(rope, "dim", None)
-    if isinstance(dims, int) and dims > 0:
-        x = mx.random.normal((3, 1, 1, max(dims, 8)), key=mx.random.key(0))
-    try:
-        batched = rope(x, offset=mx.array([5, 2, 7]))
-        each = mx.concatenate([rope(x[i : i + 1], offset=o) for i, o in enumerate((5, 2, 7))], axis=0)
-        return bool(mx.allclose(batched, each, atol=1e-5).item())
-    except Exception:
-        return False
-
-
-_ARRAY_OFFSETS: Dict[type, bool] = {}
-
-
 class TreeRoPE(StandIn):
     """A rotary embedding that rotates tree node i to position offset + depth[i]."""
 
@@ -248,10 +231,7 @@ class TreeRoPE(StandIn):
                 runs.append((start, i, tree.depths[start]))
                 start = i
         self._runs = runs
-        kind = type(rope)
-        if kind not in _ARRAY_OFFSETS:
-            _ARRAY_OFFSETS[kind] = _rope_takes_offset_arrays(rope)
-        self._array_offsets = _ARRAY_OFFSETS[kind]
+        self._array_offsets = takes_offset_arrays(rope)
 
     def __call__(self, x: mx.array, offset=0, **kwargs) -> mx.array:
         n = x.shape[-2]

@@ -164,6 +164,48 @@ def test_incremental_injection_equals_one_shot(target):
     np.testing.assert_allclose(np.array(logits_one), np.array(logits_inc), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("layers", [
+    dict(),  # full attention, the whole block visible
+    dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6),  # causal window
+    dict(layer_types=["sliding_attention"] * 2, sliding_window=9, is_causal=False),
+])
+def test_rows_with_their_own_contexts_in_one_forward(target, layers):
+    """`propose_logits_rows` (the batch engine's one draft forward for its drafting rows):
+    rows with contexts of 0-23 tokens, some with features still to inject, give each row
+    what `propose_logits` gives it alone."""
+    from dflash_mlx.draft_loading import random_draft
+
+    draft = random_draft(Target(target[0]), seed=5, num_layers=2, block_size=6, **layers)
+    n_feat = len(draft.config.target_layer_ids) * 64
+    lengths, pending = [3, 23, 0, 9, 1], [None, 2, 4, None, 1]
+
+    def rows():
+        caches, feats = [], []
+        for i, (n, p) in enumerate(zip(lengths, pending)):
+            cache = draft.make_cache()
+            if n:
+                draft.inject(mx.random.normal((1, n, n_feat), key=mx.random.key(i)), cache)
+            caches.append(cache)
+            feats.append(None if p is None else mx.random.normal((1, p, n_feat), key=mx.random.key(50 + i)))
+        return caches, feats
+
+    lasts = [mx.array([7 + i]) for i in range(len(lengths))]
+    caches, feats = rows()
+    assert draft.batches_rows(caches)
+    together = draft.propose_logits_rows(lasts, feats, caches, 6)
+    caches, feats = rows()
+    alone = mx.concatenate([draft.propose_logits(lasts[i], feats[i], caches[i], 6) for i in range(len(lengths))])
+    np.testing.assert_allclose(np.array(together), np.array(alone), rtol=1e-4, atol=1e-4)
+    assert [c[0].offset for c in caches] == [n + (p or 0) for n, p in zip(lengths, pending)]
+
+
+def test_dflash2_drafts_propose_row_by_row(target):
+    from dflash_mlx.draft_loading import random_draft
+
+    draft = random_draft(Target(target[0]), seed=5, num_layers=1, block_size=6, version=2)
+    assert not draft.batches_rows([draft.make_cache(), draft.make_cache()])
+
+
 @pytest.mark.parametrize("context", [4, 23])
 def test_a_window_only_matters_past_it(target, context):
     """The same weights with non-causal sliding layers (window 12) propose exactly what

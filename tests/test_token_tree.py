@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx import token_tree as tt
+from dflash_mlx import rope_offsets, token_tree as tt
 from dflash_mlx.adaptive import BlockSizer, forget_sizers
 from dflash_mlx.target import Target
 from dflash_mlx.testing import (EOS_ID, RankedDraft, byte_tokenizer, clean_case, greedy_reference,
@@ -96,7 +96,7 @@ def test_mask_sees_the_context_and_the_ancestors_within_the_window():
 def test_tree_rope_puts_each_node_at_its_depth(array_offsets, monkeypatch):
     rope = nn.RoPE(16, base=10000)
     tree = tt.TokenTree([1, 5, 6, 7, 8], [-1, 0, 0, 1, 3], [0, 1, 1, 2, 3])
-    monkeypatch.setitem(tt._ARRAY_OFFSETS, nn.RoPE, array_offsets)
+    monkeypatch.setitem(rope_offsets._ARRAY_OFFSETS, nn.RoPE, array_offsets)
     x = mx.random.normal((1, 2, 5, 16), key=mx.random.key(1))
     got = tt.TreeRoPE(rope, tree)(x, offset=7)
     want = mx.concatenate([rope(x[:, :, i : i + 1], offset=7 + d) for i, d in enumerate(tree.depths)], axis=2)
@@ -108,8 +108,8 @@ def test_a_rope_that_cannot_take_offset_arrays_is_rotated_in_runs_of_equal_depth
         def __call__(self, x, offset=0):
             return super().__call__(x, offset=int(offset))
 
-    assert not tt._rope_takes_offset_arrays(IntOnlyRoPE(16))
-    assert tt._rope_takes_offset_arrays(nn.RoPE(16))
+    assert not rope_offsets._check(IntOnlyRoPE(16))
+    assert rope_offsets._check(nn.RoPE(16))
 
 
 # -- models: support, compaction ---------------------------------------------------------
