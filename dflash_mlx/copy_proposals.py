@@ -250,7 +250,8 @@ class BatchCopyPolicy:
         base = rate(width)
         candidates = sorted({n + 1 for n in COPY_LENGTHS if n <= max(usable)} | {width})
         best = max(candidates, key=rate)
-        if best != width and rate(best) <= base * (1 + self.margin):
+        # another width only for copies that pay (how wide to draft is the draft policy's call)
+        if best != width and (rate(best) <= base * (1 + self.margin) or not any(value(best)[1])):
             best = width
         return best, value(best)[1]
 
