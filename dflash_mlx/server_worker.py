@@ -2,7 +2,7 @@
 
 Two ways, chosen at start:
 
-- **batched** (`max_batch` > 1 on a target `batch.batch_support` accepts): continuous
+- **batched** (`max_batch` > 1 on a target `batch_caches.batch_support` accepts): continuous
   batching on `batch.BatchEngine`. Jobs join between cycles while there are free rows
   (their prompts prefilled one chunk per cycle, so running streams keep flowing), each
   from the longest cached prefix among the caches of earlier answers (a pool bounded in
@@ -28,7 +28,8 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
 
-from dflash_mlx.batch import BatchEngine, BatchRequest, batch_support
+from dflash_mlx.batch import BatchEngine, BatchRequest
+from dflash_mlx.batch_caches import batch_support
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions

@@ -13,7 +13,8 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx import stream_generate
 from dflash_mlx.adaptive import forget_sizers
-from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths, batch_support, mask_head_axis, merge_rows
+from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths
+from dflash_mlx.batch_caches import batch_support, mask_head_axis, merge_rows
 from dflash_mlx.draft_loading import random_draft
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
