@@ -90,15 +90,15 @@ class Row:
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
-        # what the row uses while it decodes alone (`cycle.cycle`): copies and trees ride on
-        # the pair's own sizer (bucket 1), as in every single-sequence call
+        # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence
+        # call; trees only while the row decodes alone (`cycle.cycle`)
         self.head_rows = HeadRows(split=mx.default_device() == mx.cpu if engine.split_head is None
                                   else engine.split_head)
         sizer = engine.widths.sizer(1) if engine.widths is not None and engine.draft is not None else None
         self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
         self.trees = (tree_policy_for(sizer) if sizer is not None and engine.token_trees
                       and tree_support(engine.target) is None else None)
-        self.index = None  # the context's copy index, made when the row first decodes alone
+        self.index = None  # the context's copy index (`context_index`), kept up to date by every cycle
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         max_tokens = opts.max_tokens
         if engine.target.max_context:
@@ -112,6 +112,12 @@ class Row:
         self.last: Optional[mx.array] = None  # [1] the last committed token
         self.answer: Optional[Answer] = None
         self.done = False
+
+    def context_index(self):
+        """The index copies match against (made on first use, from the prompt cache's)."""
+        if self.index is None:
+            self.index = self.state.context_index(int(self.last.item()))
+        return self.index
 
 
 class BatchWidths:
@@ -285,7 +291,6 @@ class BatchEngine:
         if len(self.rows) == 1:  # alone again: back on its own caches, for trees and copies
             alone = self.rows[0]
             alone.state.target_cache = self.cache = [c.extract(0) for c in self.cache]
-            alone.index = None
 
     def _join(self, row: Row):
         if not self.rows:  # alone: the row decodes on its PromptCache's own caches
@@ -356,10 +361,9 @@ class BatchEngine:
             widths.trees_on = row.trees is not None
         else:
             widths = self.fixed
-        if row.copies is not None and row.index is None:
-            row.index = row.state.context_index(int(row.last.item()))
+        index = row.context_index() if row.copies is not None else None
         step, row.last = cycle(self.target, row.drafter, row.acceptor, widths, row.state, row.last, row.budget,
-                               row.stops, self.timer, row.head_rows, row.request.logprobs, row.copies, row.index,
+                               row.stops, self.timer, row.head_rows, row.request.logprobs, row.copies, index,
                                row.trees)
         row.budget -= len(step.tokens)
         self.cycles += 1
@@ -376,14 +380,8 @@ class BatchEngine:
         rows = self.rows
         if self.batch_copies is None or not any(r.copies is not None for r in rows):
             return width, [0] * len(rows), [None] * len(rows)
-        matches = []
-        for r in rows:
-            if r.copies is None:
-                matches.append(None)
-                continue
-            if r.index is None:
-                r.index = r.state.context_index(int(r.last.item()))
-            matches.append(r.index.match(self.batch_copies.max_length))
+        matches = [r.context_index().match(self.batch_copies.max_length) if r.copies is not None else None
+                   for r in rows]
         policy, sizer = self.batch_copies, self.widths.current
         policy.seed({w: t * self.widths.sizer(1).load for w, t in self.widths.sizer(1).times.items()})
         width, copied = policy.plan(matches, [r.budget for r in rows], width, sizer.chain_tokens)

@@ -170,11 +170,7 @@ class CopyPolicy:
 
     def update(self, length: int, proposed: int, accepted: int, seconds: float):
         self.record.update(length, proposed, accepted)
-        width = proposed + 1
-        recent = self._recent.setdefault(width, [])
-        recent.append(seconds / self.sizer.load)
-        del recent[: -self.recent_cycles]
-        self.times[width] = statistics.median(recent)  # as BlockSizer times its widths
+        _keep_time(self.times, self._recent, proposed + 1, seconds / self.sizer.load, self.recent_cycles)
 
 
 def copy_policy_for(sizer) -> CopyPolicy:
@@ -257,10 +253,15 @@ class BatchCopyPolicy:
 
     def update(self, rows: int, seconds: float):
         """The time of a batched verify of `rows` rows in all (copies or not)."""
-        recent = self._recent.setdefault(rows, [])
-        recent.append(seconds)
-        del recent[: -self.recent_cycles]
-        self.times[rows] = statistics.median(recent)
+        _keep_time(self.times, self._recent, rows, seconds, self.recent_cycles)
+
+
+def _keep_time(times: Dict[int, float], recent: Dict[int, List[float]], key: int, seconds: float, keep: int):
+    """`times[key]`: the median of its last `keep` samples, as `BlockSizer` times its widths."""
+    samples = recent.setdefault(key, [])
+    samples.append(seconds)
+    del samples[:-keep]
+    times[key] = statistics.median(samples)
 
 
 def batch_copy_policy_for(sizer) -> BatchCopyPolicy:

@@ -63,9 +63,14 @@ class DraftContext:
         self.state = state
         self.layer_ids = list(draft.config.target_layer_ids)
 
+    def take_pending(self) -> Optional[mx.array]:
+        """The features waiting for the next draft forward, handed over (none wait after)."""
+        pending, self.state.pending = self.state.pending, None
+        return pending
+
     def absorb(self, features: Optional[mx.array]):
         """Inject features now (prefill), after whatever was waiting."""
-        pending, self.state.pending = self.state.pending, None
+        pending = self.take_pending()
         if pending is not None:
             self.draft.inject(pending, self.state.draft_cache)
         self.draft.inject(features, self.state.draft_cache)
@@ -78,8 +83,7 @@ class DraftContext:
 
     def draft_logits(self, last: mx.array, width: int) -> mx.array:
         """The draft's logits [1, width - 1, V_draft] for the block after `last`."""
-        pending, self.state.pending = self.state.pending, None
-        return self.draft.propose_logits(last, pending, self.state.draft_cache, width)
+        return self.draft.propose_logits(last, self.take_pending(), self.state.draft_cache, width)
 
     def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
         return acceptor.propose(self.draft, self.draft_logits(last, width))
@@ -95,11 +99,7 @@ def propose_rows(drafters: Sequence[DraftContext], lasts: Sequence[mx.array], wi
     caches = [d.state.draft_cache for d in drafters]
     if len(drafters) < 2 or not getattr(draft, "batches_rows", lambda c: False)(caches):
         return [d.propose(last, width, a) for d, last, a in zip(drafters, lasts, acceptors)]
-    pending = []
-    for d in drafters:
-        pending.append(d.state.pending)
-        d.state.pending = None
-    logits = draft.propose_logits_rows(lasts, pending, caches, width)  # [B, width - 1, V_draft]
+    logits = draft.propose_logits_rows(lasts, [d.take_pending() for d in drafters], caches, width)  # [B, width - 1, V_draft]
     return [a.propose(draft, logits[b : b + 1]) for b, a in enumerate(acceptors)]
 
 

@@ -42,12 +42,13 @@ class DraftAttention(nn.Module):
         self.q_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
         self.k_norm = nn.RMSNorm(d, eps=config.rms_norm_eps)
 
-    def project_kv(self, h: mx.array, rope, offset: int):
-        """h: [B, S, H] -> k, v: [B, n_kv, S, d], RoPE'd at positions offset..offset+S-1."""
+    def project_kv(self, h: mx.array, rope, offset):
+        """h: [B, S, H] -> k, v: [B, n_kv, S, d], RoPE'd at positions offset..offset+S-1
+        (`offset` an int, or a list of one per batch entry)."""
         B, S, _ = h.shape
         k = self.k_norm(self.k_proj(h).reshape(B, S, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
         v = self.v_proj(h).reshape(B, S, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        return rope(k, offset=offset), v
+        return (rotate_rows(rope, k, offset) if isinstance(offset, list) else rope(k, offset=offset)), v
 
     def inject(self, h_ctx: mx.array, rope, cache: ContextCache):
         """KV injection: the fused target features become this layer's context K/V."""
@@ -80,9 +81,7 @@ class DraftAttention(nn.Module):
         starts = [c.offset for c in caches]
         q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rotate_rows(rope, q, starts)
-        k_blk = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
-        k_blk = rotate_rows(rope, k_blk, starts)
-        v_blk = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        k_blk, v_blk = self.project_kv(x, rope, starts)
         held = [c.fetch() for c in caches]
         lengths = [0 if k is None else k.shape[2] for k, _ in held]
         n_ctx = max(lengths)
