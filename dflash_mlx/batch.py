@@ -154,7 +154,8 @@ class BatchWidths:
                                                    max_probe_every=32 * bucket))
         return self.sizers[bucket]
 
-    def choose(self, rows: int, remaining: int) -> int:
+    def choose(self, rows: int, remaining: int, context: int) -> int:
+        """`context`: the longest row's context (every row's verify attends that far, padded)."""
         bucket = self.bucket(rows)
         if self.key is None:
             self.key = bucket
@@ -167,6 +168,7 @@ class BatchWidths:
                 self.key, self._candidate, self._seen = bucket, None, 0
         self.current = self.sizer(self.key)
         self.current.trees_on = False  # batch cycles verify chains
+        self.current.at_context(context)
         return self.current.choose(remaining)
 
     def count(self, bucket: int, width: int):
@@ -374,7 +376,7 @@ class BatchEngine:
             self._leave([row])
         return [(row, row.answer.response(step))]
 
-    def _copies(self, width: int) -> Tuple[int, List[int], List]:
+    def _copies(self, width: int, context: int) -> Tuple[int, List[int], List]:
         """This batched cycle's width and copy tokens per row (0: the row drafts), with each
         row's match (`BatchCopyPolicy`); the draft's width and no copies when copies are off."""
         rows = self.rows
@@ -382,8 +384,10 @@ class BatchEngine:
             return width, [0] * len(rows), [None] * len(rows)
         matches = [r.context_index().match(self.batch_copies.max_length) if r.copies is not None else None
                    for r in rows]
-        policy, sizer = self.batch_copies, self.widths.current
-        policy.seed({w: t * self.widths.sizer(1).load for w, t in self.widths.sizer(1).times.items()})
+        policy, sizer, lone = self.batch_copies, self.widths.current, self.widths.sizer(1)
+        policy.at_context(context)
+        lone.at_context(context)
+        policy.seed({w: t * lone.load for w, t in lone.times.items()})
         width, copied = policy.plan(matches, [r.budget for r in rows], width, sizer.chain_tokens)
         return width, copied, matches
 
@@ -392,9 +396,10 @@ class BatchEngine:
         if not self.batched:
             return self._cycle_alone(rows[0])
         remaining = max(r.budget for r in rows)
-        width = (self.widths.choose(len(rows), remaining) if self.widths is not None
+        context = max(len(r.state.tokens) for r in rows)
+        width = (self.widths.choose(len(rows), remaining, context) if self.widths is not None
                  else self.fixed.choose(remaining))
-        width, copied, matches = self._copies(width)
+        width, copied, matches = self._copies(width, context)
         if self.widths is not None:
             self.widths.count(self.widths.key, width)
         t0 = time.perf_counter()

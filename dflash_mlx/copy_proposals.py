@@ -20,7 +20,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from dflash_mlx.adaptive import _interpolate
+from dflash_mlx.adaptive import PerContext, _interpolate
 
 MAX_NGRAM = 8
 
@@ -137,9 +137,17 @@ class CopyPolicy:
         self.max_length = max_length
         self.margin = margin
         self.record = CopyRecord(max_length)
-        self.times: Dict[int, float] = {}  # verify width -> copy cycle seconds (sizer's load units)
-        self._recent: Dict[int, List[float]] = {}
+        # per range of context lengths, the sizer's (`BlockSizer.at_context`)
+        self._timed: Dict[int, Tuple[Dict[int, float], Dict[int, List[float]]]] = {}
         self.recent_cycles = recent_cycles
+
+    @property
+    def times(self) -> Dict[int, float]:
+        """verify width -> copy cycle seconds (sizer's load units), at the sizer's context range."""
+        return self._here()[0]
+
+    def _here(self):
+        return self._timed.setdefault(self.sizer.context.bucket, ({}, {}))
 
     def cycle_time(self, width: int) -> Optional[float]:
         if width in self.times:
@@ -170,7 +178,8 @@ class CopyPolicy:
 
     def update(self, length: int, proposed: int, accepted: int, seconds: float):
         self.record.update(length, proposed, accepted)
-        _keep_time(self.times, self._recent, proposed + 1, seconds / self.sizer.load, self.recent_cycles)
+        times, recent = self._here()
+        _keep_time(times, recent, proposed + 1, seconds / self.sizer.load, self.recent_cycles)
 
 
 def copy_policy_for(sizer) -> CopyPolicy:
@@ -190,15 +199,23 @@ class BatchCopyPolicy:
     Copy acceptance is the lone rows' `CopyRecord` (same pair, same texts). Cost is per
     verify rows in all (rows x width): batched cycles time it, and a lone row's widths
     seed it (`seed`). A count beyond the measured ones is priced by the last two measured
-    points, or in proportion to the one measured point: copies start out underrated."""
+    points, or in proportion to the one measured point: copies start out underrated.
+    Times are kept per range of the batch's context length (`at_context`), as a sizer's."""
 
     def __init__(self, record: CopyRecord, max_length: int, margin: float = 0.05, recent_cycles: int = 9):
         self.record = record
         self.max_length = max_length
         self.margin = margin
         self.recent_cycles = recent_cycles
-        self.times: Dict[int, float] = {}  # verify rows in all -> seconds (median of recent cycles)
-        self._recent: Dict[int, List[float]] = {}
+        self.context = PerContext()
+
+    def at_context(self, tokens: int):
+        self.context.at(tokens)
+
+    @property
+    def times(self) -> Dict[int, float]:
+        """verify rows in all -> seconds (median of recent cycles), at the current context range."""
+        return self.context.here.times
 
     def seed(self, times: Dict[int, float]):
         """Cycle seconds of verifies of so many rows measured elsewhere (a lone row's widths),
@@ -253,7 +270,7 @@ class BatchCopyPolicy:
 
     def update(self, rows: int, seconds: float):
         """The time of a batched verify of `rows` rows in all (copies or not)."""
-        _keep_time(self.times, self._recent, rows, seconds, self.recent_cycles)
+        _keep_time(self.times, self.context.here.recent, rows, seconds, self.recent_cycles)
 
 
 def _keep_time(times: Dict[int, float], recent: Dict[int, List[float]], key: int, seconds: float, keep: int):

@@ -221,6 +221,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     many alternatives, from the verify's own logits (one more sync when on).
     """
     cache = state.target_cache
+    widths.at_context(len(state.tokens))
     width = widths.choose(budget)
     match, copy_length = None, 0
     if copies is not None:

@@ -100,7 +100,8 @@ def test_oracle_draft_goes_and_stays_wide():
     widths, tokens, seconds = run(BlockSizer(MAX), oracle, 40)
     assert widths[:2] == [4, 4]  # moderate; the first (cold) cycle is not timed
     assert widths[2:4] == [1, 1]  # the plain decode step, timed twice
-    assert widths[4] == MAX and widths[6:].count(MAX) >= 0.9 * len(widths[6:])
+    assert widths[4:6] == [8, MAX]  # wider by doubling: a width is tried once half of it is timed
+    assert widths[6:].count(MAX) >= 0.9 * len(widths[6:])
     assert tokens / seconds > 0.9 * MAX / cpu_cost(MAX)
 
 
@@ -179,10 +180,13 @@ def test_cost_model_interpolates_between_measured_widths():
     assert sizer.cycle_time(1) == 1.0
     assert sizer.cycle_time(2) == 1.4  # below the smallest drafted width: its cost bounds it
     assert sizer.cycle_time(8) == pytest.approx(1.8)
-    assert sizer.cycle_time(16) == pytest.approx(2.6)  # past the range: the last segment's slope
+    # past the range: growing on as from width 1 up to the widest timed width
+    assert sizer.cycle_time(16) == pytest.approx(2.2 + 4 * 1.2 / 11)
     del sizer.times[12]
-    assert sizer.cycle_time(16) == 1.4  # one drafted point: nothing to extend
+    assert sizer.cycle_time(16) == pytest.approx(1.4 + 12 * 0.4 / 3)
     assert sizer.cycle_time(3) == 1.4
+    del sizer.times[1]
+    assert sizer.cycle_time(16) == 1.4  # width 1 not timed: nothing to grow from
 
 
 def test_objective_and_remaining_budget():
@@ -378,3 +382,82 @@ def test_auto_settles_narrow_where_wide_verifies_lose(table, narrow):
     else:
         assert settled >= 8 and best >= 8
     assert rate(settled) >= 0.9 * rate(best)
+
+
+def short_context_cost(width):
+    """A short prompt on this CPU: extra verify rows cost next to nothing."""
+    return 1.0 if width == 1 else 1.1 + 0.02 * width
+
+
+def long_context_cost(width):
+    """A 3.5k-token document on this CPU: a decode step 1.6x dearer than at 100 tokens, and
+    each extra verify row adds attention over the whole context."""
+    return 1.6 if width == 1 else 1.6 * (1.25 + 0.15 * (width - 1))
+
+
+def drive_at(sizer, context, cost, rng, cycles, alpha=0.3):
+    """`cycles` cycles with `context` tokens of context; each draft position accepted with
+    probability `alpha`. Returns widths, tokens, seconds."""
+    sizer.at_context(context)
+    widths, tokens, seconds = [], 0, 0.0
+    for _ in range(cycles):
+        w = sizer.choose(10**6)
+        a = 0
+        while a < w - 1 and rng.random() < alpha:
+            a += 1
+        sizer.update(w, a, cost(w))
+        widths.append(w)
+        tokens += a + 1
+        seconds += cost(w)
+    return widths, tokens, seconds
+
+
+def test_a_long_context_is_timed_afresh_and_the_short_one_kept():
+    """A draft that pays on short prompts (wide rows nearly free) and not on a long document
+    (every row attends to 3.5k tokens). Times learned on the short prompts, scaled by the
+    load factor, would keep drafting there (0.87-0.95x plain decoding over these seeds); the
+    long context's range is timed on its own, and back on short prompts drafting resumes at
+    once, from the times kept for them."""
+    import random
+
+    for seed in range(4):
+        rng = random.Random(seed)
+        sizer = BlockSizer(MAX)
+        short, _, _ = drive_at(sizer, 200, short_context_cost, rng, 150)
+        assert sum(w > 1 for w in short[-50:]) >= 40
+        deep, tokens, seconds = drive_at(sizer, 3500, long_context_cost, rng, 150)
+        assert tokens / seconds >= 0.97 / long_context_cost(1), (seed, deep)  # vs plain decoding
+        again, tokens, seconds = drive_at(sizer, 300, short_context_cost, rng, 20)
+        assert all(w > 1 for w in again), (seed, again)
+        assert tokens / seconds >= 1.1 / short_context_cost(1)
+
+
+def test_an_untimed_width_past_the_widest_timed_one_is_priced_along_the_cost_growth():
+    """A fresh sizer on a long document with a draft that does not pay there: cost grows
+    by every row, so once two drafted widths are timed the widths past them are priced
+    along that growth, not at the widest timed one's cost; the widest are never tried."""
+    import random
+
+    for seed in range(4):
+        widths, tokens, seconds = drive_at(BlockSizer(MAX), 3500, long_context_cost, random.Random(seed), 80)
+        assert max(widths) <= 8, widths
+        assert tokens / seconds >= 0.95 / long_context_cost(1)
+
+
+def test_an_untimed_width_in_a_new_context_range_is_priced_from_another_range():
+    """In a range entered for the first time width 1 runs first; then a width not timed
+    there costs its time in another range plus what the context added to width 1, a share
+    of it per further row, learned from the widths timed in both ranges."""
+    sizer = BlockSizer(MAX)
+    sizer.times = {1: 1.0, 2: 1.1, 4: 1.2, 16: 1.6}
+    sizer.samples = {1: 2, 2: 2, 4: 2, 16: 2}
+    sizer.at_context(3500)
+    assert sizer.times == {} and sizer.cycle_time(4) is None
+    assert [sizer.choose(100) for _ in range(2)] == [1, 1]  # no moderate width first: width 1
+    sizer.times[1], sizer.samples[1] = 1.6, 2
+    assert sizer.cycle_time(4) == pytest.approx(1.2 + 0.6 * (1 + 3))  # no share measured: all of it
+    sizer.times[2], sizer.samples[2] = 1.1 + 0.6 * 1.25, 1  # a quarter per further row
+    assert sizer.cycle_time(16) == pytest.approx(1.6 + 0.6 * (1 + 0.25 * 15))
+    assert sizer.cycle_time(8) == pytest.approx(1.2 + 0.4 * 4 / 12 + 0.6 * (1 + 0.25 * 7))  # interpolated there
+    sizer.at_context(100)
+    assert sizer.cycle_time(16) == 1.6 and sizer.cycle_time(2) == 1.1  # the short range's own

@@ -110,6 +110,9 @@ class Schedule:
     def __init__(self, widths):
         self.widths = itertools.cycle(widths)
 
+    def at_context(self, tokens):
+        pass
+
     def choose(self, remaining):
         return min(next(self.widths), max(1, remaining))
 
@@ -255,16 +258,16 @@ def test_width_policy_is_keyed_on_rows_with_hysteresis():
     model = target()
     draft = random_draft(model, num_layers=1, block_size=8, seed=0)
     widths = BatchWidths(model, draft, hold=3)
-    widths.choose(1, 100)
+    widths.choose(1, 100, 0)
     assert widths.key == 1
     for _ in range(2):
-        widths.choose(5, 100)
+        widths.choose(5, 100, 0)
     assert widths.key == 1  # not yet
-    widths.choose(1, 100)
-    widths.choose(5, 100)
+    widths.choose(1, 100, 0)
+    widths.choose(5, 100, 0)
     assert widths.key == 1  # the count starts over
     for _ in range(3):
-        widths.choose(6, 100)
+        widths.choose(6, 100, 0)
     assert widths.key == 8 and widths.bucket(3) == 4 and widths.bucket(9) == 16
 
 

@@ -101,6 +101,22 @@ def test_a_copy_is_never_priced_above_a_drafted_cycle_of_its_width():
         assert policy.cycle_time(w) <= sizer.cycle_time(w)
 
 
+def test_copy_times_are_kept_per_context_range_as_the_sizers_are():
+    """Copy cycles timed on a short context do not price copies in a long one: there they
+    fall back on the sizer's own times for that range (none yet: no copy is priced)."""
+    sizer = _timed_sizer()
+    policy = CopyPolicy(sizer)
+    good = ContextIndex(list(range(20)) * 2).match(15)
+    for _ in range(10):
+        policy.update(good.length, 8, 8, seconds=0.5)
+    assert policy.cycle_time(9) == 0.5
+    sizer.at_context(4000)
+    assert policy.times == {} and sizer.times == {}
+    assert policy.cycle_time(9) is None and policy.choose(good, 100, 1) == 0
+    sizer.at_context(100)
+    assert policy.cycle_time(9) == 0.5 and policy.choose(good, 100, sizer.choose(100)) >= 8
+
+
 # -- through the engine -----------------------------------------------------------------
 
 
