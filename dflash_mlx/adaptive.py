@@ -20,10 +20,11 @@ them: cost jumps where the hardware changes regime, and on some BLAS it is not
 even monotonic); past the widest one timed, cost grows on as it did from width 1
 up to it. Wider widths are explored by doubling: one is tried once half of it is
 timed. Only the width that runs is timed, so a close rival of the best width is
-timed again now and then, ever more rarely while it keeps losing. When width 1 wins, a cheap probe (width 2) runs now and then,
-ever more rarely while it finds nothing, so a poor draft costs little and a
-draft that gets better is picked up again. The output never
-depends on the width: every width is exact, only the speed changes.
+timed again now and then, ever more rarely while it keeps losing. When width 1
+wins, a cheap probe (width 2) runs now and then, ever more rarely while it finds
+nothing, so a poor draft costs little and a draft that gets better is picked up
+again. The output never depends on the width: every width is exact, only the
+speed changes.
 
 Cycle times are kept per range of context lengths (`context_bucket`): every verify
 row attends to the whole context, so what a wide verify costs next to one row grows
