@@ -461,3 +461,28 @@ def test_an_untimed_width_in_a_new_context_range_is_priced_from_another_range():
     assert sizer.cycle_time(8) == pytest.approx(1.2 + 0.4 * 4 / 12 + 0.6 * (1 + 0.25 * 7))  # interpolated there
     sizer.at_context(100)
     assert sizer.cycle_time(16) == 1.6 and sizer.cycle_time(2) == 1.1  # the short range's own
+
+
+def test_the_engine_times_each_context_range_apart():
+    """A 500-token prompt whose answer crosses 512 tokens of context: its cycles are timed
+    in the first range and then in the next, each exactly once; the output is exact."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.adaptive import context_bucket, forget_sizers, sizer_for
+    from dflash_mlx.target import Target
+    from dflash_mlx.testing import ScriptedDraft, clean_case, tiny_target
+
+    forget_sizers()
+    model, tok = tiny_target("llama", seed=1)
+    prompt, ref = clean_case(model, 500, 40, seed=3)
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9 if c % 3 else 1, block_size=8)
+    out, cycles = [], 0
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=40, block_size="auto", stop_token_ids=[],
+                             copy_proposals=False, token_trees=False):
+        out += r.tokens
+        cycles += r.verify_width is not None
+    assert out == ref
+    assert context_bucket(511) == 0 and context_bucket(512) == 1 and context_bucket(1024) == 2
+    ranges = sizer_for(model, draft).context.ranges
+    assert set(ranges) == {0, 1}
+    assert all(sum(r.samples.values()) > 0 for r in ranges.values())
+    assert sum(sum(r.samples.values()) for r in ranges.values()) == cycles - 1  # the first (cold) cycle untimed

@@ -472,3 +472,17 @@ def test_batch_copy_policy_widens_only_where_copies_pay():
         expensive.record.update(4, 15, 15)
     expensive.seed({8: 0.1})  # one point: more rows priced in proportion (copies start underrated)
     assert expensive.cost(64) == pytest.approx(0.8)
+
+
+def test_a_batch_times_its_cycles_in_the_range_of_its_longest_row():
+    """Every row's verify attends as far as the longest row's context (left padding), so a
+    batched cycle is timed in that context's range, not the shortest row's."""
+    forget_sizers()
+    model = target("qwen3")
+    short, long = clean_case(model, 30, 24, seed=1), clean_case(model, 600, 24, seed=2)
+    draft = RowScriptedDrafts(Target(model), [short, long], lambda c: c % 4, block_size=8)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=2, prefill_chunk=64, block_size="auto")
+    tokens, _ = run(engine, [request(p, len(ref)) for p, ref in (short, long)])
+    assert [tokens[0], tokens[1]] == [short[1], long[1]]
+    batched = engine.widths.sizers[2]
+    assert set(batched.context.ranges) == {1} and sum(batched.samples.values()) > 0
