@@ -354,11 +354,13 @@ class BlockSizer:
         return 2
 
     def _stale_rival(self, candidates: List[int], best: int) -> Optional[int]:
-        """A drafted width close behind `best` whose time was last measured long ago, or
-        None. Only the width that runs is timed, so one slow cycle could otherwise keep
-        a better width out for good; each recheck that does not win waits twice as long."""
+        """A width close behind `best` whose time was last measured long ago, or None.
+        Only the width that runs is timed, so one slow cycle could otherwise keep a better
+        width out for good (width 1 too: plain steps timed while a neighbour job ran make a
+        poor draft's drafted cycles look cheap, and drafting would then never time them
+        again); each recheck that does not win waits twice as long."""
         floor = self.rate(best) * (1 - self.recheck_within)
-        rivals = [w for w in candidates if w > 1 and w != best and w in self.times
+        rivals = [w for w in candidates if w != best and w in self.times
                   and self.rate(w) >= floor
                   and self.cycle - self.last_run.get(w, 0) >= self.recheck_gap.get(w, self.recheck_every)]
         if not rivals:

@@ -486,3 +486,20 @@ def test_the_engine_times_each_context_range_apart():
     assert set(ranges) == {0, 1}
     assert all(sum(r.samples.values()) > 0 for r in ranges.values())
     assert sum(sum(r.samples.values()) for r in ranges.values()) == cycles - 1  # the first (cold) cycle untimed
+
+
+def test_a_plain_step_timed_while_the_machine_was_busy_is_timed_again():
+    """A never-right draft whose first two plain decoding steps ran while a neighbour job
+    did (50% slower): every drafted width then looks cheaper than a plain step, and only
+    the width that runs is timed. Width 1, a close rival, is timed again now and then,
+    so the policy goes back to it."""
+    sizer, widths, plain_steps = BlockSizer(MAX), [], 0
+    for c in range(300):
+        w = sizer.choose(10**6)
+        t = cpu_cost(w)
+        if w == 1:
+            t *= 1.5 if plain_steps < 2 else 1.0
+            plain_steps += 1
+        sizer.update(w, 0, t)
+        widths.append(w)
+    assert widths[100:].count(1) >= 0.9 * len(widths[100:]), widths
