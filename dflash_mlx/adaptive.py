@@ -79,12 +79,16 @@ class PerContext:
     def at(self, tokens: int):
         self.bucket = context_bucket(tokens)
 
+    def of(self, bucket: int) -> WidthTimes:
+        """Range `bucket`'s times (made on first use)."""
+        timed = self.ranges.get(bucket)
+        if timed is None:
+            timed = self.ranges[bucket] = WidthTimes()
+        return timed
+
     @property
     def here(self) -> WidthTimes:
-        timed = self.ranges.get(self.bucket)
-        if timed is None:
-            timed = self.ranges[self.bucket] = WidthTimes()
-        return timed
+        return self.of(self.bucket)
 
 
 class FixedWidth:
@@ -178,17 +182,9 @@ class BlockSizer:
         """width -> seconds per cycle (in load units) at the current context range."""
         return self.context.here.times
 
-    @times.setter
-    def times(self, times: Dict[int, float]):
-        self.context.here.times = times
-
     @property
     def samples(self) -> Dict[int, int]:
         return self.context.here.samples
-
-    @samples.setter
-    def samples(self, samples: Dict[int, int]):
-        self.context.here.samples = samples
 
     # -- model --------------------------------------------------------------------
 
@@ -256,7 +252,7 @@ class BlockSizer:
         ref = self._reference()
         if ref is None:
             return None
-        there = ref.times[width] if width in ref.times else _estimate(ref.times, width)
+        there = _estimate(ref.times, width)
         if there is None:
             return None
         return there + (self.times[1] - ref.times[1]) * (1 + self._row_share(ref) * (width - 1))
@@ -265,10 +261,12 @@ class BlockSizer:
         """The share of the first row's context cost each further verify row adds, from the
         drafted widths timed both here and in `ref` (median); 1, the most, until one is."""
         grown = self.times[1] - ref.times[1]
+        if abs(grown) <= 1e-9:
+            return 1.0
         shares = []
         for w, t in self.times.items():
-            there = ref.times[w] if w in ref.times else _estimate(ref.times, w)
-            if w > 1 and there is not None and abs(grown) > 1e-9:
+            there = _estimate(ref.times, w) if w > 1 else None
+            if there is not None:
                 shares.append(((t - there) / grown - 1) / (w - 1))
         return min(1.0, max(0.0, statistics.median(shares))) if shares else 1.0
 
@@ -448,11 +446,14 @@ def forget_sizers():
 
 
 def _estimate(times: Dict[int, float], width: int) -> Optional[float]:
-    """A drafted width's seconds from one range's timed widths: interpolated between the
-    nearest drafted widths timed (a draft forward runs at every width above 1), or the
-    nearest one below their range; past the widest one, growing on as from width 1 up to
-    it (every row's attention adds to a cycle on a CPU with a long context; on a GPU this
-    overrates a flat cost until the width is timed, which `hoped_rate` lets happen)."""
+    """A drafted width's seconds from one range's timed widths: its own time if timed; else
+    interpolated between the nearest drafted widths timed (a draft forward runs at every
+    width above 1), or the nearest one below their range; past the widest one, growing on
+    as from width 1 up to it (every row's attention adds to a cycle on a CPU with a long
+    context; on a GPU this overrates a flat cost until the width is timed, which
+    `hoped_rate` lets happen)."""
+    if width in times:
+        return times[width]
     drafted = {w: t for w, t in times.items() if w > 1}
     if drafted and width > max(drafted) and 1 in times:
         widest = max(drafted)

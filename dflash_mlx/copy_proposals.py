@@ -137,17 +137,13 @@ class CopyPolicy:
         self.max_length = max_length
         self.margin = margin
         self.record = CopyRecord(max_length)
-        # per range of context lengths, the sizer's (`BlockSizer.at_context`)
-        self._timed: Dict[int, Tuple[Dict[int, float], Dict[int, List[float]]]] = {}
+        self.ranges = PerContext()  # copy cycle times per range of context lengths, the sizer's
         self.recent_cycles = recent_cycles
 
     @property
     def times(self) -> Dict[int, float]:
         """verify width -> copy cycle seconds (sizer's load units), at the sizer's context range."""
-        return self._here()[0]
-
-    def _here(self):
-        return self._timed.setdefault(self.sizer.context.bucket, ({}, {}))
+        return self.ranges.of(self.sizer.context.bucket).times
 
     def cycle_time(self, width: int) -> Optional[float]:
         if width in self.times:
@@ -178,8 +174,8 @@ class CopyPolicy:
 
     def update(self, length: int, proposed: int, accepted: int, seconds: float):
         self.record.update(length, proposed, accepted)
-        times, recent = self._here()
-        _keep_time(times, recent, proposed + 1, seconds / self.sizer.load, self.recent_cycles)
+        here = self.ranges.of(self.sizer.context.bucket)
+        _keep_time(here.times, here.recent, proposed + 1, seconds / self.sizer.load, self.recent_cycles)
 
 
 def copy_policy_for(sizer) -> CopyPolicy:

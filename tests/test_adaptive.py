@@ -176,7 +176,7 @@ def test_one_disturbed_decode_step_does_not_decide():
 
 def test_cost_model_interpolates_between_measured_widths():
     sizer = BlockSizer(MAX)
-    sizer.times = {1: 1.0, 4: 1.4, 12: 2.2}
+    sizer.times.update({1: 1.0, 4: 1.4, 12: 2.2})
     assert sizer.cycle_time(1) == 1.0
     assert sizer.cycle_time(2) == 1.4  # below the smallest drafted width: its cost bounds it
     assert sizer.cycle_time(8) == pytest.approx(1.8)
@@ -191,8 +191,8 @@ def test_cost_model_interpolates_between_measured_widths():
 
 def test_objective_and_remaining_budget():
     sizer = BlockSizer(MAX)
-    sizer.times = {w: 1.0 if w == 1 else 1.1 + 0.9 * w / MAX for w in sizer.widths}  # all measured
-    sizer.samples = {w: 3 for w in sizer.widths}
+    sizer.times.update({w: 1.0 if w == 1 else 1.1 + 0.9 * w / MAX for w in sizer.widths})  # all measured
+    sizer.samples.update({w: 3 for w in sizer.widths})
     sizer.hits, sizer.trials = [0.0] * 15, [100.0] * 15  # never accepted
     assert sizer.choose(100) == 1
     sizer.hits = [99.0] * 15  # nearly always accepted
@@ -449,8 +449,8 @@ def test_an_untimed_width_in_a_new_context_range_is_priced_from_another_range():
     there costs its time in another range plus what the context added to width 1, a share
     of it per further row, learned from the widths timed in both ranges."""
     sizer = BlockSizer(MAX)
-    sizer.times = {1: 1.0, 2: 1.1, 4: 1.2, 16: 1.6}
-    sizer.samples = {1: 2, 2: 2, 4: 2, 16: 2}
+    sizer.times.update({1: 1.0, 2: 1.1, 4: 1.2, 16: 1.6})
+    sizer.samples.update({1: 2, 2: 2, 4: 2, 16: 2})
     sizer.at_context(3500)
     assert sizer.times == {} and sizer.cycle_time(4) is None
     assert [sizer.choose(100) for _ in range(2)] == [1, 1]  # no moderate width first: width 1
