@@ -243,7 +243,8 @@ class BlockSizer:
 
     def _prior(self, width: int) -> Optional[float]:
         """`width`'s time in this range from a range where it was timed (or estimated), once
-        width 1 is timed here: t_there(w) + (t1_here - t1_there) * (1 + share * (w - 1)).
+        width 1 is timed here: t_there(w) + (t1_here - t1_there) * (1 + share * (w - 1)),
+        never below width 1's time here.
         What the context adds to a one-row step, each further verify row adds `share` of
         (`_row_share`): on a 2-core CPU about a quarter, measured from 200 to 3,500 tokens
         of context at widths 2-16; on a GPU next to nothing."""
@@ -255,14 +256,16 @@ class BlockSizer:
         there = _estimate(ref.times, width)
         if there is None:
             return None
-        return there + (self.times[1] - ref.times[1]) * (1 + self._row_share(ref) * (width - 1))
+        grown = self.times[1] - ref.times[1]
+        # A shorter context saves each row's attention, but only the first row's saving is
+        # known: taking off no more keeps a drafted cycle priced at no less than it costs.
+        share = self._row_share(ref) if grown > 0 else 0.0
+        return max(self.times[1], there + grown * (1 + share * (width - 1)))
 
     def _row_share(self, ref: WidthTimes) -> float:
         """The share of the first row's context cost each further verify row adds, from the
         drafted widths timed both here and in `ref` (median); 1, the most, until one is."""
-        grown = self.times[1] - ref.times[1]
-        if abs(grown) <= 1e-9:
-            return 1.0
+        grown = self.times[1] - ref.times[1]  # > 0: called for a longer context only
         shares = []
         for w, t in self.times.items():
             there = _estimate(ref.times, w) if w > 1 else None

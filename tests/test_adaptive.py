@@ -503,3 +503,18 @@ def test_a_plain_step_timed_while_the_machine_was_busy_is_timed_again():
         sizer.update(w, 0, t)
         widths.append(w)
     assert widths[100:].count(1) >= 0.9 * len(widths[100:]), widths
+
+
+def test_a_shorter_context_is_never_priced_below_a_plain_step():
+    """Times learned on a long document first, then a short prompt: what the shorter context
+    saves is taken off once per cycle (no more is known), so no width is priced below the
+    plain step timed there, however wide."""
+    sizer = BlockSizer(MAX)
+    sizer.at_context(3500)
+    sizer.times.update({1: 1.6, 2: 2.0, 4: 2.4, 16: 5.0})
+    sizer.samples.update({1: 2, 2: 2, 4: 2, 16: 2})
+    sizer.at_context(100)
+    sizer.times[1], sizer.samples[1] = 1.0, 2
+    assert sizer.cycle_time(16) == pytest.approx(5.0 - 0.6)
+    assert sizer.cycle_time(2) == pytest.approx(2.0 - 0.6)
+    assert all(sizer.cycle_time(w) >= 1.0 for w in sizer.widths)
