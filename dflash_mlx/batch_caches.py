@@ -112,7 +112,7 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
         merged = merge_rows(singles)
         for i, cache in enumerate(singles):
             alone.append(target.forward(step[i : i + 1], cache)[0])
-        together, _, _ = target.forward(step, for_forward(merged, target.rollback_kinds(), head_axis))
+        together, _, _ = target.forward(step, for_forward(merged, kinds, head_axis))
         alone = mx.concatenate(alone, axis=0).astype(mx.float32)
         if (mx.abs(together.astype(mx.float32) - alone).max() > tight * (1.0 + mx.abs(alone).max())).item():
             return "its rows do not come out of a batch as they do alone"
