@@ -27,7 +27,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     from dflash_mlx import load, load_draft
     from dflash_mlx.bench.suites import format_prompt, load_suite
-    from dflash_mlx.doctor import machine
+    from dflash_mlx.cli.doctor import machine
     from dflash_mlx.generate import encode_prompt, stream_generate, tau
 
     model, tok = load(args.target, quiet=True)

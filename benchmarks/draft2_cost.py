@@ -19,8 +19,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx import load
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.target import Target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.target.adapter import Target
 
 
 def main():

@@ -3,7 +3,7 @@
     python benchmarks/engine_vs_reference.py reference   # ours vs z-lab's engine, block 16
     python benchmarks/engine_vs_reference.py auto        # block_size="auto" vs plain decoding (ours, mlx-lm's)
     python benchmarks/engine_vs_reference.py widths      # "auto" vs fixed widths, shipped draft
-    python benchmarks/engine_vs_reference.py layout      # the CPU weight layout (dflash_mlx.layout) on and off
+    python benchmarks/engine_vs_reference.py layout      # the CPU weight layout (dflash_mlx.models.layout) on and off
     python benchmarks/engine_vs_reference.py compile     # the draft's MLPs through mx.compile, or not
 
 Every part runs the packaged SmolLM2-135M-Instruct target (float32) on the same
@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.bench.suites import format_prompt, load_suite
-from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import encode_prompt, tau
 
 SUITES = ("gsm8k", "humaneval", "mtbench")
@@ -96,8 +96,8 @@ def reference_engine(tokenizer, draft_dir=None):
     layers for good) and the shipped draft loaded by its own loader."""
     import dflash.model_mlx as ref
 
-    from dflash_mlx import packaged
-    from dflash_mlx.draft_loading import DRAFT_VOCAB_FILE
+    from dflash_mlx.models import packaged
+    from dflash_mlx.models.draft.checkpoints import DRAFT_VOCAB_FILE
 
     folder = Path(draft_dir) if draft_dir else packaged.packaged_draft_dir("smollm2-135m")
     copy = Path(tempfile.mkdtemp(prefix="dflash-ref-draft-"))
@@ -120,7 +120,7 @@ def reference_engine(tokenizer, draft_dir=None):
 
 
 def standard_layout(module):
-    """Undo `dflash_mlx.layout.relayout_for_cpu`: every dense Linear weight row-major
+    """Undo `dflash_mlx.models.layout.relayout_for_cpu`: every dense Linear weight row-major
     again (what mlx-lm's own loader leaves), the same values."""
     import mlx.nn as nn
 

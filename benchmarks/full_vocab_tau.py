@@ -25,7 +25,7 @@ def main():
     p.add_argument("--block-size", type=int, default=16)
     args = p.parse_args()
     from dflash_mlx import load, load_draft
-    from dflash_mlx.doctor import machine
+    from dflash_mlx.cli.doctor import machine
     from dflash_mlx.train.evaluate import measure_tau
 
     model, tok = load("smollm2-135m", quiet=True)

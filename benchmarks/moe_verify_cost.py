@@ -21,8 +21,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import qwen3, qwen3_moe
 
-from dflash_mlx.doctor import machine
-from dflash_mlx.target import Target
+from dflash_mlx.cli.doctor import machine
+from dflash_mlx.models.target.adapter import Target
 
 WIDTHS = (1, 2, 4, 8, 16)
 COMMON = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8,

@@ -19,7 +19,7 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.bench.suites import format_prompt, load_suite
-from dflash_mlx.doctor import machine
+from dflash_mlx.cli.doctor import machine
 from dflash_mlx.progress import Progress
 
 CONFIGS = {
@@ -57,7 +57,7 @@ def main():
     model, tok = load("smollm2-135m", quiet=True)
     draft = load_draft("smollm2-135m", model)
     if args.random_draft:
-        from dflash_mlx.draft_loading import random_draft
+        from dflash_mlx.models.draft.checkpoints import random_draft
 
         draft = random_draft(model, num_layers=len(draft.layers), block_size=draft.block_size, seed=0)
     prompts = load_suite("copy") + [p for s in ("gsm8k", "humaneval", "mtbench") for p in load_suite(s, args.short)]

@@ -152,7 +152,7 @@ def serve(spec: ServerSpec, log_path: Optional[Path] = None, ready_timeout: floa
 
 
 def dflash_spec(model: str, draft: Optional[str], dtype: str, extra: Sequence[str] = ()) -> ServerSpec:
-    argv = [sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", model, "--dtype", dtype,
+    argv = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", model, "--dtype", dtype,
             "--snapshots", "0", *extra]  # no snapshots: a repeated prompt is not served from an old one
     return ServerSpec("dflash", argv + (["--draft", draft] if draft else []))
 
@@ -168,7 +168,7 @@ def export_folder(model: str, folder: Path, dtype: str) -> Path:
     """`dflash-mlx export` of `model` into `folder` (kept when it already holds an export)."""
     if (folder / "config.json").exists():
         return folder
-    subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "export", model, str(folder), "--dtype", dtype,
+    subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "export", model, str(folder), "--dtype", dtype,
                     "--overwrite"], check=True, stdout=subprocess.DEVNULL)
     return folder
 
@@ -667,7 +667,7 @@ def main(argv=None) -> int:
     if unknown or not names:
         build_parser().error(f"--servers: unknown {', '.join(unknown) or 'empty list'}; known: {', '.join(SERVER_KINDS)}")
     import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing, for the machine description)
-    from dflash_mlx.doctor import machine
+    from dflash_mlx.cli.doctor import machine
     from dflash_mlx.progress import Progress
 
     suites = [s.strip() for s in args.suites.split(",") if s.strip()]

@@ -59,7 +59,7 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "dflash_mlx.cli", "serve", "--port", str(port), "--snapshots", "100000",
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--port", str(port), "--snapshots", "100000",
            "--prompt-cache-bytes", args.prompt_cache_bytes]
     if args.model:
         cmd += ["--model", args.model]

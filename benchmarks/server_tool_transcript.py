@@ -1,6 +1,6 @@
 """A real tool-call transcript of `dflash-mlx serve`, for the README.
 
-Serves `dflash_mlx.testing.tool_call_target` (a tiny target that calls get_weather
+Serves `dflash_mlx.testing.targets.tool_call_target` (a tiny target that calls get_weather
 greedily, with a tool-capable chat template) with a random draft through the real
 engine, on a free loopback port, and prints the raw HTTP exchanges of a whole agent
 loop (the question, the model's tool call, the tool's result, the answer) for the
@@ -19,9 +19,9 @@ import time
 import httpx
 import uvicorn
 
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.server import Worker, create_app
-from dflash_mlx.testing import tool_call_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.serve.app import Worker, create_app
+from dflash_mlx.testing.targets import tool_call_target
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -32,9 +32,9 @@ def main(argv=None):
     import numpy as np
 
     from dflash_mlx import load
-    from dflash_mlx.draft_config import DraftConfig
-    from dflash_mlx.draft_loading import draft_class, load_draft
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.draft.config import DraftConfig
+    from dflash_mlx.models.draft.checkpoints import draft_class, load_draft
+    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.train.evaluate import measure_tau
     from dflash_mlx.train.export import export_draft
 

@@ -43,7 +43,7 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
     from dflash_mlx.train import init as I
     from dflash_mlx.train.features import FeatureSource
     from dflash_mlx.train.trainer import TrainConfig, Trainer
-    from dflash_mlx.draft_config import default_target_layer_ids
+    from dflash_mlx.models.draft.config import default_target_layer_ids
 
     o = dict(base, **opts)
     copy = o.get("copy_layers")
@@ -91,7 +91,7 @@ def main(argv=None):
 
     from dflash_mlx import load
     from dflash_mlx.progress import Progress
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import choose_mask_token
     from dflash_mlx.train.trainer import split_by_hash

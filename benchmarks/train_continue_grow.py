@@ -36,8 +36,8 @@ def main(argv=None):
     import numpy as np
 
     from dflash_mlx import load
-    from dflash_mlx.draft_config import DraftConfig
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.draft.config import DraftConfig
+    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import grow_draft
     from dflash_mlx.train.features import FeatureSource

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=Path(f"benchmarks/results/{time.strftime('%Y%m%d')}-ttft-under-load"))
     args = ap.parse_args(argv)
     import dflash_mlx  # noqa: F401  (BLAS routing, and the machine's description)
-    from dflash_mlx.doctor import machine
+    from dflash_mlx.cli.doctor import machine
 
     prompts = load_prompts(args.probes + args.background)
     probes, background = prompts[: args.probes], prompts[args.probes:]

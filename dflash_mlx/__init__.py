@@ -7,8 +7,8 @@ from dflash_mlx import blas as _blas
 
 _blas.enable()
 
-from dflash_mlx.draft import DFlashDraftModel  # noqa: E402
-from dflash_mlx.draft_config import DraftConfig, DraftMismatchError  # noqa: E402
+from dflash_mlx.models.draft.dflash import DFlashDraftModel  # noqa: E402
+from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError  # noqa: E402
 from dflash_mlx.generate import (  # noqa: E402
     DFlashResponse,
     PromptCache,
@@ -16,18 +16,18 @@ from dflash_mlx.generate import (  # noqa: E402
     make_prompt_cache,
     stream_generate,
 )
-from dflash_mlx.target import Target  # noqa: E402
+from dflash_mlx.models.target.adapter import Target  # noqa: E402
 
 
 def load(*args, **kwargs):
     """Load a target model and tokenizer (packaged name, folder, .gguf file or hub id)."""
-    from dflash_mlx.loading import load as _load
+    from dflash_mlx.models.loading import load as _load
 
     return _load(*args, **kwargs)
 
 
 def load_draft(*args, **kwargs):
     """Load a DFlash draft (packaged name, folder or hub id) and bind it to a target model."""
-    from dflash_mlx.draft_loading import load_draft as _load_draft
+    from dflash_mlx.models.draft.checkpoints import load_draft as _load_draft
 
     return _load_draft(*args, **kwargs)

@@ -12,13 +12,13 @@ from typing import Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from dflash_mlx.accept import make_acceptor
-from dflash_mlx.batch import BatchEngine, BatchRequest
-from dflash_mlx.cycle import _wrap_tokenizer, stop_ids  # noqa: F401 (stop_ids: public path)
+from dflash_mlx.speculation.accept import make_acceptor
+from dflash_mlx.engine.engine import BatchEngine, BatchRequest
+from dflash_mlx.engine.cycle import _wrap_tokenizer, stop_ids  # noqa: F401 (stop_ids: public path)
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
-from dflash_mlx.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
-from dflash_mlx.responses import DFlashResponse, TokenLogprob, tau  # noqa: F401 (public paths)
-from dflash_mlx.target import target_for
+from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
+from dflash_mlx.engine.responses import DFlashResponse, TokenLogprob, tau  # noqa: F401 (public paths)
+from dflash_mlx.models.target.adapter import target_for
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
@@ -61,7 +61,7 @@ def stream_generate(
 
     Greedy output (temperature 0) is exactly the target's own greedy output.
     `block_size`: "auto" (the default, as in every front end) picks each cycle's
-    verify width from measured acceptance and cycle times (see `dflash_mlx.adaptive`);
+    verify width from measured acceptance and cycle times (see `dflash_mlx.policy.sizer`);
     "draft" is always the draft's own block size (z-lab's behaviour); a whole number
     a fixed width (`dflash_mlx.options.BLOCK_SIZE_SPELLINGS`).
     `baseline=True` (or `draft=None`) decodes with the target alone.
@@ -71,9 +71,9 @@ def stream_generate(
     temperature and filters) and the k most likely tokens there (`TokenLogprob`).
     `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
     instead of the draft's block, when measured acceptance and cost say it commits more
-    tokens per second (`dflash_mlx.copy_proposals`); exact either way.
+    tokens per second (`dflash_mlx.speculation.copies`); exact either way.
     `token_trees` (with "auto", on attention-only targets that take a tree's mask and
-    positions, `dflash_mlx.token_tree.tree_support`): a drafted cycle may verify a tree of
+    positions, `dflash_mlx.speculation.tree.tree_support`): a drafted cycle may verify a tree of
     the draft's likeliest continuations instead of its chain, when trees have committed
     more tokens at that width; at temperature > 0 the tree is sampled down exactly
     (`token_tree.accept_sampled`).

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 # The verify width's spellings, the same in the library, every flag, the chat dialog and
 # the server: AUTO (the default) picks each cycle's width from measured acceptance and
-# cost (`dflash_mlx.adaptive`); DRAFT_WIDTH is always the draft's own block size (what
+# cost (`dflash_mlx.policy.sizer`); DRAFT_WIDTH is always the draft's own block size (what
 # z-lab's reference does); a whole number is that fixed width.
 AUTO = "auto"
 DRAFT_WIDTH = "draft"

@@ -1,1 +1,1 @@
-"""Metal kernel sources (installed as dflash_mlx.metal); see dflash_mlx/kernels.py."""
+"""Metal kernel sources (installed as dflash_mlx.metal); see dflash_mlx/kernels/selection.py."""

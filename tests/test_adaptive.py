@@ -6,7 +6,7 @@ exactness of `block_size="auto"` through the engine is in test_lossless.py.
 
 import pytest
 
-from dflash_mlx.adaptive import BlockSizer, FixedWidth
+from dflash_mlx.policy.sizer import BlockSizer, FixedWidth
 
 MAX = 16
 
@@ -212,7 +212,7 @@ class _Pair:
 
 
 def test_sizer_for_keeps_one_policy_per_pair():
-    from dflash_mlx.adaptive import forget_sizers, sizer_for
+    from dflash_mlx.policy.sizer import forget_sizers, sizer_for
 
     model, draft, other = _Pair(), _Pair(), _Pair(8)
     first = sizer_for(model, draft)
@@ -225,7 +225,7 @@ def test_sizer_for_keeps_one_policy_per_pair():
 def test_sizer_for_does_not_hand_a_dead_pairs_policy_to_a_new_one():
     import gc
 
-    from dflash_mlx.adaptive import sizer_for
+    from dflash_mlx.policy.sizer import sizer_for
 
     model = _Pair()
     draft = _Pair()
@@ -243,9 +243,9 @@ def test_second_auto_call_starts_from_what_the_first_learned():
     """A poor draft: the first call explores (a moderate width, then width 1 timed twice);
     the next call with the same pair goes straight to plain decoding steps."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.adaptive import forget_sizers, sizer_for
-    from dflash_mlx.target import Target
-    from dflash_mlx.testing import ScriptedDraft, clean_case, tiny_target
+    from dflash_mlx.policy.sizer import forget_sizers, sizer_for
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing.targets import ScriptedDraft, clean_case, tiny_target
 
     forget_sizers()
     model, tok = tiny_target("llama", seed=1)
@@ -276,9 +276,9 @@ def test_second_auto_call_starts_from_what_the_first_learned():
 def test_a_profiled_call_does_not_teach_the_shared_policy():
     """Profiling syncs at every phase, so its cycles are slower than users' cycles."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.adaptive import forget_sizers, sizer_for
-    from dflash_mlx.draft_loading import random_draft
-    from dflash_mlx.testing import tiny_target
+    from dflash_mlx.policy.sizer import forget_sizers, sizer_for
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.testing.targets import tiny_target
 
     forget_sizers()
     model, tok = tiny_target("qwen3", seed=2)
@@ -467,9 +467,9 @@ def test_the_engine_times_each_context_range_apart():
     """A 500-token prompt whose answer crosses 512 tokens of context: its cycles are timed
     in the first range and then in the next, each exactly once; the output is exact."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.adaptive import context_bucket, forget_sizers, sizer_for
-    from dflash_mlx.target import Target
-    from dflash_mlx.testing import ScriptedDraft, clean_case, tiny_target
+    from dflash_mlx.policy.sizer import context_bucket, forget_sizers, sizer_for
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing.targets import ScriptedDraft, clean_case, tiny_target
 
     forget_sizers()
     model, tok = tiny_target("llama", seed=1)

@@ -12,16 +12,16 @@ import pytest
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx import stream_generate
-from dflash_mlx.adaptive import forget_sizers
-from dflash_mlx.batch import BatchEngine, BatchRequest, BatchWidths
-from dflash_mlx.batch_caches import batch_support, mask_head_axis, merge_rows
-from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.policy.sizer import forget_sizers
+from dflash_mlx.engine.engine import BatchEngine, BatchRequest, BatchWidths
+from dflash_mlx.engine.batch_caches import batch_support, mask_head_axis, merge_rows
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.options import GenerationOptions
-from dflash_mlx.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
-from dflash_mlx.target import Target
-from dflash_mlx.testing import (EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, chain_target, clean_case,
+from dflash_mlx.models.target.rollback import UnsupportedTargetError, replay_layer_rows, rollback_batch_rows
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import (EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, chain_target, clean_case,
                                 greedy_reference, tiny_target)
-from dflash_mlx.tiny_archs import build
+from dflash_mlx.testing.archs import build
 
 
 @lru_cache(maxsize=None)
@@ -372,7 +372,7 @@ def test_a_seeded_row_alone_samples_what_stream_generate_samples():
 def batch_always_copies(monkeypatch):
     """Every batched cycle verifies each row's copy as far as its match and budget go, at the
     width of the longest (rows without a match draft at that width)."""
-    from dflash_mlx.copy_proposals import BatchCopyPolicy
+    from dflash_mlx.speculation.copies import BatchCopyPolicy
 
     def plan(self, matches, budgets, width, chain_tokens):
         usable = [min(self.max_length, len(m.continuation), b - 1) if m is not None else 0
@@ -389,7 +389,7 @@ def test_copies_in_batched_cycles_stay_exact_on_every_cache_kind(batch_always_co
     """Rows copying in every batched cycle, each copy right for a random number of tokens (the
     index's match replaced by the row's known answer, spoilt after k tokens), rows joining and
     leaving: every row is the target's own greedy output, a stop id and budgets inside copies."""
-    from dflash_mlx.copy_proposals import MAX_NGRAM, ContextIndex, CopyMatch
+    from dflash_mlx.speculation.copies import MAX_NGRAM, ContextIndex, CopyMatch
 
     forget_sizers()
     model = target(arch) if arch in ("qwen3", "qwen3_5") else build(arch)
@@ -451,7 +451,7 @@ def test_copies_in_batched_cycles_keep_the_targets_distribution(batch_always_cop
 def test_batch_copy_policy_widens_only_where_copies_pay():
     """The plan: no copies without a match or with a record of failed copies; a batch-wide
     copy width when rows' copies are right and a wider verify costs little more."""
-    from dflash_mlx.copy_proposals import BatchCopyPolicy, CopyMatch, CopyRecord
+    from dflash_mlx.speculation.copies import BatchCopyPolicy, CopyMatch, CopyRecord
 
     record = CopyRecord(15)
     policy = BatchCopyPolicy(record, 15)

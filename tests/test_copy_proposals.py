@@ -8,13 +8,13 @@ import pytest
 
 import dflash_mlx  # noqa: F401
 from dflash_mlx import stream_generate
-from dflash_mlx.adaptive import BlockSizer, forget_sizers
-from dflash_mlx.copy_proposals import MAX_NGRAM, ContextIndex, CopyPolicy, CopyRecord
-from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.policy.sizer import BlockSizer, forget_sizers
+from dflash_mlx.speculation.copies import MAX_NGRAM, ContextIndex, CopyPolicy, CopyRecord
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import make_prompt_cache
-from dflash_mlx.target import Target
-from dflash_mlx.testing import EOS_ID, ScriptedDraft, chain_target, greedy_reference, tiny_target
-from dflash_mlx.tiny_archs import build
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, chain_target, greedy_reference, tiny_target
+from dflash_mlx.testing.archs import build
 
 # -- the index ---------------------------------------------------------------------
 
@@ -174,7 +174,7 @@ def test_copies_of_every_length_roll_every_cache_kind_back_exactly(monkeypatch, 
     """Every cycle verifies a copy that is right for a random number of tokens (the index's
     match replaced by the known answer, spoilt after k tokens): every cache kind is rolled
     back after copies of every length; the output is still mlx-lm's own greedy decode."""
-    from dflash_mlx.copy_proposals import CopyMatch
+    from dflash_mlx.speculation.copies import CopyMatch
 
     model = build(key)
     rng = random.Random(key)
@@ -204,7 +204,7 @@ def test_copies_of_every_length_roll_every_cache_kind_back_exactly(monkeypatch, 
 
 
 def _tok():
-    from dflash_mlx.testing import byte_tokenizer
+    from dflash_mlx.testing.targets import byte_tokenizer
 
     return byte_tokenizer()
 

@@ -9,8 +9,8 @@ import time
 import pytest
 
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
-from dflash_mlx.cli import main as cli_main
-from dflash_mlx.draft_loading import random_draft, save_draft
+from dflash_mlx.cli.main import main as cli_main
+from dflash_mlx.models.draft.checkpoints import random_draft, save_draft
 from gguf_helpers import write_tiny_gguf
 
 MAX = 12
@@ -52,7 +52,7 @@ def test_chat_app_with_dflash2_draft(files):
     (the second through the prompt cache) give the target's greedy answers."""
     from dflash_mlx import load
     from dflash_mlx.generate import encode_prompt
-    from dflash_mlx.testing import greedy_reference
+    from dflash_mlx.testing.targets import greedy_reference
     from dflash_mlx.tui.app import ChatApp
     from dflash_mlx.tui.session import Settings
     from dflash_mlx.tui.template import render_prompt

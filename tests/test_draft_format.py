@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.draft_config import DraftMismatchError
-from dflash_mlx.draft_loading import save_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import EOS_ID, greedy_reference, tiny_target
+from dflash_mlx.models.draft.config import DraftMismatchError
+from dflash_mlx.models.draft.checkpoints import save_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import EOS_ID, greedy_reference, tiny_target
 
 H, D, NH, NKV, I = 64, 16, 4, 2, 96
 
@@ -148,7 +148,7 @@ def test_save_round_trip(tmp_path, target):
 def test_incremental_injection_equals_one_shot(target):
     """Context injected cycle by cycle (as the engine does) gives the same block logits
     as the whole context at once, on full and sliding-window layers."""
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     model = target[0]
     t = Target(model)
@@ -173,7 +173,7 @@ def test_rows_with_their_own_contexts_in_one_forward(target, layers):
     """`propose_logits_rows` (the batch engine's one draft forward for its drafting rows):
     rows with contexts of 0-23 tokens, some with features still to inject, give each row
     what `propose_logits` gives it alone."""
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     draft = random_draft(Target(target[0]), seed=5, num_layers=2, block_size=6, **layers)
     n_feat = len(draft.config.target_layer_ids) * 64
@@ -200,7 +200,7 @@ def test_rows_with_their_own_contexts_in_one_forward(target, layers):
 
 
 def test_dflash2_drafts_propose_row_by_row(target):
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     draft = random_draft(Target(target[0]), seed=5, num_layers=1, block_size=6, version=2)
     assert not draft.batches_rows([draft.make_cache(), draft.make_cache()])
@@ -211,7 +211,7 @@ def test_a_window_only_matters_past_it(target, context):
     """The same weights with non-causal sliding layers (window 12) propose exactly what
     they propose with full attention while the context fits the window, and differ once
     it does not: a window added to a trained draft leaves short prompts as they were."""
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     t = Target(target[0])
     full = random_draft(t, seed=3, num_layers=2, block_size=8)
@@ -277,7 +277,7 @@ def zlab_dflash2_checkpoint(folder, seed=0, drop=None, cfg=None, kernel=K_CONV, 
 
 
 def test_dflash2_checkpoint_loads_and_is_lossless(tmp_path):
-    from dflash_mlx.draft2 import DFlash2DraftModel
+    from dflash_mlx.models.draft.dflash2 import DFlash2DraftModel
 
     model, tok = tiny_target("llama", seed=3)
     draft = load_draft(zlab_dflash2_checkpoint(tmp_path / "d"), model)
@@ -329,7 +329,7 @@ def test_malformed_dflash2_checkpoint(tmp_path, target, case, match):
 def test_dflash2_random_draft_saves_in_zlab_layout(tmp_path, target):
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     model = target[0]
     draft = random_draft(model, num_layers=2, version=2, seed=4)
@@ -349,7 +349,7 @@ def test_dflash2_random_draft_saves_in_zlab_layout(tmp_path, target):
 
 def test_grouped_causal_conv_matches_its_formula():
     """y[t, c] = sum_o (base[o, c] + dynamic[t, o, c // group]) * x[t - o, c], written as loops."""
-    from dflash_mlx.draft2 import grouped_causal_conv
+    from dflash_mlx.models.draft.dflash2 import grouped_causal_conv
 
     rng = np.random.default_rng(0)
     Bn, L, Hc, Kc, gs = 2, 7, 12, 3, 4
@@ -371,7 +371,7 @@ def test_dflash2_incremental_injection_and_reduced_vocabulary(target):
     """Cycle-by-cycle injection gives the one-shot logits and choices; a reduced draft
     vocabulary that holds every token (permuted) chooses the same target tokens, so the
     selector's codebooks are read at target ids."""
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     model = target[0]
     draft = random_draft(model, num_layers=2, block_size=8, version=2, seed=2,
@@ -396,7 +396,7 @@ def test_dflash2_incremental_injection_and_reduced_vocabulary(target):
 
 
 def test_select_tokens_needs_a_proposal(target):
-    from dflash_mlx.draft_loading import random_draft
+    from dflash_mlx.models.draft.checkpoints import random_draft
 
     draft = random_draft(target[0], version=2)
     with pytest.raises(RuntimeError, match="propose_logits"):
@@ -406,9 +406,9 @@ def test_select_tokens_needs_a_proposal(target):
 def test_a_dflash2_config_needs_the_dflash2_class(target):
     """Code that builds `DFlashDraftModel(config)` itself (training, export) must not get a
     DFlash 2 draft without its conv and selector; `draft_class` picks the right one."""
-    from dflash_mlx.draft import DFlashDraftModel
-    from dflash_mlx.draft_loading import draft_class, random_draft_config
-    from dflash_mlx.draft2 import DFlash2DraftModel, dflash2_defaults
+    from dflash_mlx.models.draft.dflash import DFlashDraftModel
+    from dflash_mlx.models.draft.checkpoints import draft_class, random_draft_config
+    from dflash_mlx.models.draft.dflash2 import DFlash2DraftModel, dflash2_defaults
 
     config = random_draft_config(Target(target[0]), version=2, **dflash2_defaults(64))
     with pytest.raises(DraftMismatchError, match="draft_class"):
@@ -422,8 +422,8 @@ def test_neutral_dflash2_is_dflash(tmp_path, target):
     zero codebooks computes exactly its DFlash weights' logits, and its selector picks the argmax."""
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.draft_loading import random_draft
-    from dflash_mlx.draft2 import dflash2_defaults
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.models.draft.dflash2 import dflash2_defaults
 
     model = target[0]
     v1 = random_draft(model, num_layers=2, seed=7)

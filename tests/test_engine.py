@@ -3,9 +3,9 @@
 import pytest
 
 from dflash_mlx import generate, make_prompt_cache, stream_generate
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import EOS_ID, ScriptedDraft, chain_target, greedy_reference, tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, chain_target, greedy_reference, tiny_target
 
 TEXT = "hé 日✓"  # 1-, 2-, 3- and 3-byte characters, all bytes distinct
 
@@ -131,7 +131,7 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     import mlx.core as mx
     import numpy as np
 
-    from dflash_mlx import layout
+    from dflash_mlx.models import layout
 
     model, _ = tiny_target(arch, seed=4)
     target = Target(model)
@@ -157,7 +157,7 @@ def test_default_width_is_auto_in_the_library_as_in_every_front_end():
     size every cycle and leaves the policy alone."""
     import inspect
 
-    from dflash_mlx.adaptive import forget_sizers, sizer_for
+    from dflash_mlx.policy.sizer import forget_sizers, sizer_for
     from dflash_mlx.options import GenerationOptions
 
     assert inspect.signature(stream_generate).parameters["block_size"].default == "auto"

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from mlx_lm import load as mlx_lm_load
 
-from dflash_mlx import export
-from dflash_mlx.loading import load
+from dflash_mlx.cli import export
+from dflash_mlx.models.loading import load
 from gguf_helpers import load_packaged, write_tiny_gguf
 
 

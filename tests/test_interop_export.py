@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load_draft
-from dflash_mlx.draft_loading import expected_shapes
-from dflash_mlx.interop.export_draft import ExportDraftError, _load_stored, export_draft
-from dflash_mlx.target import Target
+from dflash_mlx.models.draft.checkpoints import expected_shapes
+from dflash_mlx.cli.export_draft import ExportDraftError, _load_stored, export_draft
+from dflash_mlx.models.target.adapter import Target
 
 FIX = Path(__file__).parent / "fixtures" / "speculators"
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
@@ -154,7 +154,7 @@ def test_vllm_form_with_a_bad_map_is_one_line(verifier, tmp_path):
 @pytest.mark.slow
 def test_cli_exports_the_shipped_draft(tmp_path):
     from dflash_mlx import load
-    from dflash_mlx.cli import main
+    from dflash_mlx.cli.main import main
 
     for fmt in ("vllm", "speculators", "zlab-full"):
         assert main(["export-draft", "smollm2-135m", str(tmp_path / fmt), "--format", fmt]) == 0

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from dflash_mlx import load_draft
-from dflash_mlx.interop import recipe
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.train import export_for
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train.cli import build_parser
 
 
@@ -28,16 +28,16 @@ def setup():
 
 
 def _args(out, fmt):
-    return recipe.add_args(build_parser()).parse_args(
+    return export_for.add_args(build_parser()).parse_args(
         ["--target", "tiny", "--out", str(out), "--export-for", fmt, "--layers", "2", "--draft-vocab", "64"])
 
 
 def _export(setup, tmp_path, fmt):
     model, tok, records = setup
     args, target = _args(tmp_path / fmt, fmt), Target(model)
-    draft, vocab = recipe.initial_draft(args, target, tok, records)
+    draft, vocab = export_for.initial_draft(args, target, tok, records)
     (tmp_path / fmt).mkdir()
-    write = recipe.write_speculators if fmt == "speculators" else recipe.write_specforge
+    write = export_for.write_speculators if fmt == "speculators" else export_for.write_specforge
     write(tmp_path / fmt, args, records, draft, vocab, target, tok, "verifier")
     return args, draft, vocab
 

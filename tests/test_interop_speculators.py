@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import load_draft, stream_generate
-from dflash_mlx.target import Target
-from dflash_mlx.testing import byte_tokenizer
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import byte_tokenizer
 
 FIX = Path(__file__).parent / "fixtures" / "speculators"
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]

@@ -1,7 +1,7 @@
 """The Metal kernels through mx.fast.metal_kernel on an Apple GPU, against their twins.
 
 Skipped without Metal. Passing this file on Apple hardware is what allows a
-kernel into kernels.VERIFIED_ON_APPLE (see metal/README.md). Shapes are the
+kernel into selection.VERIFIED_ON_APPLE (see metal/README.md). Shapes are the
 real ones (head_dim 128, Qwen3.5-style GDN heads, 4k hidden sizes) plus odd ones.
 """
 
@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash_mlx import kernels
+from dflash_mlx.kernels import selection
 
 pytestmark = [
     pytest.mark.metal,
@@ -47,8 +47,8 @@ def test_kv_inject_metal(rope_kind, dtype, D, L, Hkv, S, offset):
     mx.random.seed(0)
     kv = (2 * mx.random.normal((1, S, L, 2, Hkv, D))).astype(dtype)
     w = (1 + 0.3 * mx.random.normal((L, D))).astype(dtype)
-    ref = kernels.context_kv_reference(kv, w, offset, eps=1e-6, rope=rope)
-    got = kernels.context_kv_metal(kv, w, offset, eps=1e-6, rope=rope)
+    ref = selection.context_kv_reference(kv, w, offset, eps=1e-6, rope=rope)
+    got = selection.context_kv_metal(kv, w, offset, eps=1e-6, rope=rope)
     tol = 5e-5 if dtype == mx.float32 else 5e-2
     for g, r in zip(got, ref):
         close(g, r, atol=tol, rtol=tol)
@@ -70,8 +70,8 @@ def test_qmm_small_m_metal(M, N, K, bits, gs, dtype):
     x = mx.random.normal((M, K)).astype(dtype)
     f32 = lambda a: a.astype(mx.float32)
     truth = f32(x) @ mx.dequantize(wq, f32(s), f32(b), group_size=gs, bits=bits).T
-    got = kernels.qmm_small_m_metal(x, wq, s, b, gs, bits)
-    ref = kernels.qmm_small_m_reference(x, wq, s, b, gs, bits)
+    got = selection.qmm_small_m_metal(x, wq, s, b, gs, bits)
+    ref = selection.qmm_small_m_reference(x, wq, s, b, gs, bits)
     scale = float(mx.abs(truth).max())
     tol = 1e-5 * np.sqrt(K) * scale if dtype == mx.float32 else 1e-2 * scale
     close(got, truth, atol=tol)
@@ -100,7 +100,7 @@ GDN = [
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv,vec,dtype", GDN)
 def test_gdn_tape_and_replay_metal(B, T, Hk, Hv, Dk, Dv, vec, dtype):
     q, k, v, g, beta, state = _gdn(B, T, Hk, Hv, Dk, Dv, vec, dtype)
-    y, s_out, tape = kernels.gdn_tape_metal(q, k, v, g, beta, state)
+    y, s_out, tape = selection.gdn_tape_metal(q, k, v, g, beta, state)
     y_ops, s_ops = gated_delta_ops(q, k, v, g, beta, state)
     ytol = 1e-5 if dtype == mx.float32 else 2e-2
     close(y, y_ops, atol=ytol, rtol=ytol)
@@ -108,8 +108,8 @@ def test_gdn_tape_and_replay_metal(B, T, Hk, Hv, Dk, Dv, vec, dtype):
     for steps in sorted({0, 1, T // 2, T - 1, T}):
         want = state if steps == 0 else gated_delta_ops(
             q[:, :steps], k[:, :steps], v[:, :steps], g[:, :steps], beta[:, :steps], state)[1]
-        close(kernels.gdn_replay_metal(state, k, g, tape, steps), want, atol=1e-4, rtol=1e-4)
-        close(kernels.gdn_replay_metal(state, k, g, tape, mx.array(steps)), want, atol=1e-4, rtol=1e-4)
+        close(selection.gdn_replay_metal(state, k, g, tape, steps), want, atol=1e-4, rtol=1e-4)
+        close(selection.gdn_replay_metal(state, k, g, tape, mx.array(steps)), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch,quantize", [("qwen3_5", False), ("llama", True), ("qwen3", False)])
@@ -117,8 +117,8 @@ def test_engine_lossless_with_metal_kernels(monkeypatch, arch, quantize):
     """Every kernel on (DFLASH_MLX_KERNELS=metal), float32 on the GPU: greedy DFlash output is still
     plain mlx-lm greedy decoding, with a random draft (KV injection) and partial accepts."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.draft_loading import random_draft
-    from dflash_mlx.testing import greedy_reference, tiny_target
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.testing.targets import greedy_reference, tiny_target
 
     monkeypatch.setenv("DFLASH_MLX_KERNELS", "metal")
     model, tok = tiny_target(arch, seed=1)

@@ -1,4 +1,4 @@
-"""CPU weight layout (`dflash_mlx.layout`): the same values in a GEMM-friendly memory order."""
+"""CPU weight layout (`dflash_mlx.models.layout`): the same values in a GEMM-friendly memory order."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.layout import is_relaid, relayout_for_cpu
-from dflash_mlx.testing import greedy_reference, tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.layout import is_relaid, relayout_for_cpu
+from dflash_mlx.testing.targets import greedy_reference, tiny_target
 
 
 def _linears(model):

@@ -5,10 +5,10 @@ import random
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.target import Target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.target.adapter import Target
 import mlx.core as mx
-from dflash_mlx.testing import VOCAB, ScriptedDraft, clean_case, greedy_reference, tiny_target
+from dflash_mlx.testing.targets import VOCAB, ScriptedDraft, clean_case, greedy_reference, tiny_target
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text"]
 _MODELS = {}

@@ -82,7 +82,8 @@ def test_bad_block_size_flag_is_a_usage_error(capsys):
 
 
 def _front_end_parsers():
-    from dflash_mlx import run, server
+    from dflash_mlx.cli import run
+    from dflash_mlx.serve import app
     from dflash_mlx.bench import cli as bench_cli
     from dflash_mlx.tui import app
 
@@ -91,25 +92,26 @@ def _front_end_parsers():
         "chat": lambda text: app.build_parser().parse_args(["--block-size", text]).block_size,
         "bench": lambda text: bench_cli.build_parser().parse_args(["--block-size", text]).block_size,
         "bench sweep": lambda text: bench_cli.build_parser().parse_args(["--block-sizes", f"4,{text}"]).block_sizes[1],
-        "serve": lambda text: server.build_parser().parse_args(["--block-size", text]).block_size,
+        "serve": lambda text: app.build_parser().parse_args(["--block-size", text]).block_size,
     }
 
 
 def test_every_front_end_defaults_to_auto():
     parsers = {"run": ["hi"], "chat": [], "bench": [], "serve": []}
-    from dflash_mlx import run, server
+    from dflash_mlx.cli import run
+    from dflash_mlx.serve import app
     from dflash_mlx.bench import cli as bench_cli
     from dflash_mlx.tui import app
 
     builders = {"run": run.build_parser, "chat": app.build_parser, "bench": bench_cli.build_parser,
-                "serve": server.build_parser}
+                "serve": app.build_parser}
     for name, argv in parsers.items():
         assert builders[name]().parse_args(argv).block_size == "auto", name
 
 
 @pytest.mark.parametrize("front_end", ["run", "chat", "bench", "bench sweep", "serve"])
 def test_every_front_end_takes_the_same_block_sizes(front_end):
-    from dflash_mlx.frontend import CLIError
+    from dflash_mlx.cli.common import CLIError
 
     parse = _front_end_parsers()[front_end]
     for text, want in (("auto", "auto"), ("AUTO", "auto"), (" Auto ", "auto"), ("16", 16), ("1", 1),

@@ -3,8 +3,8 @@
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import EOS_ID, greedy_reference, tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import EOS_ID, greedy_reference, tiny_target
 
 
 def run(model, draft, tok, prompt, cache, max_tokens=8, snapshot_after_prompt=False):
@@ -107,7 +107,7 @@ def test_snapshots_are_bounded_least_recently_used_first():
 
 
 def test_snapshots_are_bounded_in_bytes_least_recently_used_first():
-    from dflash_mlx.prompt_cache import nbytes
+    from dflash_mlx.engine.prompt_cache import nbytes
 
     model, tok = tiny_target("qwen3_5", seed=9)
     draft = random_draft(model, block_size=4)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from dflash_mlx import make_prompt_cache, stream_generate
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import EOS_ID, greedy_reference, tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import EOS_ID, greedy_reference, tiny_target
 
 WINDOW = 6
 

@@ -100,7 +100,7 @@ TINY = {
 
 @pytest.mark.parametrize("case", list(TINY))
 def test_tiny_f32_matches_llamacpp(tmp_path, case):
-    from dflash_mlx.gguf_loader import load_gguf
+    from dflash_mlx.models.gguf.loader import load_gguf
 
     arch, extra = TINY[case]
     path = tmp_path / f"{arch}.gguf"
@@ -133,7 +133,7 @@ PROMPTS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_packaged_matches_llamacpp(tmp_path, name):
-    from dflash_mlx import packaged
+    from dflash_mlx.models import packaged
 
     model, tok = load_packaged(name)
     texts = PROMPTS[name]

@@ -22,9 +22,9 @@ ref = pytest.importorskip(
     reason="z-lab's reference is not installed: pip install --no-deps dflash==0.1.0",
 )
 
-from dflash_mlx.draft_loading import load_draft, random_draft, save_draft  # noqa: E402
-from dflash_mlx.target import Target  # noqa: E402
-from dflash_mlx.testing import TINY_CONFIGS, tiny_target  # noqa: E402
+from dflash_mlx.models.draft.checkpoints import load_draft, random_draft, save_draft  # noqa: E402
+from dflash_mlx.models.target.adapter import Target  # noqa: E402
+from dflash_mlx.testing.targets import TINY_CONFIGS, tiny_target  # noqa: E402
 
 RTOL = 1e-5  # max |ours - reference| / max |reference|: float32 rounding, not a formula difference
 
@@ -179,7 +179,7 @@ PROMPTS = ["What is 12 * 7? Explain briefly.", "Write a Python function that rev
 @pytest.fixture(scope="module")
 def smollm2_prompts(smollm2):
     from dflash_mlx.generate import encode_prompt
-    from dflash_mlx.loading import apply_chat_template
+    from dflash_mlx.models.loading import apply_chat_template
 
     model, tokenizer = smollm2
     prompts = [encode_prompt(tokenizer, apply_chat_template(tokenizer, p)) for p in PROMPTS]
@@ -190,7 +190,7 @@ def smollm2_prompts(smollm2):
 def shipped_draft_for_reference():
     """The shipped draft folder exactly as it ships: the reference's loader reads it
     unchanged (its reduced vocabulary is a .npy file, which that loader skips)."""
-    from dflash_mlx import packaged
+    from dflash_mlx.models import packaged
 
     folder = packaged.packaged_draft_dir("smollm2-135m")
     if folder is None:
@@ -242,9 +242,9 @@ def test_engines_accept_the_same_lengths_on_smollm2(smollm2_prompts, reference_l
     assert compared >= 10
 
 
-# -- every architecture of dflash_mlx.tiny_archs: tapped features and draft logits ------------
+# -- every architecture of dflash_mlx.testing.archs: tapped features and draft logits ------------
 
-from dflash_mlx.tiny_archs import FAMILY_ARCHS, MORE_ARCHS, build  # noqa: E402
+from dflash_mlx.testing.archs import FAMILY_ARCHS, MORE_ARCHS, build  # noqa: E402
 
 # Layouts whose features the reference cannot tap right (ours are checked against mlx-lm's own
 # decode in test_families.py); the draft is still compared on our features.

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 
 ARCHS = ["llama", "qwen3", "gemma3_text", "qwen3_5", "gemma4_text"]
 

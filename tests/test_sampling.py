@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 
 import importlib
-from dflash_mlx import accept, stream_generate
-from dflash_mlx.accept import (GreedyAcceptor, Proposal, SamplingAcceptor, accept_in_pieces, make_acceptor,
+from dflash_mlx import stream_generate
+from dflash_mlx.speculation import accept
+from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, SamplingAcceptor, accept_in_pieces, make_acceptor,
                                sampling_logprobs)
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import greedy_reference, tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import greedy_reference, tiny_target
 
-# -- reference distribution (independent of dflash_mlx.accept) -----------------
+# -- reference distribution (independent of dflash_mlx.speculation.accept) -----------------
 
 
 def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0):
@@ -512,8 +513,8 @@ def test_stream_generate_first_tokens_follow_an_moe_target():
     """The same on a mixture-of-experts target (Qwen3-MoE, 8 experts, top 2): the
     rows of a verify route to other experts than one-token decoding would, and the
     distribution is still the target's own."""
-    from dflash_mlx.testing import byte_tokenizer
-    from dflash_mlx.tiny_archs import build
+    from dflash_mlx.testing.targets import byte_tokenizer
+    from dflash_mlx.testing.archs import build
 
     model = build("qwen3_moe", vocab_size=4)
     out, exact, accepts, again = engine_first_tokens("argmax", target=(model, byte_tokenizer()))
@@ -548,14 +549,14 @@ def test_a_vanishing_temperature_or_top_p_is_greedy_in_the_library():
 
 def test_stream_generate_with_token_trees_follows_target(monkeypatch):
     """Every drafted cycle a token tree (the policy forced), sampled down exactly
-    (`token_tree.accept_sampled`): the first three tokens over many seeds still follow
+    (`tree.accept_sampled`): the first three tokens over many seeds still follow
     the target's own distribution."""
     assert tree_sampling_pvalue(monkeypatch) > 1e-3
 
 
 def test_stream_generate_with_trees_that_always_take_the_first_child_fails(monkeypatch):
     """The engine-level check is not vacuous: a walk that accepts every first child fails it."""
-    from dflash_mlx import token_tree
+    from dflash_mlx.speculation import tree
 
     def first_child(tree, logprobs):
         children, path = tree.children(), [0]
@@ -563,20 +564,20 @@ def test_stream_generate_with_trees_that_always_take_the_first_child_fails(monke
             path.append(next(iter(children[path[-1]].values())))
         return path, int(mx.random.categorical(logprobs[path[-1]]).item())
 
-    monkeypatch.setattr(token_tree, "accept_sampled", first_child)
+    monkeypatch.setattr(tree, "accept_sampled", first_child)
     assert tree_sampling_pvalue(monkeypatch) < 1e-6
 
 
 def tree_sampling_pvalue(monkeypatch):
-    from dflash_mlx import token_tree
-    from dflash_mlx.adaptive import forget_sizers
+    from dflash_mlx.speculation import tree
+    from dflash_mlx.policy.sizer import forget_sizers
 
-    monkeypatch.setattr(token_tree.TreePolicy, "explore", lambda self, chosen, limit: max(4, min(chosen, limit)))
-    from dflash_mlx.testing import byte_tokenizer
-    from dflash_mlx.tiny_archs import build
+    monkeypatch.setattr(tree.TreePolicy, "explore", lambda self, chosen, limit: max(4, min(chosen, limit)))
+    from dflash_mlx.testing.targets import byte_tokenizer
+    from dflash_mlx.testing.archs import build
 
     model, tok = build("qwen3_moe", vocab_size=4), byte_tokenizer()
-    assert token_tree.tree_support(token_tree_target(model)) is None
+    assert tree.tree_support(token_tree_target(model)) is None
     draft = random_draft(model, block_size=4, seed=4)
     outs, kinds = [], {}
     for seed in range(100):
@@ -594,6 +595,6 @@ def tree_sampling_pvalue(monkeypatch):
 
 
 def token_tree_target(model):
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.target.adapter import Target
 
     return Target(model)

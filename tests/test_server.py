@@ -25,12 +25,12 @@ import pytest
 import uvicorn
 
 from dflash_mlx import stream_generate
-from dflash_mlx.frontend import CLIError
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.loading import apply_chat_template
-from dflash_mlx.prompt_cache import common_prefix
-from dflash_mlx.server import StopMatcher, Worker, build_parser, create_app, load_worker
-from dflash_mlx.testing import EOS_ID, chain_target, greedy_reference, tiny_target
+from dflash_mlx.cli.common import CLIError
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.loading import apply_chat_template
+from dflash_mlx.engine.prompt_cache import common_prefix
+from dflash_mlx.serve.app import StopMatcher, Worker, build_parser, create_app, load_worker
+from dflash_mlx.testing.targets import EOS_ID, chain_target, greedy_reference, tiny_target
 
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
@@ -563,7 +563,7 @@ def test_lazily_loaded_weights_are_served_from_the_worker_thread():
 
 def test_sigterm_stops_the_served_process_cleanly(tmp_path):
     """`dflash-mlx serve` as its own process: SIGTERM mid-stream ends the stream and the process."""
-    from dflash_mlx.draft_loading import save_draft
+    from dflash_mlx.models.draft.checkpoints import save_draft
     from gguf_helpers import write_tiny_gguf
 
     model = write_tiny_gguf(tmp_path / "tiny.gguf", "llama")
@@ -573,7 +573,7 @@ def test_sigterm_stops_the_served_process_cleanly(tmp_path):
         port = sock.getsockname()[1]
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path / "cache"))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dflash_mlx.cli", "serve", "--model", str(tmp_path / "tiny.gguf"),
+        [sys.executable, "-m", "dflash_mlx.cli.main", "serve", "--model", str(tmp_path / "tiny.gguf"),
          "--draft", str(tmp_path / "draft"), "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
 
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import tiny_target
 from test_server import MODEL, serving
 
 CASES_PER_OPERATION = 40

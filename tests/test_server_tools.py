@@ -17,8 +17,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx import generate, stream_generate
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import (EOS_ID, TOOL_CALL_TOKENS, TOOL_ANSWER_TOKENS, TOOL_TEMPLATE, greedy_reference,
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import (EOS_ID, TOOL_CALL_TOKENS, TOOL_ANSWER_TOKENS, TOOL_TEMPLATE, greedy_reference,
                                 tiny_target, tool_call_target, tool_call_tokenizer)
 from dflash_mlx.tool_calls import ToolCallStream
 from test_server import MODEL, serving
@@ -58,7 +58,7 @@ def parsed(text):
 def test_tool_parser_is_inferred_as_mlx_lm_infers_it(tmp_path, monkeypatch):
     from mlx_lm.tokenizer_utils import load as mlx_lm_load_tokenizer
 
-    from dflash_mlx.gguf_loader import load_gguf
+    from dflash_mlx.models.gguf.loader import load_gguf
     from gguf_helpers import write_tiny_gguf
 
     tok = tool_call_tokenizer()
@@ -256,8 +256,8 @@ def forward_logprobs(model, ids, tokens):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.3])
 def test_engine_logprobs_are_the_targets_own_log_softmax(temperature):
-    from dflash_mlx.testing import ScriptedDraft, clean_case
-    from dflash_mlx.target import Target
+    from dflash_mlx.testing.targets import ScriptedDraft, clean_case
+    from dflash_mlx.models.target.adapter import Target
 
     model, tok = tiny_target("llama", seed=1, layer_types=None, sliding_window=None)
     ids, ref = clean_case(model, 24, 40, seed=5)

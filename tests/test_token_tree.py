@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx import rope_offsets, token_tree as tt
-from dflash_mlx.adaptive import BlockSizer, forget_sizers
-from dflash_mlx.target import Target
-from dflash_mlx.testing import (EOS_ID, RankedDraft, byte_tokenizer, clean_case, greedy_reference,
+from dflash_mlx.models import rope_offsets
+from dflash_mlx.speculation import tree as tt
+from dflash_mlx.policy.sizer import BlockSizer, forget_sizers
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import (EOS_ID, RankedDraft, byte_tokenizer, clean_case, greedy_reference,
                                 tiny_target)
-from dflash_mlx.tiny_archs import FAMILY_ARCHS, MORE_ARCHS, build
+from dflash_mlx.testing.archs import FAMILY_ARCHS, MORE_ARCHS, build
 
 # -- building the tree ------------------------------------------------------------------
 
@@ -282,7 +283,7 @@ def sample_walks(walk, n, temperature, seed=0):
     """First two committed tokens of `n` walks down MARKOV_TREE on a Markov target (each
     node's logits: W at its token); when a walk commits one token, the second is drawn
     from the target after it, as the next cycle would."""
-    from dflash_mlx.accept import SamplingAcceptor
+    from dflash_mlx.speculation.accept import SamplingAcceptor
 
     logprobs = SamplingAcceptor(temperature).logprobs(mx.array(W_MARKOV[MARKOV_TREE.tokens]))
     mx.random.seed(seed)
@@ -330,7 +331,7 @@ def test_sampling_down_a_tree_keeps_the_targets_distribution():
 
 def test_sampling_down_a_tree_at_a_tiny_temperature_is_the_greedy_walk():
     logits = mx.array(W_MARKOV[MARKOV_TREE.tokens])
-    from dflash_mlx.accept import SamplingAcceptor
+    from dflash_mlx.speculation.accept import SamplingAcceptor
 
     greedy = tt.accept_greedy(MARKOV_TREE, mx.argmax(logits, axis=-1).tolist())
     for seed in range(5):

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft_loading import load_draft, random_draft, save_draft
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.draft.checkpoints import load_draft, random_draft, save_draft
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train.blend import blend, main
 
 

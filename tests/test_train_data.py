@@ -6,8 +6,8 @@ import dflash_mlx  # noqa: F401
 import mlx.core as mx
 import numpy as np
 
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train import data as D
 
 
@@ -91,7 +91,7 @@ def test_generate_responses_is_resumable_and_caches_exact_features(tmp_path):
     assert (n1, n2) == (3, 2)
     recs = D.read_records(out)
     assert sorted(r["id"] for r in recs) == [f"p{i}" for i in range(5)]
-    from dflash_mlx.testing import greedy_reference
+    from dflash_mlx.testing.targets import greedy_reference
 
     for r in recs:
         assert r["prompt"] == D.chat_prompt_ids(tok, dict((p.id, p.text) for p in prompts)[r["id"]])

@@ -9,9 +9,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.draft_loading import load_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.draft.checkpoints import load_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train import cli
 from dflash_mlx.train.depth_data import agreement, chain, label, label_shared
 from dflash_mlx.train.features import FeatureSource, labels_file, target_pass
@@ -108,9 +108,9 @@ def test_answers_to_one_document_share_its_target_pass_and_match_their_own_passe
 
 
 def test_answered_documents_are_the_targets_greedy_answers_and_anchor_in_them(tmp_path):
-    from dflash_mlx.documents import TRAIN_DOCUMENTS, document_prompt, read_documents
-    from dflash_mlx.draft_loading import random_draft
-    from dflash_mlx.testing import greedy_reference
+    from dflash_mlx.bench.documents import TRAIN_DOCUMENTS, document_prompt, read_documents
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.testing.targets import greedy_reference
     from dflash_mlx.train.depth_data import answer_documents, answer_plan, answered_records
 
     docs, missing = read_documents(TRAIN_DOCUMENTS)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft_loading import DRAFT_VOCAB_FILE, load_draft, random_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.draft.checkpoints import DRAFT_VOCAB_FILE, load_draft, random_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train.export import export_draft, model_card
 
 
@@ -120,7 +120,7 @@ def test_train_cli_grows_a_trained_run(tmp_path, monkeypatch):
 def test_measure_tau_pools_engine_cycles():
     from dflash_mlx.bench.suites import format_prompt, load_suite
     from dflash_mlx.generate import encode_prompt as encode
-    from dflash_mlx.testing import ScriptedDraft, greedy_reference
+    from dflash_mlx.testing.targets import ScriptedDraft, greedy_reference
     from dflash_mlx.train.evaluate import measure_tau
 
     model, tok = tiny_target("llama")
@@ -209,7 +209,7 @@ def test_tau_prompts_per_suite():
     assert parse() == {"*": 4}
     assert parse("--tau-prompts", "0") == {"*": 0}
     assert parse("--tau-prompts", "gsm8k=20,humaneval=6") == {"gsm8k": 20, "humaneval": 6}
-    from dflash_mlx.frontend import CLIError
+    from dflash_mlx.cli.common import CLIError
 
     with pytest.raises(CLIError, match="suite=number"):
         parse("--tau-prompts", "gsm8k=many")

@@ -5,9 +5,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.target import Target
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train.forward import training_logits
 
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import dflash_mlx  # noqa: F401
-from dflash_mlx.draft_loading import load_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import greedy_reference, tiny_target
+from dflash_mlx.models.draft.checkpoints import load_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import greedy_reference, tiny_target
 from dflash_mlx.train import data as D
 from dflash_mlx.train import init as I
 from dflash_mlx.train.export import export_draft
@@ -201,7 +201,7 @@ def test_feature_cache_with_more_layers_than_the_draft_taps(setup, tmp_path):
 
 
 def test_packed_responses_round_trip(tmp_path):
-    from dflash_mlx.testing import byte_tokenizer
+    from dflash_mlx.testing.targets import byte_tokenizer
 
     tok = byte_tokenizer()
     prompts = D.gsm8k_train_prompts()[:3]

@@ -7,10 +7,11 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 import numpy as np
 import pytest
 
-from dflash_mlx import stream_generate, tiny_archs
-from dflash_mlx.draft_loading import load_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import byte_tokenizer, greedy_reference, tiny_target
+from dflash_mlx import stream_generate
+from dflash_mlx.testing import archs
+from dflash_mlx.models.draft.checkpoints import load_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import byte_tokenizer, greedy_reference, tiny_target
 from dflash_mlx.train import cli
 from dflash_mlx.train import data as D
 from dflash_mlx.train import init as I
@@ -41,7 +42,7 @@ class _Log:
 def _trained_run(key, tmp_path_factory, steps):
     """(model, tokenizer, folder, log): the CLI generates the target's greedy responses to 4
     GSM8K prompts, trains `steps` steps and exports the draft to `folder` (run: folder.run)."""
-    model, tok = tiny_archs.build(key, seed=1), byte_tokenizer()
+    model, tok = archs.build(key, seed=1), byte_tokenizer()
     d = tmp_path_factory.mktemp(key)
     log = _Log()
     with pytest.MonkeyPatch.context() as mp:
@@ -93,7 +94,7 @@ def _assert_varied(records):
 
 
 def test_init_on_an_moe_target_copies_attention_and_leaves_the_moe_mlp_random():
-    model = tiny_archs.build("qwen3_moe", seed=1)
+    model = archs.build("qwen3_moe", seed=1)
     target, tok = Target(model), byte_tokenizer()
     recs = [{"id": "a", "prompt": list(range(10, 30)), "response": greedy_reference(model, list(range(10, 30)), 16)}]
     cfg = I.make_draft_config(target, tok, recs, 2, 4, "target")
@@ -139,7 +140,7 @@ def test_a_draft_trained_on_the_target_loads_back_and_is_exact(run, request):
 
 
 def test_init_on_a_hybrid_target_picks_attention_layers_and_survives_layers_without_one():
-    model = tiny_archs.build("qwen3_next", seed=1)
+    model = archs.build("qwen3_next", seed=1)
     target, tok = Target(model), byte_tokenizer()
     assert I.target_copy_layers(target, 1) == [3]
     assert I.target_copy_layers(target, 2) == [1, 3]  # the default, [2, 3], has a Gated DeltaNet layer

@@ -7,9 +7,9 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft_loading import random_draft
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train.features import FeatureSource
 from dflash_mlx.train.trainer import CHECKPOINT, TrainConfig, Trainer, split_records
 
@@ -109,8 +109,8 @@ _KILLED_RUN = r"""
 import sys, time
 sys.path.insert(0, {tests!r})
 import test_train_resume as T
-from dflash_mlx.target import Target
-from dflash_mlx.testing import tiny_target
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
 model, _ = tiny_target("qwen3")
 t = T._trainer({run!r}, Target(model), T._records(), steps=40)
 t.cfg.checkpoint_every = 0.0  # checkpoint after every step

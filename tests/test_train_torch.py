@@ -22,8 +22,8 @@ pytest.importorskip("speculators.models.dflash")
 import mlx.core as mx  # noqa: E402
 
 from dflash_mlx import load_draft  # noqa: E402
-from dflash_mlx.target import Target  # noqa: E402
-from dflash_mlx.testing import TINY_CONFIGS, byte_tokenizer  # noqa: E402
+from dflash_mlx.models.target.adapter import Target  # noqa: E402
+from dflash_mlx.testing.targets import TINY_CONFIGS, byte_tokenizer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "dflash_mlx" / "train" / "gpu"))
 import train_torch as T  # noqa: E402

@@ -12,11 +12,11 @@ import time
 import pytest
 
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
-from dflash_mlx import testing
-from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.testing import targets
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import encode_prompt, stream_generate
-from dflash_mlx.target import Target
-from dflash_mlx.cli import main as cli_main
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.cli.main import main as cli_main
 from dflash_mlx.tui.app import ChatApp, build_parser, settings_from_args
 from dflash_mlx.tui.segments import CycleText
 from dflash_mlx.tui.session import ChatSession, Settings
@@ -32,14 +32,14 @@ def one_proposal_kind(monkeypatch):
     """These tests follow the app's streaming cycle by cycle with a random draft that is never
     right (one token per cycle); the tiny target's answers repeat, which copy proposals would
     commit in long runs. The proposal policy is tested in test_copy_proposals.py."""
-    from dflash_mlx.copy_proposals import CopyPolicy
+    from dflash_mlx.speculation.copies import CopyPolicy
 
     monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width: 0)
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    model, tok = testing.tiny_target("qwen3", seed=0)
+    model, tok = targets.tiny_target("qwen3", seed=0)
     draft = random_draft(model, num_layers=1, block_size=4)
     return model, tok, draft
 
@@ -83,8 +83,8 @@ def prompt_ids(tok, messages):
 def oracle_draft(model, tok, prompt, n, block_size=4, accept=10**9):
     """A scripted draft that knows the target's greedy answer to `prompt` (accepts up to `accept` per cycle)."""
     ids = prompt_ids(tok, [{"role": "user", "content": prompt}])
-    ref = testing.greedy_reference(model, ids, n + block_size)
-    return testing.ScriptedDraft(Target(model), ids + ref, lambda c: accept, block_size=block_size)
+    ref = targets.greedy_reference(model, ids, n + block_size)
+    return targets.ScriptedDraft(Target(model), ids + ref, lambda c: accept, block_size=block_size)
 
 
 # -- plain pieces -----------------------------------------------------------------
@@ -115,7 +115,7 @@ def test_cycle_text_holds_back_split_characters(tiny):
     assert len(ids) == 3
     ct = CycleText(tok, stop_ids=tok.eos_token_ids)
     assert ct.add(ids[:1], [False]) == []  # half a character: nothing to show yet
-    segs = ct.add(ids[1:] + [testing.EOS_ID], [True, False, False])
+    segs = ct.add(ids[1:] + [targets.EOS_ID], [True, False, False])
     assert [(s.text, s.drafted, s.cycle) for s in segs] == [("é", True, 1), ("!", False, 1)]
     assert (ct.drafted, ct.bonus) == (1, 2) and ct.text == "é!"
 
@@ -167,7 +167,7 @@ def test_send_prompt_streams_text_and_stats(tiny):
 
     turn, view_text, md_source, panel = run(app, script)
     ids = prompt_ids(tok, [{"role": "user", "content": "hello"}])
-    expected = testing.greedy_reference(model, ids, MAX)
+    expected = targets.greedy_reference(model, ids, MAX)
     assert turn.tokens == expected  # exact: DFlash greedy == the target's greedy
     assert view_text == md_source == tok.decode(expected) == turn.text
     assert len(turn.stats.accept_lengths) == MAX - 1  # one cycle per token: the random draft is never right
@@ -262,7 +262,7 @@ def test_turn_ending_on_eos_reuses_the_cache(tiny):
     model, _, draft = tiny
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    base = testing.byte_tokenizer()
+    base = targets.byte_tokenizer()
     colon = base.encode(":", add_special_tokens=False)[0]
     tok = TokenizerWrapper(base._tokenizer, eos_token_ids=[colon])
 
@@ -516,10 +516,10 @@ EXIT_SCRIPT = """
 import asyncio
 import dflash_mlx
 from dflash_mlx import testing
-from dflash_mlx.draft_loading import random_draft
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.tui.app import ChatApp
 from dflash_mlx.tui.session import Settings
-model, tok = testing.tiny_target("qwen3")
+model, tok = targets.tiny_target("qwen3")
 app = ChatApp(model, tok, random_draft(model, num_layers=1, block_size=4), settings=Settings(max_tokens=60))
 
 async def go():
@@ -552,7 +552,7 @@ def test_process_exits_cleanly_after_generating_on_the_engine_thread():
 def test_sampling_options_reach_the_engine():
     a = parse_args(["--temperature", "0.7", "--top-p", "0.9", "--top-k", "20", "--min-p", "0.05", "--seed", "3"])
     settings = settings_from_args(a)
-    model, tok = testing.tiny_target("llama")
+    model, tok = targets.tiny_target("llama")
     calls = []
 
     def stream_fn(*args, **kwargs):
@@ -598,7 +598,7 @@ def test_default_block_size_is_auto_and_reaches_the_engine(tiny):
     # each cycle keeps every drafted token: accept length = its verify width - 1
     assert turn.stats.accept_lengths == [w - 1 for w in widths]
     ids = prompt_ids(tok, [{"role": "user", "content": "hello"}])
-    assert turn.tokens == testing.greedy_reference(model, ids, n)  # the width never changes the output
+    assert turn.tokens == targets.greedy_reference(model, ids, n)  # the width never changes the output
     assert turn.stats.verify_width == widths[-1]
     assert f"block auto ({widths[-1]})  temp 0  max {n}" in panel
 

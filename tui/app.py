@@ -150,8 +150,8 @@ class ChatApp(App):
         self._jobs.put((what, fn))
 
     def _load(self) -> None:
-        from dflash_mlx.frontend import load_model_and_draft
-        from dflash_mlx.packaged import untrained_draft
+        from dflash_mlx.cli.common import load_model_and_draft
+        from dflash_mlx.models.packaged import untrained_draft
 
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
@@ -323,8 +323,8 @@ class ChatApp(App):
 
 
 def build_parser():
-    from dflash_mlx.frontend import ArgumentParser
-    from dflash_mlx.packaged import DEFAULT_MODEL
+    from dflash_mlx.cli.common import ArgumentParser
+    from dflash_mlx.models.packaged import DEFAULT_MODEL
 
     p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
@@ -336,7 +336,7 @@ def build_parser():
 
 def settings_from_args(args) -> Settings:
     """The chat's settings from its flags; CLIError (a usage error) naming a bad one."""
-    from dflash_mlx.frontend import checked_options
+    from dflash_mlx.cli.common import checked_options
 
     return checked_options(args, Settings, system=args.system)
 
@@ -344,7 +344,7 @@ def settings_from_args(args) -> Settings:
 def main(argv=None) -> int:
     import sys
 
-    from dflash_mlx.frontend import draft_for
+    from dflash_mlx.cli.common import draft_for
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)

@@ -38,7 +38,7 @@ def render_prompt(tokenizer, messages: Messages, system: Optional[str] = None,
     if template is not None:
         return template(full)
     if getattr(tokenizer, "chat_template", None):
-        from dflash_mlx.loading import apply_chat_template
+        from dflash_mlx.models.loading import apply_chat_template
 
         return apply_chat_template(tokenizer, full)
     return role_template(full)

@@ -7,11 +7,11 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.frontend import EXIT_USAGE, ArgumentParser, CLIError, checked_options, draft_for, load_model_and_draft, usage_error
+from dflash_mlx.cli.common import EXIT_USAGE, ArgumentParser, CLIError, checked_options, draft_for, load_model_and_draft, usage_error
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
-from dflash_mlx.packaged import DEFAULT_MODEL
+from dflash_mlx.models.packaged import DEFAULT_MODEL
 
-from .suites import SUITES, parse_suites
+from dflash_mlx.bench.suites import SUITES, parse_suites
 
 
 def _block_sizes(spec: str):
@@ -97,7 +97,7 @@ def _command(argv) -> str:
 def rerender(path: Path, with_plots: bool = True) -> int:
     import json
 
-    from . import report
+    from dflash_mlx.bench import report
 
     doc = json.loads(path.read_text())
     errors = report.validate(doc)
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
             datetime.now(timezone.utc).strftime("%Y%m%d-%H%M") + "-"
             + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(args.model).name)))
 
-    from . import report, runner
+    from dflash_mlx.bench import report, runner
 
     print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
     model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
 def depth_main(args, argv) -> int:
     """`--suite depth`: the depth benchmark (dflash_mlx/bench/depth.py)."""
-    from . import depth
+    from dflash_mlx.bench import depth
 
     raw = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--max-tokens" or a.startswith("--max-tokens=") for a in raw):

@@ -1,6 +1,6 @@
 """The depth suite: DFlash against plain decoding of the same target, deep into a context.
 
-A held-out long document (`dflash_mlx.documents.EVAL_DOCUMENTS`) is cut so that the
+A held-out long document (`dflash_mlx.bench.documents.EVAL_DOCUMENTS`) is cut so that the
 whole prompt (chat template, document, question) is exactly `depth` tokens, then the
 model answers. At each depth, for each document, in one process and interleaved (the
 order of plain and DFlash flips from document to document):
@@ -10,7 +10,7 @@ order of plain and DFlash flips from document to document):
 - fixed widths (`widths`), from the default width's prompt cache (the prompt's prefix
   is reused, so only decode is paid again): what the best fixed width would have done.
 
-The width policy is reset at each depth (`adaptive.forget_sizers`), so each depth pays
+The width policy is reset at each depth (`sizer.forget_sizers`), so each depth pays
 its own exploration, as a first long request would; within a depth it carries over
 from one document to the next, as in a chat. Every run must return plain decoding's
 tokens exactly (greedy); a difference is reported and makes the exit status 1.
@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from dflash_mlx.documents import EVAL_DOCUMENTS, document_prompt, read_documents
+from dflash_mlx.bench.documents import EVAL_DOCUMENTS, document_prompt, read_documents
 
 SCHEMA = "dflash-mlx-bench-depth/1"
 DEFAULT_DEPTHS = (256, 1024, 2048, 4096, 0)  # 0: as deep as the context window allows
@@ -125,10 +125,10 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
         resume: Optional[dict] = None) -> dict:
     """`others`: label -> a loaded draft, run at the default width beside `draft`;
     `resume`: an interrupted run's results (its records are kept, the rest is measured)."""
-    from dflash_mlx import adaptive
+    from dflash_mlx.policy import sizer
     from dflash_mlx.bench.runner import environment
     from dflash_mlx.generate import make_prompt_cache, stream_generate
-    from dflash_mlx.target import target_for
+    from dflash_mlx.models.target.adapter import target_for
 
     docs, missing = read_documents(EVAL_DOCUMENTS)
     if len(docs) < cfg.documents:
@@ -161,12 +161,12 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
         dflash(ids, "auto", None)
         for d in others.values():
             dflash(ids, "auto", None, d)
-        adaptive.forget_sizers()
+        sizer.forget_sizers()
 
     n = 0
     done = {(r["depth"], r["document"]): r for r in (resume or {}).get("records", [])}
     for depth in depths:
-        adaptive.forget_sizers()
+        sizer.forget_sizers()
         for i, d in enumerate(docs):
             if (depth, d.name) in done:  # measured by the run this one continues
                 doc["records"].append(done[(depth, d.name)])
@@ -197,7 +197,7 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
             def decode_again(name):
                 """`name` once more from its prompt cache (its prefill is not paid again)."""
                 if name == "plain":
-                    from dflash_mlx.prompt_cache import PromptCache
+                    from dflash_mlx.engine.prompt_cache import PromptCache
 
                     shared = PromptCache(model=model, target_cache=cache.target_cache, tokens=list(cache.tokens))
                     return _run(stream_generate(model, draft, tokenizer, ids, max_tokens=cfg.max_tokens,

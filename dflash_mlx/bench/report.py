@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
-from .metrics import PHASES
+from dflash_mlx.bench.metrics import PHASES
 
 # Required keys and their types, checked by `validate` (tests and readers of
 # old result files rely on this shape; bump runner.SCHEMA when it changes).

@@ -29,8 +29,8 @@ from dflash_mlx.generate import encode_prompt, stop_ids, tau
 from dflash_mlx.options import AUTO, DRAFT_WIDTH, parse_block_size
 from dflash_mlx.progress import eta_seconds, format_duration
 
-from . import metrics
-from .suites import Prompt, format_prompt, load_suite
+from dflash_mlx.bench import metrics
+from dflash_mlx.bench.suites import Prompt, format_prompt, load_suite
 
 SCHEMA = "dflash-mlx-bench/1"
 
@@ -46,7 +46,7 @@ class BenchConfig:
     top_p: float = 1.0  # sampling filters, as in dflash_mlx.options (off by default)
     top_k: int = 0
     min_p: float = 0.0
-    draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.accept)
+    draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.speculation.accept)
     seed: int = 0
     warmup: bool = True
     profile: bool = True  # run the extra profiled pass for the time split
@@ -194,7 +194,7 @@ def _model_dtype(model) -> str:
 
 def environment(model=None) -> dict:
     """`doctor.machine()` under the result schema's names, plus what explains timings."""
-    from dflash_mlx.doctor import machine
+    from dflash_mlx.cli.doctor import machine
 
     m = machine()
     return {

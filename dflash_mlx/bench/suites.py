@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from dflash_mlx.loading import apply_chat_template
+from dflash_mlx.models.loading import apply_chat_template
 
 # benchmarks/data in a source checkout (the CLI is meant to run from a clone);
 # the shared project copy is a fallback for developer machines.
@@ -184,7 +184,7 @@ def load_copy(root: Path) -> List[Prompt]:
     rename), quoting, and repeating an earlier answer in a later turn. Built from the depth
     benchmark's evaluation documents (`documents.EVAL_DOCUMENTS`: licence texts and
     difflib.py), which no shipped draft was trained on; `root` is not used."""
-    from dflash_mlx.documents import EVAL_DOCUMENTS, read_documents
+    from dflash_mlx.bench.documents import EVAL_DOCUMENTS, read_documents
 
     docs, _ = read_documents(EVAL_DOCUMENTS)
     texts = [p for d in docs if d.kind == "licence" for p in _paragraphs(d.text)]

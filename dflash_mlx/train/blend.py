@@ -29,7 +29,7 @@ _FREE_KEYS = {"_name_or_path", "torch_dtype", "dtype", "transformers_version",
 
 
 def _folder(name_or_path: str) -> Path:
-    from dflash_mlx.draft_loading import draft_folder
+    from dflash_mlx.models.draft.checkpoints import draft_folder
 
     folder = draft_folder(str(name_or_path))
     if folder is None or not Path(folder).is_dir():
@@ -38,7 +38,7 @@ def _folder(name_or_path: str) -> Path:
 
 
 def _weights(folder: Path) -> dict:
-    from dflash_mlx.draft_loading import LEGACY_DRAFT_VOCAB_FILE
+    from dflash_mlx.models.draft.checkpoints import LEGACY_DRAFT_VOCAB_FILE
 
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -51,7 +51,7 @@ def blend(base, tuned, weight: float, out_dir) -> Path:
     """Write `(1 - weight) * base + weight * tuned` to `out_dir` (the tuned draft's dtype,
     config, attention layout included, and vocabulary); `weight` 0 is the base's weights,
     1 the tuned draft."""
-    from dflash_mlx.draft_loading import DRAFT_VOCAB_FILE
+    from dflash_mlx.models.draft.checkpoints import DRAFT_VOCAB_FILE
 
     if not 0.0 <= weight <= 1.0:
         raise ValueError(f"--weight {weight}: give a value in [0, 1] (0: the base draft, 1: the tuned one)")

@@ -21,7 +21,7 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 
 def build_parser():
-    from dflash_mlx.frontend import ArgumentParser  # a bad flag is one line, as in every subcommand
+    from dflash_mlx.cli.common import ArgumentParser  # a bad flag is one line, as in every subcommand
 
     p = ArgumentParser(prog="dflash-mlx train", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="packaged name, mlx-lm folder, .gguf file or hub id")
@@ -144,7 +144,7 @@ def load_target(spec: str):
 
 
 def _layer_ids(arg, num_layers: int, n_draft: int):
-    from dflash_mlx.draft_config import default_target_layer_ids
+    from dflash_mlx.models.draft.config import default_target_layer_ids
 
     if arg:
         return [int(x) for x in arg.split(",")]
@@ -153,7 +153,7 @@ def _layer_ids(arg, num_layers: int, n_draft: int):
 
 def _grown_draft(src: Path, target, layers: int):
     """The checkpoint of run folder `src`, grown to `layers` layers."""
-    from dflash_mlx.draft_config import DraftConfig
+    from dflash_mlx.models.draft.config import DraftConfig
     from dflash_mlx.train.init import grow_draft
     from dflash_mlx.train.trainer import CHECKPOINT, load_run_draft
 
@@ -209,9 +209,9 @@ def _draft_from_export(spec: str, target, model, overrides: dict, records, featu
     import numpy as np
     from mlx.utils import tree_flatten
 
-    from dflash_mlx.draft import DFlashDraftModel
-    from dflash_mlx.draft_config import DraftConfig, DraftMismatchError
-    from dflash_mlx.draft_loading import load_draft
+    from dflash_mlx.models.draft.dflash import DFlashDraftModel
+    from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError
+    from dflash_mlx.models.draft.checkpoints import load_draft
     from dflash_mlx.train.init import measure_feature_scale
     from dflash_mlx.train.features import FeatureSource
 
@@ -246,15 +246,15 @@ def _draft_from_export(spec: str, target, model, overrides: dict, records, featu
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a == "--export-for" or a.startswith("--export-for=") for a in argv):
-        # data + settings for a GPU trainer (speculators, SpecForge): dflash_mlx/interop/recipe.py
-        from dflash_mlx.interop.recipe import main as export_for
+        # data + settings for a GPU trainer (speculators, SpecForge): dflash_mlx/train/export_for.py
+        from dflash_mlx.train.export_for import main as export_for
 
         return export_for(argv, build_parser())
     args = build_parser().parse_args(argv)
     import mlx.core as mx
     import numpy as np
 
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train import init as I
     from dflash_mlx.train.export import export_draft, model_card
@@ -353,7 +353,7 @@ def main(argv=None):
                 shutil.copyfile(Path(args.grow_from) / name, run / name)
         resumed = True  # from here on it is a run folder like any other
     if resumed:
-        from dflash_mlx.draft_config import DraftConfig
+        from dflash_mlx.models.draft.config import DraftConfig
 
         dcfg = DraftConfig.from_dict(json.loads(cfg_path.read_text()))
         if attn and not args.init_from:
@@ -505,7 +505,7 @@ def main(argv=None):
     suites = [x for x in args.tau_suites.split(",") if x]
     limits = {s: args.tau_prompts.get(s, args.tau_prompts.get("*", 0)) for s in suites}
     if any(limits.values()):
-        from dflash_mlx.draft_loading import load_draft
+        from dflash_mlx.models.draft.checkpoints import load_draft
         from dflash_mlx.train.evaluate import measure_tau
 
         shipped = load_draft(out, model)  # exactly what users get (exported dtype, vocabulary)
@@ -532,7 +532,7 @@ def _depth_records(folder):
 
 
 def _export_layers(spec: str, model) -> int:
-    from dflash_mlx.draft_loading import load_draft
+    from dflash_mlx.models.draft.checkpoints import load_draft
 
     return load_draft(spec, model, quiet=True).config.num_hidden_layers
 

@@ -189,7 +189,7 @@ def generate_responses(
     import numpy as np
     from mlx_lm.models.cache import BatchKVCache
 
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.target.adapter import Target
 
     target = Target(model)
     out_path = Path(out_path)

@@ -6,7 +6,7 @@ draft trained on them has never seen a position past ~500. Two kinds of deep rec
 - **chats**: answered records chained into one multi-turn conversation (the target's
   chat template between turns), up to the target's context window; anchors are drawn
   inside the target's own answers only (`spans`);
-- **documents**: a long text from `dflash_mlx.documents.TRAIN_DOCUMENTS` cut to a
+- **documents**: a long text from `dflash_mlx.bench.documents.TRAIN_DOCUMENTS` cut to a
   length, then a question; anchors inside the document;
 - **answered documents**: the same prompts with the target's own greedy answer after
   them (`answer_documents`: decoded once, with DFlash, which returns the target's own
@@ -39,7 +39,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_mlx.documents import QUESTIONS, TRAIN_DOCUMENTS, document_prompt, document_prompt_parts, read_documents
+from dflash_mlx.bench.documents import QUESTIONS, TRAIN_DOCUMENTS, document_prompt, document_prompt_parts, read_documents
 
 RECIPE_SCHEMA = "dflash-mlx-depth-recipe/1"
 ANSWER_CUTS = (1024, 3072, 6144)
@@ -49,7 +49,7 @@ ANSWER_EVAL_DOCUMENTS = ("statistics.py",)  # answered documents held out for th
 def chat_pieces(tokenizer) -> Tuple[List[int], List[int]]:
     """(head, between): the template's tokens before the first user text (system turn
     included), and those between one answer's end-of-turn token and the next user text."""
-    from dflash_mlx.loading import apply_chat_template
+    from dflash_mlx.models.loading import apply_chat_template
 
     text = apply_chat_template(tokenizer, [{"role": "user", "content": "\x01"},
                                            {"role": "assistant", "content": "\x02"},
@@ -121,7 +121,7 @@ def make_recipe(records: Sequence[dict], tokenizer, n_train_chats: int, n_eval_c
 def build_records(recipe: dict, records: Sequence[dict], tokenizer) -> Dict[str, List[dict]]:
     """{"train": [...], "eval": [...]} depth records (`prompt`, `response`, `spans`,
     `target_labels`) from a recipe, the committed responses and the documents."""
-    from dflash_mlx.loading import apply_chat_template
+    from dflash_mlx.models.loading import apply_chat_template
 
     by_id = {r["id"]: r for r in records}
     head, between = chat_pieces(tokenizer)
@@ -378,7 +378,7 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "answer":
         from dflash_mlx import load_draft
-        from dflash_mlx.target import target_for
+        from dflash_mlx.models.target.adapter import target_for
 
         draft = load_draft(args.draft or args.target, model, quiet=True)
         docs = read_documents(TRAIN_DOCUMENTS)[0]
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
                              log=lambda s: print(s, file=sys.stderr, flush=True))
         print(f"{n} answers -> {args.out}")
         return 0
-    from dflash_mlx.target import Target
+    from dflash_mlx.models.target.adapter import Target
 
     recipe = json.loads(Path(args.recipe).read_text())
     built = build_records(recipe, records, tokenizer)

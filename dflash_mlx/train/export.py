@@ -1,6 +1,6 @@
 """Write a trained draft in z-lab's format, with a model card.
 
-config.json + model.safetensors (via `dflash_mlx.draft.save_draft`, loadable by
+config.json + model.safetensors (via `dflash_mlx.models.draft.dflash.save_draft`, loadable by
 any z-lab-format loader), plus the optional reduced vocabulary
 (`draft_vocab.npy`), README.md and the training curve.
 """
@@ -12,8 +12,8 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.draft_loading import save_draft
+from dflash_mlx.models.draft.dflash import DFlashDraftModel
+from dflash_mlx.models.draft.checkpoints import save_draft
 from dflash_mlx.train.init import fold_feature_scale
 
 
@@ -24,7 +24,7 @@ def export_draft(draft: DFlashDraftModel, out_dir, dtype=mx.float16, card: Optio
 
     `feature_scale`: the per-dimension feature preconditioning used in training,
     folded into `fc` here so the files are plain z-lab format."""
-    from dflash_mlx.draft_loading import draft_class
+    from dflash_mlx.models.draft.checkpoints import draft_class
 
     copy = draft_class(draft.config)(draft.config)
     copy.load_weights(list(tree_flatten(draft.parameters())))

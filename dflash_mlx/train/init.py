@@ -37,8 +37,8 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten
 
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.draft_config import DraftConfig, default_target_layer_ids
+from dflash_mlx.models.draft.dflash import DFlashDraftModel
+from dflash_mlx.models.draft.config import DraftConfig, default_target_layer_ids
 
 
 def _target_attention_layout(target):
@@ -328,7 +328,7 @@ def make_draft_config(target, tokenizer, records, num_layers: int, block_size: i
                       **overrides) -> DraftConfig:
     """The config of a fresh draft for `target` ("target": its layout, to copy layers;
     "random": `random_draft_config`'s smaller default layout)."""
-    from dflash_mlx.draft_loading import random_draft_config
+    from dflash_mlx.models.draft.checkpoints import random_draft_config
 
     mask = choose_mask_token(tokenizer, records, target.vocab_size) if mask_token_id is None else mask_token_id
     if init == "target":

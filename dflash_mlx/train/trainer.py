@@ -28,8 +28,8 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from dflash_mlx.draft import DFlashDraftModel
-from dflash_mlx.draft_config import DraftConfig
+from dflash_mlx.models.draft.dflash import DFlashDraftModel
+from dflash_mlx.models.draft.config import DraftConfig
 from dflash_mlx.progress import eta_seconds, format_duration
 from dflash_mlx.train.forward import training_logits
 from dflash_mlx.train.loss import block_loss, block_metrics, expected_tau, position_accuracy

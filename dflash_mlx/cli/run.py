@@ -1,0 +1,131 @@
+"""`dflash-mlx "prompt"`: one prompt, streamed answer, one stats line.
+
+Errors raise `CLIError` (or the loaders' own errors); `dflash_mlx.cli.main.main`
+turns them into one line and an exit status.
+"""
+
+import json
+import sys
+
+from dflash_mlx.cli.common import EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, checked_options, load_model_and_draft
+from dflash_mlx.options import add_generation_args
+
+
+def build_parser():
+    from dflash_mlx.models.packaged import DEFAULT_MODEL, packaged_names
+
+    p = ArgumentParser(
+        prog="dflash-mlx",
+        description=(
+            "Answer one prompt with DFlash speculative decoding and print tokens/s and tau "
+            "(mean tokens committed per target forward). Subcommands: "
+            + "; ".join(f"{name}: {what}" for name, what in SUBCOMMAND_HELP.items())
+            + " (dflash-mlx SUBCOMMAND --help)."
+        ),
+    )
+    p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL,
+        help=f"packaged name ({', '.join(packaged_names())}), .gguf file, mlx-lm folder or "
+        f"hub id (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--draft",
+        help="DFlash draft: packaged name, folder or hub id (default: the packaged draft of a "
+        "packaged --model)",
+    )
+    add_generation_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    p.add_argument("--baseline", action="store_true", help="decode with the target alone (for comparison)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
+                   help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    p.add_argument("--debug", action="store_true", help="show a traceback on errors (any subcommand)")
+    return p
+
+
+def _read_prompt(args) -> str:
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        if prompt is None and sys.stdin.isatty():
+            raise CLIError('no prompt given: dflash-mlx "your prompt" (or pipe it on stdin)', EXIT_USAGE)
+        try:
+            prompt = sys.stdin.buffer.read().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CLIError(f"the prompt on standard input is not valid UTF-8 ({e.reason} at byte {e.start})", EXIT_USAGE) from None
+    else:
+        # argv arrives decoded with surrogateescape: invalid bytes become lone surrogates.
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise CLIError("the prompt is not valid UTF-8", EXIT_USAGE) from None
+    if not prompt.strip():
+        raise CLIError("the prompt is empty", EXIT_USAGE)
+    return prompt
+
+
+def run(args) -> int:
+    options = checked_options(args)
+    prompt = _read_prompt(args)
+    model, tokenizer, draft, draft_label = load_model_and_draft(
+        args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json)
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.models.loading import apply_chat_template
+
+    if args.no_chat_template:
+        text = f"{args.system}\n\n{prompt}" if args.system else prompt
+    else:
+        text = apply_chat_template(tokenizer, prompt, system=args.system)
+
+    pieces, tokens, last = [], [], None
+    try:
+        for r in stream_generate(model, draft, tokenizer, text, baseline=draft is None,
+                                 **options.generate_kwargs()):
+            pieces.append(r.text)
+            tokens.extend(r.tokens)
+            last = r
+            if not args.json:
+                sys.stdout.write(r.text)
+                sys.stdout.flush()
+    except ValueError as e:  # the engine's checks: prompt past the context window, ...
+        raise CLIError(str(e), EXIT_USAGE) from None
+
+    if last is None:
+        raise CLIError("the engine produced no output")
+    if last.finish_reason == "length" and last.generation_tokens < options.max_tokens:
+        print(f"dflash-mlx: stopped after {last.generation_tokens} tokens: the context window is full",
+              file=sys.stderr)
+    stats = {
+        "prompt_tokens": last.prompt_tokens,
+        "generation_tokens": len(tokens),
+        "generation_tps": last.generation_tps,
+        "prompt_tps": last.prompt_tps,
+        "peak_memory_gb": last.peak_memory,
+        "finish_reason": last.finish_reason,
+    }
+    tau = last.tau if last.accept_lengths else None
+    if args.json:
+        out = {"text": "".join(pieces), "tokens": tokens, **stats,
+               "accept_lengths": list(last.accept_lengths), "tau": tau, "model": args.model,
+               "draft": draft_label, "proposals": dict(last.proposal_counts)}
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
+    for kind, label in (("tree", "trees"), ("copy", "copies")):
+        counts = last.proposal_counts.get(kind)
+        if counts:
+            tau_s += f", {counts[1]} from {label}"
+    print()
+    print(
+        f"[{stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s{tau_s}, "
+        f"prompt {stats['prompt_tokens']} tokens at {stats['prompt_tps']:.1f} tok/s, "
+        f"peak {stats['peak_memory_gb']:.2f} GB]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))

@@ -1,0 +1,319 @@
+"""The DFlash cycle of one sequence: prefill, then draft -> verify -> accept -> rollback.
+
+Token-level pieces, as mlx-lm keeps its step functions apart from its response layer:
+the drafters (`DraftContext`, and `PlainDecoding` for plain decoding at width 1),
+`prefill_chunks`, and `cycle`, one cycle of one sequence on its own caches. The engine
+(`batch.BatchEngine`) runs `cycle` for a row that decodes alone, which is every
+`stream_generate` call, and its own batched cycle for two rows or more.
+"""
+
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
+from dflash_mlx.speculation.copies import ContextIndex, CopyPolicy
+from dflash_mlx.engine.prompt_cache import PromptCache
+from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.speculation.tree import TreePolicy, compact_cache, verify_tree
+
+
+def _wrap_tokenizer(tokenizer):
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
+def stop_ids(tokenizer, extra: Sequence[int] = ()) -> set:
+    """The token ids that end an answer: the tokenizer's EOS ids plus `extra`."""
+    return set(_wrap_tokenizer(tokenizer).eos_token_ids or ()) | set(extra or ())
+
+
+# -- drafters: what a cycle asks of the draft ------------------------------------
+
+
+class PlainDecoding:
+    """The null drafter: no draft, so every cycle is a one-token target step."""
+
+    draft = None
+    layer_ids: List[int] = []
+
+    def absorb(self, features):
+        pass
+
+    def keep(self, features):
+        pass
+
+
+class DraftContext:
+    """A draft and its context cache (held by the prompt cache) as the cycles use them.
+
+    Features of committed positions wait in `state.pending` until the next draft
+    forward absorbs them, so a width-1 cycle runs no draft computation at all.
+    """
+
+    # Past this many waiting positions they are absorbed anyway, which bounds the
+    # lazy graph a long stretch of width-1 cycles would otherwise build up.
+    MAX_PENDING = 64
+
+    def __init__(self, draft, state: PromptCache):
+        self.draft = draft
+        self.state = state
+        self.layer_ids = list(draft.config.target_layer_ids)
+
+    def take_pending(self) -> Optional[mx.array]:
+        """The features waiting for the next draft forward, handed over (none wait after)."""
+        pending, self.state.pending = self.state.pending, None
+        return pending
+
+    def absorb(self, features: Optional[mx.array]):
+        """Inject features now (prefill), after whatever was waiting."""
+        pending = self.take_pending()
+        if pending is not None:
+            self.draft.inject(pending, self.state.draft_cache)
+        self.draft.inject(features, self.state.draft_cache)
+
+    def keep(self, features: mx.array):
+        pending = self.state.pending
+        self.state.pending = features if pending is None else mx.concatenate([pending, features], axis=1)
+        if self.state.pending.shape[1] > self.MAX_PENDING:
+            self.absorb(None)
+
+    def draft_logits(self, last: mx.array, width: int) -> mx.array:
+        """The draft's logits [1, width - 1, V_draft] for the block after `last`."""
+        return self.draft.propose_logits(last, self.take_pending(), self.state.draft_cache, width)
+
+    def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
+        return acceptor.propose(self.draft, self.draft_logits(last, width))
+
+
+def propose_rows(drafters: Sequence[DraftContext], lasts: Sequence[mx.array], width: int,
+                 acceptors: Sequence) -> List[Proposal]:
+    """Each row's proposal for a verify of `width` (a batch's drafting rows, same draft): one
+    draft forward for them all where the draft batches rows of different contexts
+    (`propose_logits_rows`), else a forward per row. Per row on a CPU, the draft's small
+    matmuls cost about as much for one row as for eight."""
+    draft = drafters[0].draft
+    caches = [d.state.draft_cache for d in drafters]
+    if len(drafters) < 2 or not getattr(draft, "batches_rows", lambda c: False)(caches):
+        return [d.propose(last, width, a) for d, last, a in zip(drafters, lasts, acceptors)]
+    logits = draft.propose_logits_rows(lasts, [d.take_pending() for d in drafters], caches, width)  # [B, width - 1, V_draft]
+    return [a.propose(draft, logits[b : b + 1]) for b, a in enumerate(acceptors)]
+
+
+class HeadRows:
+    """How many verify rows get the target's LM head before the accept length is read.
+
+    Rows past the first rejected draft are never used. On a CPU the head's cost
+    grows with its rows (SmolLM2's 49152 x 576 head: ~12 ms for 4 rows, ~21 ms for
+    16), so the head first runs on rows that hold the likely accept length, and
+    on the rest only when all of those are accepted (`accept_in_pieces`). A GPU
+    reads the head once whatever the rows: there all rows run at once, no extra sync.
+    """
+
+    def __init__(self, split: bool):
+        self.split = split
+        self.mean_accept = 0.0  # moving average of recent accept lengths
+
+    def first(self, width: int) -> int:
+        if not self.split:
+            return width
+        # The second piece costs about another whole head, so the first should
+        # hold the accept length most of the time: for roughly geometric accept
+        # lengths with mean m, P(accept >= 2m + 2) is about e^-2.
+        return max(4, int(2 * self.mean_accept) + 3)
+
+    def update(self, accept_length: int):
+        self.mean_accept += 0.1 * (accept_length - self.mean_accept)
+
+
+# -- profiling -------------------------------------------------------------------
+
+
+class PhaseTimer:
+    """Wall time per cycle phase. It evaluates at each phase boundary, which costs
+    host syncs the engine otherwise avoids: for benchmarks only."""
+
+    def start(self):
+        self.t0 = self.t = time.perf_counter()
+        self.times: Dict[str, float] = {}
+
+    def mark(self, phase: str, arrays=None):
+        """`arrays`: what the phase produced (or a function returning it) to wait for."""
+        if arrays is not None:
+            mx.eval(arrays() if callable(arrays) else arrays)
+        now = time.perf_counter()
+        self.times[phase] = now - self.t
+        self.t = now
+
+    def result(self) -> Dict[str, float]:
+        self.times["other"] = max(0.0, time.perf_counter() - self.t0 - sum(self.times.values()))
+        return dict(self.times)
+
+
+class NoTimer:
+    """Profiling off: no syncs, no times."""
+
+    def start(self):
+        pass
+
+    def mark(self, phase, arrays=None):
+        pass
+
+    def result(self):
+        return None
+
+
+# -- the token-level engine ----------------------------------------------------------
+
+
+def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
+                   step_size: int, logits_out: Optional[list] = None):
+    """Run the prompt tokens the cache does not hold, `step_size` at a time: a generator that
+    yields the tokens run after each chunk but the last and returns (first token [1], tokens
+    run) (the engine runs a few chunks of joining requests per step, so running rows keep
+    flowing). `logits_out`: a list that gets the last prompt position's logits [1, V]."""
+    new_ids = state.reuse(prompt_ids, target, drafter.draft)
+    state.valid = False  # until the caches and `tokens` agree again
+    cache = state.target_cache
+    for start in range(0, len(new_ids), step_size):
+        with mx.stream(generation_stream):
+            if start == 0:
+                drafter.absorb(None)
+            chunk = mx.array(new_ids[start : start + step_size])[None]
+            h, feats, _ = target.forward(chunk, cache, drafter.layer_ids)
+            drafter.absorb(feats)
+            mx.eval([c.state for c in cache], h)
+            if state.draft_cache:
+                mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
+        if start + step_size < len(new_ids):
+            yield chunk.shape[1]
+    with mx.stream(generation_stream):
+        logits = target.logits(h[:, -1, :])
+        first = acceptor.first_token(logits)
+        mx.eval(first)
+    if logits_out is not None:
+        logits_out.append(logits)
+    state.tokens.extend(new_ids)
+    state.valid = True
+    return first, len(new_ids)
+
+
+def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
+          budget: int, stops, timer, head_rows: "HeadRows", logprobs: Optional[int] = None,
+          copies: Optional[CopyPolicy] = None, index: Optional[ContextIndex] = None,
+          trees: Optional[TreePolicy] = None) -> Tuple[Step, mx.array]:
+    """One draft -> verify -> accept -> rollback cycle of one sequence on its own (unbatched)
+    caches: (its Step, the new last committed token [1]).
+
+    `last` [1]: the last committed token; `budget`: tokens it may still commit. The cycle
+    syncs with the host once, to read the accept length (twice when a split LM head needs
+    its other rows, see `HeadRows`); `widths` picks its verify width.
+    `copies` (with `index`, the context so far): the cycle may verify a copy of what followed
+    an earlier occurrence of the context's suffix instead of the draft's block, when that
+    is expected to commit more tokens per second (`copy_proposals.CopyPolicy`).
+    `trees` (on targets `token_tree.tree_support` accepts; sampled exactly at T > 0): a drafted cycle may
+    spend its rows on a token tree from the draft's top-k instead of its chain
+    (`token_tree.TreePolicy`; two host syncs in such a cycle).
+    `logprobs` (None: off) >= 0: the step carries its tokens' `TokenLogprob`s with that
+    many alternatives, from the verify's own logits (one more sync when on).
+    """
+    cache = state.target_cache
+    widths.at_context(len(state.tokens))
+    width = widths.choose(budget)
+    match, copy_length = None, 0
+    if copies is not None:
+        match = index.match(copies.max_length)
+        copy_length = copies.choose(match, budget, width)
+    use_tree = False
+    if trees is not None and not copy_length:
+        explore = trees.explore(width, min(budget, widths.max_block))
+        if explore is not None:
+            width, use_tree = explore, True
+        else:
+            use_tree = trees.choose(width, widths.chain_tokens(width))
+    timer.start()
+    t0 = time.perf_counter()
+    state.valid = False
+    tree_run = None
+    with mx.stream(generation_stream):
+        if use_tree:
+            tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
+            feats, record = tree_run.features, None
+        else:
+            if copy_length:
+                width = copy_length + 1
+                proposal = Proposal(mx.array([match.continuation[:copy_length]], dtype=mx.int32))
+                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+            elif width > 1:
+                proposal = drafter.propose(last, width, acceptor)
+                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+                # The draft runs while the host builds the verify graph (on a GPU
+                # the whole draft forward hides behind it).
+                mx.async_eval(verify_in)
+            else:
+                proposal, verify_in = None, last[:, None]
+            timer.mark("draft", verify_in)
+            h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
+            pieces = []  # (first row, logits [1, rows, V]) of each head piece, kept only for logprobs
+
+            def row_logits(start, stop):
+                out = target.logits(h[:, start:stop])
+                if logprobs is not None:
+                    pieces.append((start, out))
+                return out
+
+            accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, head_rows.first(width),
+                                                     drafter.draft)
+    if tree_run is not None:
+        tokens = tree_run.tokens
+        a = len(tokens) - 1
+        rows = tree_run.path  # verify rows of the committed tokens' inputs, root first
+        verified = [tree_run.tree.tokens[r] for r in rows]
+        trees.update(width, a)
+        widths.update(width, a, time.perf_counter() - t0, chain=False)
+    else:
+        mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
+        a = accept_len.item()
+        tokens = committed[0, : a + 1].tolist()
+        rows = list(range(a + 1))
+        verified = verify_in[0, : a + 1].tolist()
+        if copy_length:
+            copies.update(match.length, copy_length, a, time.perf_counter() - t0)
+        else:
+            widths.update(width, a, time.perf_counter() - t0)
+    head_rows.update(a)
+    timer.mark("verify")
+
+    kept, finish = committed_span(tokens, stops, budget)  # fed tokens whose cache entries stay
+    step_logprobs = None
+    if logprobs is not None:
+        if tree_run is not None:
+            chosen = tree_run.logits[mx.array(rows[:kept])]
+        else:  # row i chose committed token i; the pieces overlap by one row
+            chosen, next_row = [], 0
+            for start, piece in pieces:
+                chosen.append(piece[0, next_row - start :])
+                next_row = start + piece.shape[1]
+            chosen = mx.concatenate(chosen, axis=0)[:kept]
+        step_logprobs = token_logprobs(chosen, tokens[:kept], logprobs)
+    with mx.stream(generation_stream):
+        if tree_run is not None:
+            compact_cache(cache, tree_run.start, rows[:kept], len(tree_run.tree))
+            if feats is not None:
+                drafter.keep(feats[:, mx.array(rows[:kept])])
+        else:
+            target.rollback(cache, width, width - kept, record)
+            if feats is not None:
+                drafter.keep(feats[:, :kept])
+    timer.mark("rollback", lambda: [c.state for c in cache])
+    state.tokens.extend(verified[:kept])
+    state.valid = True
+    if index is not None:
+        index.extend(tokens[:kept])
+    kind = "tree" if tree_run is not None else ("copy" if copy_length else ("draft" if width > 1 else None))
+    step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
+                step_logprobs, kind)
+    return step, mx.array([tokens[a]], dtype=mx.int32)
