@@ -22,7 +22,8 @@ from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.engine.engine import BatchEngine, BatchRequest
+from dflash_mlx.engine.engine import BatchEngine
+from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.bench.suites import format_prompt, load_suite
 from dflash_mlx.cli.doctor import machine
 from dflash_mlx.generate import encode_prompt

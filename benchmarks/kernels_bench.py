@@ -30,7 +30,7 @@ def cases():
     import mlx.nn as nn
     from mlx_lm.models.gated_delta import gated_delta_kernel, gated_delta_ops
 
-    from dflash_mlx.kernels import selection
+    from dflash_mlx.kernels import context_kv, gdn, qmm
 
     mx.random.seed(0)
     # KV injection: Qwen3-8B-DFlash-b16 shapes (5 layers, 8 kv heads, d 128).
@@ -39,8 +39,8 @@ def cases():
         kv = mx.random.normal((1, S, 5, 2, 8, 128)).astype(mx.bfloat16)
         w = mx.ones((5, 128), dtype=mx.bfloat16)
         yield (f"kv_inject S={S}",
-               lambda kv=kv, w=w: selection.context_kv_metal(kv, w, 1000, eps=1e-6, rope=rope),
-               lambda kv=kv, w=w: selection.context_kv_reference(kv, w, 1000, eps=1e-6, rope=rope))
+               lambda kv=kv, w=w: context_kv.context_kv_metal(kv, w, 1000, eps=1e-6, rope=rope),
+               lambda kv=kv, w=w: context_kv.context_kv_reference(kv, w, 1000, eps=1e-6, rope=rope))
 
     # Small-M quantized matmul: 4k hidden projections at verify widths.
     for bits in (4, 8):
@@ -49,8 +49,8 @@ def cases():
             for M in (4, 8, 16):
                 x = mx.random.normal((M, K)).astype(mx.bfloat16)
                 yield (f"qmm {bits}-bit M={M} {N}x{K}",
-                       lambda x=x, wq=wq, s=s, b=b, bits=bits: selection.qmm_small_m_metal(x, wq, s, b, 64, bits),
-                       lambda x=x, wq=wq, s=s, b=b, bits=bits: selection.qmm_small_m_reference(x, wq, s, b, 64, bits))
+                       lambda x=x, wq=wq, s=s, b=b, bits=bits: qmm.qmm_small_m_metal(x, wq, s, b, 64, bits),
+                       lambda x=x, wq=wq, s=s, b=b, bits=bits: qmm.qmm_small_m_reference(x, wq, s, b, 64, bits))
 
     # Gated DeltaNet: Qwen3.5-style linear-attention layer, 16-token verify.
     B, T, Hk, Hv, D = 1, 16, 16, 32, 128
@@ -61,16 +61,16 @@ def cases():
     beta = mx.sigmoid(mx.random.normal((B, T, Hv))).astype(mx.bfloat16)
     state = mx.random.normal((B, Hv, D, D))
     yield ("gdn_tape T=16 (vs mlx-lm kernel)",
-           lambda: selection.gdn_tape_metal(q, k, v, g, beta, state),
+           lambda: gdn.gdn_tape_metal(q, k, v, g, beta, state),
            lambda: gated_delta_kernel(q, k, v, g, beta, state))
-    _, _, tape = selection.gdn_tape_metal(q, k, v, g, beta, state)
+    _, _, tape = gdn.gdn_tape_metal(q, k, v, g, beta, state)
     mx.eval(tape)
     for a in (3, 8):
         yield (f"gdn_replay {a} steps (vs mlx-lm kernel rerun)",
-               lambda a=a: selection.gdn_replay_metal(state, k, g, tape, a),
+               lambda a=a: gdn.gdn_replay_metal(state, k, g, tape, a),
                lambda a=a: gated_delta_kernel(q[:, :a], k[:, :a], v[:, :a], g[:, :a], beta[:, :a], state)[1])
     yield ("gdn_replay 8 steps (vs ops twin)",
-           lambda: selection.gdn_replay_metal(state, k, g, tape, 8),
+           lambda: gdn.gdn_replay_metal(state, k, g, tape, 8),
            lambda: gated_delta_ops(q[:, :8], k[:, :8], v[:, :8], g[:, :8], beta[:, :8], state)[1])
 
 

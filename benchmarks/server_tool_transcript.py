@@ -20,7 +20,8 @@ import httpx
 import uvicorn
 
 from dflash_mlx.models.draft.checkpoints import random_draft
-from dflash_mlx.serve.app import Worker, create_app
+from dflash_mlx.serve.app import create_app
+from dflash_mlx.serve.worker import Worker
 from dflash_mlx.testing.targets import tool_call_target
 
 TOOLS = [{"type": "function", "function": {

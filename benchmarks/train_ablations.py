@@ -42,7 +42,8 @@ def run_variant(target, tokenizer, train, held, feature_dir, steps, base, opts, 
 
     from dflash_mlx.train import init as I
     from dflash_mlx.train.features import FeatureSource
-    from dflash_mlx.train.trainer import TrainConfig, Trainer
+    from dflash_mlx.train.config import TrainConfig
+    from dflash_mlx.train.trainer import Trainer
     from dflash_mlx.models.draft.config import default_target_layer_ids
 
     o = dict(base, **opts)
@@ -94,7 +95,7 @@ def main(argv=None):
     from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import choose_mask_token
-    from dflash_mlx.train.trainer import split_by_hash
+    from dflash_mlx.train.split import split_by_hash
 
     run = Path(args.run_dir)
     model, tokenizer = load(args.target)

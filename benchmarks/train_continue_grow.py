@@ -41,7 +41,10 @@ def main(argv=None):
     from dflash_mlx.train import data as D
     from dflash_mlx.train.init import grow_draft
     from dflash_mlx.train.features import FeatureSource
-    from dflash_mlx.train.trainer import CHECKPOINT, TrainConfig, Trainer, load_run_draft, split_by_hash
+    from dflash_mlx.train.checkpoint import CHECKPOINT, load_run_draft
+    from dflash_mlx.train.config import TrainConfig
+    from dflash_mlx.train.split import split_by_hash
+    from dflash_mlx.train.trainer import Trainer
 
     run = Path(args.run_dir)
     model, _ = load(args.target)

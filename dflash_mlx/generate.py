@@ -2,9 +2,10 @@
 
 The response layer, as in mlx-lm: `stream_generate` (what the CLI, the chat app, the
 benchmarks and, for targets the batch engine does not take, the server use) checks its
-arguments and runs the request as the batch-of-one case of `batch.BatchEngine`, whose lone
-row runs `cycle.cycle` on its own caches; the engine's `Answer` turns steps into text and
-statistics. Plain decoding is the same cycle with the null drafter at width 1.
+arguments and runs the request as the batch-of-one case of `engine.engine.BatchEngine`,
+whose lone row runs `engine.cycle.cycle` on its own caches; `engine.responses.Answer` turns
+steps into text and statistics. Plain decoding is the same cycle with the null drafter
+(`engine.drafter.PlainDecoding`) at width 1.
 """
 
 from typing import Iterator, List, Optional, Sequence, Union
@@ -12,13 +13,14 @@ from typing import Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
 
-from dflash_mlx.speculation.accept import make_acceptor
-from dflash_mlx.engine.engine import BatchEngine, BatchRequest
-from dflash_mlx.engine.cycle import _wrap_tokenizer, stop_ids  # noqa: F401 (stop_ids: public path)
-from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
+from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache  # noqa: F401 (public path)
-from dflash_mlx.engine.responses import DFlashResponse, TokenLogprob, tau  # noqa: F401 (public paths)
+from dflash_mlx.engine.responses import (DFlashResponse, TokenLogprob, stop_ids, tau,  # noqa: F401 (public paths)
+                                         wrap_tokenizer)
+from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.models.target.adapter import target_for
+from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
+from dflash_mlx.speculation.accept import make_acceptor
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
@@ -65,20 +67,20 @@ def stream_generate(
     "draft" is always the draft's own block size (z-lab's behaviour); a whole number
     a fixed width (`dflash_mlx.options.BLOCK_SIZE_SPELLINGS`).
     `baseline=True` (or `draft=None`) decodes with the target alone.
-    `split_head`: verify's LM head in two pieces (`HeadRows`); None: on CPUs only.
+    `split_head`: verify's LM head in two pieces (`engine.cycle.HeadRows`); None: on CPUs only.
     `logprobs`: None (off, no cost), or k >= 0: each response's `logprobs` gives its
     tokens' log-probabilities under the target's unmodified distribution (before
     temperature and filters) and the k most likely tokens there (`TokenLogprob`).
     `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
     instead of the draft's block, when measured acceptance and cost say it commits more
-    tokens per second (`dflash_mlx.speculation.copies`); exact either way.
+    tokens per second (`dflash_mlx.policy.copies`); exact either way.
     `token_trees` (with "auto", on attention-only targets that take a tree's mask and
-    positions, `dflash_mlx.speculation.tree.tree_support`): a drafted cycle may verify a tree of
-    the draft's likeliest continuations instead of its chain, when trees have committed
-    more tokens at that width; at temperature > 0 the tree is sampled down exactly
-    (`token_tree.accept_sampled`).
+    positions, `dflash_mlx.models.target.tree_attention.tree_support`): a drafted cycle may
+    verify a tree of the draft's likeliest continuations instead of its chain, when trees
+    have committed more tokens at that width (`dflash_mlx.policy.trees`); at temperature > 0
+    the tree is sampled down exactly (`dflash_mlx.speculation.tree.accept_sampled`).
     """
-    tokenizer = _wrap_tokenizer(tokenizer)
+    tokenizer = wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
     if not prompt_ids:
         raise ValueError("the prompt is empty: give at least one token of input")

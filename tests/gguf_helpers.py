@@ -143,7 +143,7 @@ def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, vers
     if chat_template is not None:
         w.add_chat_template(chat_template)
     if rope_freqs is not None:
-        from dflash_mlx.models.gguf.loader import _apply_rope_freqs
+        from dflash_mlx.models.gguf.convert import _apply_rope_freqs
 
         rope_freqs = np.asarray(rope_freqs, dtype=np.float32)
         w.add_tensor("rope_freqs.weight", rope_freqs)
@@ -165,7 +165,7 @@ def write_tiny_gguf(path, arch="llama", seed=0, qtype=None, arch_name=None, vers
             if exact_quant:
                 deq = gguf.quants.dequantize(q, qtype).reshape(t.shape)
                 if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                    from dflash_mlx.models.gguf.loader import unpermute_rows
+                    from dflash_mlx.models.gguf.convert import unpermute_rows
 
                     heads = a.num_attention_heads if "q_proj" in name else a.num_key_value_heads
                     deq = unpermute_rows(deq, heads)

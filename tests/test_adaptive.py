@@ -467,7 +467,8 @@ def test_the_engine_times_each_context_range_apart():
     """A 500-token prompt whose answer crosses 512 tokens of context: its cycles are timed
     in the first range and then in the next, each exactly once; the output is exact."""
     from dflash_mlx import stream_generate
-    from dflash_mlx.policy.sizer import context_bucket, forget_sizers, sizer_for
+    from dflash_mlx.policy.per_context import context_bucket
+    from dflash_mlx.policy.sizer import forget_sizers, sizer_for
     from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.testing.targets import ScriptedDraft, clean_case, tiny_target
 

@@ -13,7 +13,9 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, KVCache
 
 from dflash_mlx import stream_generate
 from dflash_mlx.policy.sizer import forget_sizers
-from dflash_mlx.engine.engine import BatchEngine, BatchRequest, BatchWidths
+from dflash_mlx.engine.engine import BatchEngine
+from dflash_mlx.engine.rows import BatchRequest
+from dflash_mlx.policy.batch_widths import BatchWidths
 from dflash_mlx.engine.batch_caches import batch_support, mask_head_axis, merge_rows
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.options import GenerationOptions
@@ -372,7 +374,7 @@ def test_a_seeded_row_alone_samples_what_stream_generate_samples():
 def batch_always_copies(monkeypatch):
     """Every batched cycle verifies each row's copy as far as its match and budget go, at the
     width of the longest (rows without a match draft at that width)."""
-    from dflash_mlx.speculation.copies import BatchCopyPolicy
+    from dflash_mlx.policy.copies import BatchCopyPolicy
 
     def plan(self, matches, budgets, width, chain_tokens):
         usable = [min(self.max_length, len(m.continuation), b - 1) if m is not None else 0
@@ -451,7 +453,8 @@ def test_copies_in_batched_cycles_keep_the_targets_distribution(batch_always_cop
 def test_batch_copy_policy_widens_only_where_copies_pay():
     """The plan: no copies without a match or with a record of failed copies; a batch-wide
     copy width when rows' copies are right and a wider verify costs little more."""
-    from dflash_mlx.speculation.copies import BatchCopyPolicy, CopyMatch, CopyRecord
+    from dflash_mlx.policy.copies import BatchCopyPolicy
+    from dflash_mlx.speculation.copies import CopyMatch, CopyRecord
 
     record = CopyRecord(15)
     policy = BatchCopyPolicy(record, 15)

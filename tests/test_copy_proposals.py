@@ -9,7 +9,8 @@ import pytest
 import dflash_mlx  # noqa: F401
 from dflash_mlx import stream_generate
 from dflash_mlx.policy.sizer import BlockSizer, forget_sizers
-from dflash_mlx.speculation.copies import MAX_NGRAM, ContextIndex, CopyPolicy, CopyRecord
+from dflash_mlx.policy.copies import CopyPolicy
+from dflash_mlx.speculation.copies import MAX_NGRAM, ContextIndex, CopyRecord
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import make_prompt_cache
 from dflash_mlx.models.target.adapter import Target

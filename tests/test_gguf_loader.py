@@ -10,10 +10,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from dflash_mlx.models.gguf import loader
+from dflash_mlx.models.gguf import convert, loader, reader
+from dflash_mlx.models.gguf import tokenizer as gguf_tokenizer
 from dflash_mlx.models import loading
 from dflash_mlx.models import packaged
-from dflash_mlx.models.gguf.loader import GGUFError
+from dflash_mlx.models.gguf.reader import GGUFError
 from gguf_helpers import load_packaged, permute_rows, write_tiny_gguf
 
 IDS = [1, 5, 70, 200, 33, 12, 99, 256, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
@@ -68,7 +69,7 @@ def test_qwen3moe_config_and_experts(tmp_path):
 
     path = tmp_path / "moe.gguf"
     original = write_tiny_gguf(path, "qwen3moe")
-    gf = loader.read_gguf(path)
+    gf = reader.read_gguf(path)
     assert gf.tensors["blk.0.ffn_gate_exps.weight"].shape == (8, 32, 64)  # [n_expert, out, in]
     assert gf.tensors["blk.0.ffn_down_exps.weight"].shape == (8, 64, 32)
     model, _, cfg = loader.load_gguf(path)
@@ -97,7 +98,7 @@ def test_qwen3moe_dense_layer_without_router(tmp_path):
     # A layer with no ffn_gate_inp is a dense MLP layer (mlx-lm's mlp_only_layers).
     path = tmp_path / "moe.gguf"
     original = write_tiny_gguf(path, "qwen3moe", mlp_only_layers=[1])
-    assert "blk.1.ffn_gate_inp.weight" not in loader.read_gguf(path).tensors
+    assert "blk.1.ffn_gate_inp.weight" not in reader.read_gguf(path).tensors
     model, _, cfg = loader.load_gguf(path)
     assert cfg["mlp_only_layers"] == [1] and cfg["intermediate_size"] == 128
     np.testing.assert_array_equal(logits(model), logits(original))
@@ -110,7 +111,7 @@ def test_quantized_weights_dequantize_exactly(tmp_path, arch, qtype):
     path = tmp_path / f"{arch}.gguf"
     # the returned model holds the reference dequantization of every quantized tensor
     original = write_tiny_gguf(path, arch, qtype=qtype, exact_quant=True)
-    gf = loader.read_gguf(path)
+    gf = reader.read_gguf(path)
     assert gf.tensors["blk.0.attn_q.weight"].ggml_type == qtype
     if arch == "qwen3moe":  # stacked experts quantized, the router kept in F32
         assert gf.tensors["blk.0.ffn_up_exps.weight"].ggml_type == qtype
@@ -133,7 +134,7 @@ def test_gpt_oss_is_refused_with_alternative(tmp_path):
 def test_header_parse(tmp_path):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama")
-    gf = loader.read_gguf(path)
+    gf = reader.read_gguf(path)
     assert gf.architecture == "llama" and gf.version == 3
     assert gf.metadata["llama.block_count"] == 4
     assert len(gf.metadata["tokenizer.ggml.tokens"]) == 259
@@ -148,31 +149,31 @@ def test_header_parse(tmp_path):
 def test_unpermute_inverts_llamacpp_permutation():
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     assert not np.array_equal(permute_rows(w, 8), w)
-    np.testing.assert_array_equal(loader.unpermute_rows(permute_rows(w, 8), 8), w)
+    np.testing.assert_array_equal(convert.unpermute_rows(permute_rows(w, 8), 8), w)
 
 
 def test_tokenizer_roundtrip_and_cache(tmp_path, monkeypatch):
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, "llama")
-    gf = loader.read_gguf(path)
-    tok = loader.load_gguf_tokenizer(gf, [257])
+    gf = reader.read_gguf(path)
+    tok = gguf_tokenizer.load_gguf_tokenizer(gf, [257])
     text = "the cat sat on the mat, caf\u00e9 \u2713"
     ids = tok.encode(text)
     assert 258 in ids  # the file's one merge ("\u0120t") is applied
     assert tok.decode(ids) == text
-    assert (loader.tokenizer_cache_dir(gf) / "tokenizer.json").exists()
+    assert (gguf_tokenizer.tokenizer_cache_dir(gf) / "tokenizer.json").exists()
 
     def boom(_):
         raise AssertionError("tokenizer rebuilt although cached")
 
-    monkeypatch.setattr(loader, "build_hf_tokenizer", boom)
-    again = loader.load_gguf_tokenizer(gf, [257])
+    monkeypatch.setattr(gguf_tokenizer, "build_hf_tokenizer", boom)
+    again = gguf_tokenizer.load_gguf_tokenizer(gf, [257])
     assert again.encode(text) == ids
 
 
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError):
-        loader.read_gguf(tmp_path / "nope.gguf")
+        reader.read_gguf(tmp_path / "nope.gguf")
     with pytest.raises(loading.ModelLoadError, match="no such file"):
         loading.load(str(tmp_path / "nope.gguf"))
 
@@ -181,7 +182,7 @@ def test_not_a_gguf(tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(b"PK\x03\x04 definitely a zip")
     with pytest.raises(GGUFError, match="not a GGUF"):
-        loader.read_gguf(p)
+        reader.read_gguf(p)
     with pytest.raises(loading.ModelLoadError, match="not a GGUF"):
         loading.load(str(p))
 
@@ -193,7 +194,7 @@ def test_truncated_file(tmp_path):
     for cut in (20, 2000, len(data) - 100):
         p.write_bytes(data[:cut])
         with pytest.raises(GGUFError, match="truncated"):
-            loader.read_gguf(p)
+            reader.read_gguf(p)
 
 
 def test_unsupported_architecture_and_version(tmp_path):
@@ -204,7 +205,7 @@ def test_unsupported_architecture_and_version(tmp_path):
         loader.load_gguf(p)
     write_tiny_gguf(p, "llama", version=99)
     with pytest.raises(GGUFError, match="unsupported GGUF version 99"):
-        loader.read_gguf(p)
+        reader.read_gguf(p)
 
 
 def test_load_dispatch_and_dtype_policy(tmp_path, monkeypatch):
@@ -300,7 +301,7 @@ def test_packaged_model_perplexity(name, monkeypatch):
 def test_gemma_header_parse_is_fast():
     path = packaged.packaged_path("gemma3-270m")
     start = time.perf_counter()
-    gf = loader.read_gguf(path)
+    gf = reader.read_gguf(path)
     elapsed = time.perf_counter() - start
     assert len(gf.metadata["tokenizer.ggml.tokens"]) == 262144
     # GGUFReader takes ~25 s on this file; the lean parse ~0.3 s (slack for busy CI).

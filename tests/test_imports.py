@@ -90,7 +90,7 @@ def test_the_walker_sees_every_kind_of_import():
     graph = import_graph()
     assert "dflash_mlx.models.draft.dflash" in graph["dflash_mlx.models.draft.dflash2"]  # top level
     assert "dflash_mlx.models.loading" in graph["dflash_mlx"]  # inside a function (load)
-    assert "dflash_mlx.serve.app" in graph["dflash_mlx.cli.main"]  # a module name in a string
+    assert "dflash_mlx.serve.cli" in graph["dflash_mlx.cli.main"]  # a module name in a string
     assert "dflash_mlx.tui.app" in graph["dflash_mlx.cli.main"]  # installed from tui/
 
 
@@ -102,3 +102,51 @@ def test_find_cycle_reports_a_circle():
 def test_no_import_circles():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The ladder, top to bottom: a module may import from its own floor or any floor below,
+# never from one above. Each entry is a module or a package prefix (the longest prefix wins).
+FLOORS = [
+    # front ends, and what stands beside them: the public facade, benchmarks, training, test doubles
+    ("dflash_mlx", "dflash_mlx.cli", "dflash_mlx.serve", "dflash_mlx.tui", "dflash_mlx.bench",
+     "dflash_mlx.train", "dflash_mlx.testing"),
+    ("dflash_mlx.generate",),
+    ("dflash_mlx.engine",),
+    ("dflash_mlx.policy",),
+    ("dflash_mlx.speculation",),
+    ("dflash_mlx.models",),
+    ("dflash_mlx.kernels", "dflash_mlx.metal"),
+    ("dflash_mlx.identity", "dflash_mlx.options", "dflash_mlx.blas", "dflash_mlx.progress",
+     "dflash_mlx.tool_calls"),
+]
+
+
+def floor_of(module):
+    """The floor index of a module (0 = top), from the longest matching prefix; None if unplaced."""
+    best, best_len = None, -1
+    for index, prefixes in enumerate(FLOORS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = index, len(prefix)
+    return best
+
+
+def imports_up(graph):
+    """Every edge a -> b where b sits on a higher floor than a."""
+    return [(a, b) for a, deps in sorted(graph.items()) for b in deps if floor_of(b) < floor_of(a)]
+
+
+def test_every_module_has_a_floor():
+    unplaced = [m for m in import_graph() if floor_of(m) is None]
+    assert not unplaced, f"modules on no floor of FLOORS: {unplaced}"
+
+
+def test_imports_up_are_found():
+    graph = {"dflash_mlx.models.loading": ["dflash_mlx.engine.cycle"], "dflash_mlx.engine.cycle": ["dflash_mlx.models.loading"]}
+    assert imports_up(graph) == [("dflash_mlx.models.loading", "dflash_mlx.engine.cycle")]
+    assert floor_of("dflash_mlx.generate") == 1 and floor_of("dflash_mlx") == 0
+
+
+def test_no_import_runs_back_up_the_ladder():
+    up = imports_up(import_graph())
+    assert not up, "imports running back up the ladder:\n" + "\n".join(f"  {a} -> {b}" for a, b in up)

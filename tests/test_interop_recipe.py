@@ -15,7 +15,7 @@ from dflash_mlx import load_draft
 from dflash_mlx.train import export_for
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import tiny_target
-from dflash_mlx.train.cli import build_parser
+from dflash_mlx.train.options import build_parser
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@
 Every kernel body in metal/*.metal is compiled as C++ with g++ against
 metal_compat.h and executed over its full grid (SIMD collectives and barriers
 emulated with fibers), using the same launch code as the Metal path
-(`selection.<op>_metal(..., factory=driver.metal_kernel)`).
+(`<family>.<op>_metal(..., factory=driver.metal_kernel)`).
 """
 
 import importlib.util
@@ -18,7 +18,7 @@ import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash_mlx.kernels import selection
+from dflash_mlx.kernels import context_kv, gdn, qmm, selection
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the Metal-compat harness")
 
@@ -135,8 +135,8 @@ def test_kv_inject_matches_reference(kind, dtype, D, L, Hkv, B, S, offset):
     rope = _rope(kind, D)
     kv = (2.0 * mx.random.normal((B, S, L, 2, Hkv, D))).astype(dtype)
     w = (1.0 + 0.3 * mx.random.normal((L, D))).astype(dtype)
-    ref = selection.context_kv_reference(kv, w, offset, eps=1e-6, rope=rope)
-    got = selection.context_kv_metal(kv, w, offset, eps=1e-6, rope=rope, factory=compat)
+    ref = context_kv.context_kv_reference(kv, w, offset, eps=1e-6, rope=rope)
+    got = context_kv.context_kv_metal(kv, w, offset, eps=1e-6, rope=rope, factory=compat)
     atol = 2e-5 if dtype == mx.float32 else 4e-2
     for g, r in zip(got, ref):
         assert g.dtype == dtype and g.shape == (L, B, Hkv, S, D)
@@ -165,14 +165,14 @@ def test_draft_inject_kernel_matches_draft(monkeypatch, stacked):
     # the draft's own per-layer injection, over steps so offsets move, then the
     # draft's block forward on both caches.
     draft = _tiny_draft()
-    monkeypatch.setattr(selection, "context_kv", partial(selection.context_kv_metal, factory=compat))
+    monkeypatch.setattr(context_kv, "context_kv", partial(context_kv.context_kv_metal, factory=compat))
     ref_cache = draft.make_cache()
-    ker_cache = selection.make_stacked_cache(draft) if stacked else draft.make_cache()
+    ker_cache = context_kv.make_stacked_cache(draft) if stacked else draft.make_cache()
     for S in (5, 2, 0):
         feats = mx.random.normal((1, S, 128))
         draft.inject(feats, ref_cache)
-        selection.draft_inject(draft, feats, ker_cache)
-    selection.draft_inject(draft, None, ker_cache)
+        context_kv.draft_inject(draft, feats, ker_cache)
+    context_kv.draft_inject(draft, None, ker_cache)
     for rc, kc in zip(ref_cache, ker_cache):
         assert rc.offset == kc.offset == 7
         (rk, rv), (kk, kv) = rc.fetch(), kc.fetch()
@@ -188,7 +188,7 @@ def test_draft_inject_kernel_matches_draft(monkeypatch, stacked):
 def test_stacked_cache_views_behave_like_context_cache():
     # The reference path (draft.inject -> per-layer append) and trim work on views.
     draft = _tiny_draft()
-    ref, views = draft.make_cache(), selection.make_stacked_cache(draft)
+    ref, views = draft.make_cache(), context_kv.make_stacked_cache(draft)
     feats = mx.random.normal((1, 300, 128))  # crosses the 256-entry growth step
     draft.inject(feats, ref)
     draft.inject(feats, views)
@@ -217,8 +217,8 @@ def test_qmm_small_m_matches_quantized_matmul(M, N, K, bits, gs, dtype):
     w = mx.random.normal((N, K)).astype(dtype)
     wq, scales, biases = mx.quantize(w, group_size=gs, bits=bits)
     x = mx.random.normal((1, M, K)).astype(dtype)
-    ref = selection.qmm_small_m_reference(x, wq, scales, biases, gs, bits)
-    got = selection.qmm_small_m_metal(x, wq, scales, biases, gs, bits, factory=compat)
+    ref = qmm.qmm_small_m_reference(x, wq, scales, biases, gs, bits)
+    got = qmm.qmm_small_m_metal(x, wq, scales, biases, gs, bits, factory=compat)
     assert got.shape == ref.shape == (1, M, N) and got.dtype == dtype
     if dtype == mx.float32:
         close(got, ref, atol=2e-4 * np.sqrt(K), rtol=1e-4)
@@ -238,8 +238,8 @@ def test_qmm_small_m_dispatch_falls_back_for_wide_m():
     wq, s, b = mx.quantize(w, group_size=64, bits=4)
     x = mx.random.normal((32, 64))
     with pytest.raises(ValueError):
-        selection.qmm_small_m_metal(x, wq, s, b, 64, 4, factory=compat)
-    close(selection.qmm_small_m(x, wq, s, b, 64, 4),
+        qmm.qmm_small_m_metal(x, wq, s, b, 64, 4, factory=compat)
+    close(qmm.qmm_small_m(x, wq, s, b, 64, 4),
           mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=4), atol=0)
 
 
@@ -270,9 +270,9 @@ GDN_CASES = [
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv,vec_gate,dtype", GDN_CASES)
 def test_gdn_tape_matches_ops(B, T, Hk, Hv, Dk, Dv, vec_gate, dtype):
     q, k, v, g, beta, state = _gdn_inputs(B, T, Hk, Hv, Dk, Dv, vec_gate, dtype)
-    y, s_out, tape = selection.gdn_tape_metal(q, k, v, g, beta, state, factory=compat)
+    y, s_out, tape = gdn.gdn_tape_metal(q, k, v, g, beta, state, factory=compat)
     y_ops, s_ops = gated_delta_ops(q, k, v, g, beta, state)
-    y_ref, s_ref, tape_ref = selection.gdn_tape_reference(q, k, v, g, beta, state)
+    y_ref, s_ref, tape_ref = gdn.gdn_tape_reference(q, k, v, g, beta, state)
     ytol = 1e-5 if dtype == mx.float32 else 2e-2
     assert y.dtype == dtype and s_out.dtype == mx.float32 and tape.shape == (B, T, Hv, Dv)
     close(y, y_ops, atol=ytol, rtol=ytol)
@@ -286,7 +286,7 @@ def test_gdn_tape_matches_ops(B, T, Hk, Hv, Dk, Dv, vec_gate, dtype):
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv,vec_gate,dtype", GDN_CASES)
 def test_gdn_replay_rebuilds_accepted_prefix(B, T, Hk, Hv, Dk, Dv, vec_gate, dtype):
     q, k, v, g, beta, state = _gdn_inputs(B, T, Hk, Hv, Dk, Dv, vec_gate, dtype, seed=5)
-    _, s_full, tape = selection.gdn_tape_metal(q, k, v, g, beta, state, factory=compat)
+    _, s_full, tape = gdn.gdn_tape_metal(q, k, v, g, beta, state, factory=compat)
     for steps in range(T + 1):
         # Reference: mlx-lm's ops path re-run on the accepted prefix only.
         if steps:
@@ -294,19 +294,19 @@ def test_gdn_replay_rebuilds_accepted_prefix(B, T, Hk, Hv, Dk, Dv, vec_gate, dty
                                       g[:, :steps], beta[:, :steps], state)
         else:
             want = state
-        got = selection.gdn_replay_metal(state, k, g, tape, steps, factory=compat)
+        got = gdn.gdn_replay_metal(state, k, g, tape, steps, factory=compat)
         close(got, want, atol=1e-5, rtol=1e-5)
-        twin = selection.gdn_replay_reference(state, k, g, tape, steps)
+        twin = gdn.gdn_replay_reference(state, k, g, tape, steps)
         close(twin, want, atol=1e-5, rtol=1e-5)
     # Full accept reproduces the recording pass bit for bit; a device-side
     # accept length (no host sync) gives the same state as the int.
-    full = selection.gdn_replay_metal(state, k, g, tape, T, factory=compat)
+    full = gdn.gdn_replay_metal(state, k, g, tape, T, factory=compat)
     np.testing.assert_array_equal(np.array(full), np.array(s_full))
     a = mx.array(2)
-    close(selection.gdn_replay_metal(state, k, g, tape, a, factory=compat),
-          selection.gdn_replay_reference(state, k, g, tape, 2), atol=1e-6)
-    close(selection.gdn_replay_reference(state, k, g, tape, a),
-          selection.gdn_replay_reference(state, k, g, tape, 2), atol=0)
+    close(gdn.gdn_replay_metal(state, k, g, tape, a, factory=compat),
+          gdn.gdn_replay_reference(state, k, g, tape, 2), atol=1e-6)
+    close(gdn.gdn_replay_reference(state, k, g, tape, a),
+          gdn.gdn_replay_reference(state, k, g, tape, 2), atol=0)
 
 
 # ------------------------------------------------------------- selection
@@ -335,7 +335,7 @@ def test_quantized_linear_hook_matches_layer(monkeypatch):
     qlin = nn.QuantizedLinear.from_linear(lin, group_size=64, bits=4)
     x = mx.random.normal((1, 6, 128))
     want = qlin(x)
-    close(selection.quantized_linear(qlin, x), want, atol=0)  # twin on this machine
+    close(qmm.quantized_linear(qlin, x), want, atol=0)  # twin on this machine
     monkeypatch.setattr(selection, "use_metal", lambda name: True)
-    monkeypatch.setattr(selection, "qmm_small_m_metal", partial(selection.qmm_small_m_metal, factory=compat))
-    close(selection.quantized_linear(qlin, x), want, atol=5e-3, rtol=1e-4)
+    monkeypatch.setattr(qmm, "qmm_small_m_metal", partial(qmm.qmm_small_m_metal, factory=compat))
+    close(qmm.quantized_linear(qlin, x), want, atol=5e-3, rtol=1e-4)

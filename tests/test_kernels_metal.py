@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash_mlx.kernels import selection
+from dflash_mlx.kernels import context_kv, gdn, qmm
 
 pytestmark = [
     pytest.mark.metal,
@@ -47,8 +47,8 @@ def test_kv_inject_metal(rope_kind, dtype, D, L, Hkv, S, offset):
     mx.random.seed(0)
     kv = (2 * mx.random.normal((1, S, L, 2, Hkv, D))).astype(dtype)
     w = (1 + 0.3 * mx.random.normal((L, D))).astype(dtype)
-    ref = selection.context_kv_reference(kv, w, offset, eps=1e-6, rope=rope)
-    got = selection.context_kv_metal(kv, w, offset, eps=1e-6, rope=rope)
+    ref = context_kv.context_kv_reference(kv, w, offset, eps=1e-6, rope=rope)
+    got = context_kv.context_kv_metal(kv, w, offset, eps=1e-6, rope=rope)
     tol = 5e-5 if dtype == mx.float32 else 5e-2
     for g, r in zip(got, ref):
         close(g, r, atol=tol, rtol=tol)
@@ -70,8 +70,8 @@ def test_qmm_small_m_metal(M, N, K, bits, gs, dtype):
     x = mx.random.normal((M, K)).astype(dtype)
     f32 = lambda a: a.astype(mx.float32)
     truth = f32(x) @ mx.dequantize(wq, f32(s), f32(b), group_size=gs, bits=bits).T
-    got = selection.qmm_small_m_metal(x, wq, s, b, gs, bits)
-    ref = selection.qmm_small_m_reference(x, wq, s, b, gs, bits)
+    got = qmm.qmm_small_m_metal(x, wq, s, b, gs, bits)
+    ref = qmm.qmm_small_m_reference(x, wq, s, b, gs, bits)
     scale = float(mx.abs(truth).max())
     tol = 1e-5 * np.sqrt(K) * scale if dtype == mx.float32 else 1e-2 * scale
     close(got, truth, atol=tol)
@@ -100,7 +100,7 @@ GDN = [
 @pytest.mark.parametrize("B,T,Hk,Hv,Dk,Dv,vec,dtype", GDN)
 def test_gdn_tape_and_replay_metal(B, T, Hk, Hv, Dk, Dv, vec, dtype):
     q, k, v, g, beta, state = _gdn(B, T, Hk, Hv, Dk, Dv, vec, dtype)
-    y, s_out, tape = selection.gdn_tape_metal(q, k, v, g, beta, state)
+    y, s_out, tape = gdn.gdn_tape_metal(q, k, v, g, beta, state)
     y_ops, s_ops = gated_delta_ops(q, k, v, g, beta, state)
     ytol = 1e-5 if dtype == mx.float32 else 2e-2
     close(y, y_ops, atol=ytol, rtol=ytol)
@@ -108,8 +108,8 @@ def test_gdn_tape_and_replay_metal(B, T, Hk, Hv, Dk, Dv, vec, dtype):
     for steps in sorted({0, 1, T // 2, T - 1, T}):
         want = state if steps == 0 else gated_delta_ops(
             q[:, :steps], k[:, :steps], v[:, :steps], g[:, :steps], beta[:, :steps], state)[1]
-        close(selection.gdn_replay_metal(state, k, g, tape, steps), want, atol=1e-4, rtol=1e-4)
-        close(selection.gdn_replay_metal(state, k, g, tape, mx.array(steps)), want, atol=1e-4, rtol=1e-4)
+        close(gdn.gdn_replay_metal(state, k, g, tape, steps), want, atol=1e-4, rtol=1e-4)
+        close(gdn.gdn_replay_metal(state, k, g, tape, mx.array(steps)), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch,quantize", [("qwen3_5", False), ("llama", True), ("qwen3", False)])

@@ -83,7 +83,7 @@ def test_bad_block_size_flag_is_a_usage_error(capsys):
 
 def _front_end_parsers():
     from dflash_mlx.cli import run
-    from dflash_mlx.serve import app
+    from dflash_mlx.serve import cli as serve_cli
     from dflash_mlx.bench import cli as bench_cli
     from dflash_mlx.tui import app
 
@@ -92,19 +92,19 @@ def _front_end_parsers():
         "chat": lambda text: app.build_parser().parse_args(["--block-size", text]).block_size,
         "bench": lambda text: bench_cli.build_parser().parse_args(["--block-size", text]).block_size,
         "bench sweep": lambda text: bench_cli.build_parser().parse_args(["--block-sizes", f"4,{text}"]).block_sizes[1],
-        "serve": lambda text: app.build_parser().parse_args(["--block-size", text]).block_size,
+        "serve": lambda text: serve_cli.build_parser().parse_args(["--block-size", text]).block_size,
     }
 
 
 def test_every_front_end_defaults_to_auto():
     parsers = {"run": ["hi"], "chat": [], "bench": [], "serve": []}
     from dflash_mlx.cli import run
-    from dflash_mlx.serve import app
+    from dflash_mlx.serve import cli as serve_cli
     from dflash_mlx.bench import cli as bench_cli
     from dflash_mlx.tui import app
 
     builders = {"run": run.build_parser, "chat": app.build_parser, "bench": bench_cli.build_parser,
-                "serve": app.build_parser}
+                "serve": serve_cli.build_parser}
     for name, argv in parsers.items():
         assert builders[name]().parse_args(argv).block_size == "auto", name
 

@@ -556,7 +556,7 @@ def test_stream_generate_with_token_trees_follows_target(monkeypatch):
 
 def test_stream_generate_with_trees_that_always_take_the_first_child_fails(monkeypatch):
     """The engine-level check is not vacuous: a walk that accepts every first child fails it."""
-    from dflash_mlx.speculation import tree
+    from dflash_mlx.speculation import tree_verify
 
     def first_child(tree, logprobs):
         children, path = tree.children(), [0]
@@ -564,20 +564,21 @@ def test_stream_generate_with_trees_that_always_take_the_first_child_fails(monke
             path.append(next(iter(children[path[-1]].values())))
         return path, int(mx.random.categorical(logprobs[path[-1]]).item())
 
-    monkeypatch.setattr(tree, "accept_sampled", first_child)
+    monkeypatch.setattr(tree_verify, "accept_sampled", first_child)
     assert tree_sampling_pvalue(monkeypatch) < 1e-6
 
 
 def tree_sampling_pvalue(monkeypatch):
-    from dflash_mlx.speculation import tree
+    from dflash_mlx.models.target import tree_attention
+    from dflash_mlx.policy import trees
     from dflash_mlx.policy.sizer import forget_sizers
 
-    monkeypatch.setattr(tree.TreePolicy, "explore", lambda self, chosen, limit: max(4, min(chosen, limit)))
+    monkeypatch.setattr(trees.TreePolicy, "explore", lambda self, chosen, limit: max(4, min(chosen, limit)))
     from dflash_mlx.testing.targets import byte_tokenizer
     from dflash_mlx.testing.archs import build
 
     model, tok = build("qwen3_moe", vocab_size=4), byte_tokenizer()
-    assert tree.tree_support(token_tree_target(model)) is None
+    assert tree_attention.tree_support(token_tree_target(model)) is None
     draft = random_draft(model, block_size=4, seed=4)
     outs, kinds = [], {}
     for seed in range(100):

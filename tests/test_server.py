@@ -29,7 +29,10 @@ from dflash_mlx.cli.common import CLIError
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.engine.prompt_cache import common_prefix
-from dflash_mlx.serve.app import StopMatcher, Worker, build_parser, create_app, load_worker
+from dflash_mlx.serve.app import create_app
+from dflash_mlx.serve.cli import build_parser, load_worker
+from dflash_mlx.serve.requests import StopMatcher
+from dflash_mlx.serve.worker import Worker
 from dflash_mlx.testing.targets import EOS_ID, chain_target, greedy_reference, tiny_target
 
 TEMPLATE = (

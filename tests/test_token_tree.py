@@ -13,6 +13,8 @@ import pytest
 
 from dflash_mlx import stream_generate
 from dflash_mlx.models import rope_offsets
+from dflash_mlx.models.target import tree_attention as ta
+from dflash_mlx.policy import trees
 from dflash_mlx.speculation import tree as tt
 from dflash_mlx.policy.sizer import BlockSizer, forget_sizers
 from dflash_mlx.models.target.adapter import Target
@@ -34,7 +36,7 @@ def brute_force_best(top_logprobs: np.ndarray, nodes: int):
     return {ranks for _, ranks in scored[:nodes]}
 
 
-def ranks_of(tree: tt.TokenTree, top_ids: np.ndarray):
+def ranks_of(tree: ta.TokenTree, top_ids: np.ndarray):
     """Each node's path as the rank chosen at each depth."""
     out = set()
     for node in range(1, len(tree)):
@@ -77,18 +79,18 @@ def test_a_confident_draft_gives_its_chain_and_an_unsure_one_branches():
 
 def test_accept_walks_down_the_targets_own_choices():
     # root -> a(5) -> c(7);  root -> b(6) -> d(8)
-    tree = tt.TokenTree([1, 5, 6, 7, 8], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2])
+    tree = ta.TokenTree([1, 5, 6, 7, 8], [-1, 0, 0, 1, 2], [0, 1, 1, 2, 2])
     assert tt.accept_greedy(tree, [6, 0, 8, 0, 9]) == ([0, 2, 4], 9)  # b then d, bonus 9
     assert tt.accept_greedy(tree, [5, 3, 0, 0, 0]) == ([0, 1], 3)  # a, then no child 3
     assert tt.accept_greedy(tree, [4, 0, 0, 0, 0]) == ([0], 4)  # nothing
 
 
 def test_mask_sees_the_context_and_the_ancestors_within_the_window():
-    tree = tt.TokenTree([1, 5, 6, 7], [-1, 0, 0, 2], [0, 1, 1, 2])
-    mask = np.array(tt.tree_mask(tree, 3))
+    tree = ta.TokenTree([1, 5, 6, 7], [-1, 0, 0, 2], [0, 1, 1, 2])
+    mask = np.array(ta.tree_mask(tree, 3))
     assert mask[:, :3].all()
     assert mask[:, 3:].tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]]
-    windowed = np.array(tt.tree_mask(tree, 3, window=2))
+    windowed = np.array(ta.tree_mask(tree, 3, window=2))
     # node 3 sits at position 3 + 2 = 5: with a window of 2 it sees positions 4 (node 2) and 5
     assert windowed[3].tolist() == [0, 0, 0, 0, 0, 1, 1]
 
@@ -96,10 +98,10 @@ def test_mask_sees_the_context_and_the_ancestors_within_the_window():
 @pytest.mark.parametrize("array_offsets", [True, False])
 def test_tree_rope_puts_each_node_at_its_depth(array_offsets, monkeypatch):
     rope = nn.RoPE(16, base=10000)
-    tree = tt.TokenTree([1, 5, 6, 7, 8], [-1, 0, 0, 1, 3], [0, 1, 1, 2, 3])
+    tree = ta.TokenTree([1, 5, 6, 7, 8], [-1, 0, 0, 1, 3], [0, 1, 1, 2, 3])
     monkeypatch.setitem(rope_offsets._ARRAY_OFFSETS, nn.RoPE, array_offsets)
     x = mx.random.normal((1, 2, 5, 16), key=mx.random.key(1))
-    got = tt.TreeRoPE(rope, tree)(x, offset=7)
+    got = ta.TreeRoPE(rope, tree)(x, offset=7)
     want = mx.concatenate([rope(x[:, :, i : i + 1], offset=7 + d) for i, d in enumerate(tree.depths)], axis=2)
     assert mx.allclose(got, want, atol=1e-5).item()
 
@@ -128,8 +130,8 @@ def model_for(key):
 
 def test_which_architectures_take_trees():
     for key in TREE_ARCHS:
-        assert tt.tree_support(Target(model_for(key))) is None, key
-    reasons = {key: tt.tree_support(Target(model_for(key)))
+        assert ta.tree_support(Target(model_for(key))) is None, key
+    reasons = {key: ta.tree_support(Target(model_for(key)))
                for key in list(FAMILY_ARCHS) + list(MORE_ARCHS) if key not in TREE_ARCHS}
     assert "RotatingKVCache" in reasons["gpt_oss"] and "ArraysCache" in reasons["qwen3_next"]
     assert "rotary" in reasons["deepseek_v2"]  # its rotary embedding is no module of its own
@@ -138,15 +140,15 @@ def test_which_architectures_take_trees():
 
 def test_a_model_that_ignores_the_trees_mask_keeps_chains(monkeypatch):
     model, _ = tiny_target("qwen3", seed=3)
-    monkeypatch.setattr(tt.TreeCache, "make_mask", lambda self, n, *a, **k: "causal")
-    assert "mask" in tt.tree_support(Target(model))
+    monkeypatch.setattr(ta.TreeCache, "make_mask", lambda self, n, *a, **k: "causal")
+    assert "mask" in ta.tree_support(Target(model))
 
 
 def test_compacted_cache_is_the_chains_cache():
     model, _ = tiny_target("qwen3", seed=4)
     target = Target(model)
     prefix = [3, 9, 27, 81]
-    tree = tt.TokenTree([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 2, 4], [0, 1, 1, 2, 2, 3])
+    tree = ta.TokenTree([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 2, 4], [0, 1, 1, 2, 2, 3])
     tree_cache, chain_cache = target.make_cache(), target.make_cache()
     for c in (tree_cache, chain_cache):
         target.forward(mx.array([prefix]), c)
@@ -154,21 +156,21 @@ def test_compacted_cache_is_the_chains_cache():
     path = [0, 2, 4, 5]
     h_chain, _, _ = target.forward(mx.array([[tree.tokens[i] for i in path]]), chain_cache)
     assert mx.allclose(h_tree[:, path], h_chain, atol=1e-4).item()
-    tt.compact_cache(tree_cache, len(prefix), path, len(tree))
+    ta.compact_cache(tree_cache, len(prefix), path, len(tree))
     for a, b in zip(tree_cache, chain_cache):
         assert a.offset == b.offset == len(prefix) + len(path)
         n = a.offset  # rows past the offset are free space (a tree's leftovers there are overwritten)
         assert mx.allclose(a.keys[..., :n, :], b.keys[..., :n, :], atol=1e-5).item()
         assert mx.allclose(a.values[..., :n, :], b.values[..., :n, :], atol=1e-5).item()
     # the rotary embeddings are back: a plain forward after the tree matches
-    assert all(not isinstance(parent[key], tt.TreeRoPE) for parent, key in target.rope_slots)
+    assert all(not isinstance(parent[key], ta.TreeRoPE) for parent, key in target.rope_slots)
 
 
 # -- the policy ---------------------------------------------------------------------------
 
 
 def test_policy_tries_trees_then_keeps_the_better_of_tree_and_chain():
-    policy = tt.TreePolicy(tries=2)
+    policy = trees.TreePolicy(tries=2)
     assert not policy.choose(2, 1.5)  # width 2: a tree is the chain
     assert policy.choose(8, 1.5)  # untried: try it
     for _ in range(2):
@@ -183,11 +185,11 @@ def test_policy_tries_trees_then_keeps_the_better_of_tree_and_chain():
 
 
 def test_policy_explores_tree_widths_rarely_and_ever_more_rarely():
-    policy = tt.TreePolicy(explore_every=8)
+    policy = trees.TreePolicy(explore_every=8)
     assert policy.explore(1, 16) is None  # drafting does not pay: no trees either
     tried = [(i, policy.explore(3, 16)) for i in range(200)]
     tried = [(i, w) for i, w in tried if w is not None]
-    assert tried and all(w in tt.TREE_WIDTHS for _, w in tried)
+    assert tried and all(w in trees.TREE_WIDTHS for _, w in tried)
     gaps = np.diff([i for i, _ in tried])
     assert (gaps >= 8).all() and len(tried) < 200 / 8
     later = [w for i, w in tried if i >= 100]
@@ -270,7 +272,7 @@ def test_logprobs_from_a_tree_are_the_chains():
 V_MARKOV = 5
 W_MARKOV = (np.random.default_rng(3).normal(size=(V_MARKOV, V_MARKOV)) * 1.5).astype(np.float32)
 # root 0; its children 2, 1, 4 (best first); under 2: 3, 0; under 1: 1; under 3: 2
-MARKOV_TREE = tt.TokenTree([0, 2, 1, 4, 3, 0, 1, 2], [-1, 0, 0, 0, 1, 1, 2, 4], [0, 1, 1, 1, 2, 2, 2, 3])
+MARKOV_TREE = ta.TokenTree([0, 2, 1, 4, 3, 0, 1, 2], [-1, 0, 0, 0, 1, 1, 2, 4], [0, 1, 1, 1, 2, 2, 2, 3])
 
 
 def markov_probs(prev, temperature):

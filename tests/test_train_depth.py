@@ -12,10 +12,10 @@ import pytest
 from dflash_mlx.models.draft.checkpoints import load_draft
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import tiny_target
-from dflash_mlx.train import cli
+from dflash_mlx.train import cli, options
 from dflash_mlx.train.depth_data import agreement, chain, label, label_shared
 from dflash_mlx.train.features import FeatureSource, labels_file, target_pass
-from dflash_mlx.train.trainer import make_batch
+from dflash_mlx.train.batch import make_batch
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +28,17 @@ def _flags(**kw):
 
 
 def test_attention_flags_pin_is_causal_and_check_their_values():
-    assert cli.attention_overrides(_flags(), 2) == {}
-    o = cli.attention_overrides(_flags(sliding_window=64), 2)
+    assert options.attention_overrides(_flags(), 2) == {}
+    o = options.attention_overrides(_flags(sliding_window=64), 2)
     assert o == {"layer_types": ["sliding_attention"] * 2, "sliding_window": 64, "is_causal": False}
-    o = cli.attention_overrides(_flags(sliding_window=64, layer_types="full,sliding", block_causal=True), 2)
+    o = options.attention_overrides(_flags(sliding_window=64, layer_types="full,sliding", block_causal=True), 2)
     assert o["layer_types"] == ["full_attention", "sliding_attention"] and o["is_causal"] is True
     with pytest.raises(SystemExit, match="give --sliding-window"):
-        cli.attention_overrides(_flags(layer_types="sliding"), 2)
+        options.attention_overrides(_flags(layer_types="sliding"), 2)
     with pytest.raises(SystemExit, match="names 3 layers but the draft has 2"):
-        cli.attention_overrides(_flags(sliding_window=8, layer_types="full,sliding,full"), 2)
+        options.attention_overrides(_flags(sliding_window=8, layer_types="full,sliding,full"), 2)
     with pytest.raises(SystemExit, match="full or sliding"):
-        cli.attention_overrides(_flags(sliding_window=8, layer_types="local"), 2)
+        options.attention_overrides(_flags(sliding_window=8, layer_types="local"), 2)
 
 
 def test_chunked_target_pass_equals_one_forward_and_gives_the_argmax(tiny):

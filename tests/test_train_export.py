@@ -185,7 +185,7 @@ def test_model_card_thins_long_held_out_curves():
 
 def test_tau_trend_recovers_a_log_linear_curve(tmp_path):
     from dflash_mlx.train.evaluate import tau_trend, tokens_for_tau
-    from dflash_mlx.train.trainer import plot_curves
+    from dflash_mlx.train.curves import plot_curves
 
     pts = [{"tokens": 2**k, "tau": 0.2 + 0.05 * k} for k in range(15, 22)] + [{"tokens": 1000, "tau": 3.0}]
     trend = tau_trend(pts, min_tokens=2**15)
@@ -203,9 +203,9 @@ def test_tau_trend_recovers_a_log_linear_curve(tmp_path):
 
 
 def test_tau_prompts_per_suite():
-    from dflash_mlx.train import cli
+    from dflash_mlx.train import options
 
-    parse = lambda *a: cli.build_parser().parse_args(["--target", "t", "--out", "o", *a]).tau_prompts  # noqa: E731
+    parse = lambda *a: options.build_parser().parse_args(["--target", "t", "--out", "o", *a]).tau_prompts  # noqa: E731
     assert parse() == {"*": 4}
     assert parse("--tau-prompts", "0") == {"*": 0}
     assert parse("--tau-prompts", "gsm8k=20,humaneval=6") == {"gsm8k": 20, "humaneval": 6}

@@ -16,7 +16,9 @@ from dflash_mlx.train import init as I
 from dflash_mlx.train.export import export_draft
 from dflash_mlx.train.forward import training_logits
 from dflash_mlx.train.features import FeatureSource
-from dflash_mlx.train.trainer import TrainConfig, Trainer, make_batch
+from dflash_mlx.train.batch import make_batch
+from dflash_mlx.train.config import TrainConfig
+from dflash_mlx.train.trainer import Trainer
 from dflash_mlx.train.vocab import index_map
 
 

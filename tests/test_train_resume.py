@@ -11,7 +11,10 @@ from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train.features import FeatureSource
-from dflash_mlx.train.trainer import CHECKPOINT, TrainConfig, Trainer, split_records
+from dflash_mlx.train.checkpoint import CHECKPOINT
+from dflash_mlx.train.config import TrainConfig
+from dflash_mlx.train.split import split_records
+from dflash_mlx.train.trainer import Trainer
 
 
 def _records(n=12, seed=0):

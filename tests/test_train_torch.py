@@ -51,7 +51,7 @@ def hf_target(tmp_path_factory):
 def test_recipe_rules_equal_the_librarys():
     from dflash_mlx.train import data as D
     from dflash_mlx.train import init as I
-    from dflash_mlx.train.trainer import split_by_hash
+    from dflash_mlx.train.split import split_by_hash
     from dflash_mlx.train.vocab import build_vocab
 
     assert T.gsm8k_prompts(50) == [(p.id, p.text) for p in D.gsm8k_train_prompts()[:50]]

@@ -32,7 +32,7 @@ def one_proposal_kind(monkeypatch):
     """These tests follow the app's streaming cycle by cycle with a random draft that is never
     right (one token per cycle); the tiny target's answers repeat, which copy proposals would
     commit in long runs. The proposal policy is tested in test_copy_proposals.py."""
-    from dflash_mlx.speculation.copies import CopyPolicy
+    from dflash_mlx.policy.copies import CopyPolicy
 
     monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width: 0)
 
@@ -515,7 +515,7 @@ def test_model_that_fails_to_load_is_reported(tmp_path):
 EXIT_SCRIPT = """
 import asyncio
 import dflash_mlx
-from dflash_mlx import testing
+from dflash_mlx.testing import targets
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.tui.app import ChatApp
 from dflash_mlx.tui.session import Settings

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
-from dflash_mlx.kernels import selection
+from dflash_mlx.kernels import context_kv, gdn, qmm, selection
 from dflash_mlx.models.target.rollback import GDNTape
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import ScriptedDraft, clean_case, tiny_target
@@ -38,13 +38,14 @@ def emulate(monkeypatch, names):
     monkeypatch.setattr(selection, "use_metal", lambda name: name in names)
     for name in names:
         fn_name = {"kv_inject": "context_kv_metal"}.get(name, f"{name}_metal")
-        original = getattr(selection, fn_name)
+        family = {"kv_inject": context_kv, "qmm_small_m": qmm}.get(name, gdn)
+        original = getattr(family, fn_name)
 
         def counted(*args, _name=name, _fn=original, **kw):
             calls[_name] += 1
             return _fn(*args, factory=driver.metal_kernel, **kw)
 
-        monkeypatch.setattr(selection, fn_name, counted)
+        monkeypatch.setattr(family, fn_name, counted)
     return calls
 
 
@@ -94,7 +95,7 @@ def test_gdn_rollback_is_replay_not_forward(monkeypatch):
     target.forward(mx.array([[1, 2, 3, 4]]), cache)
     _, _, record = target.forward(mx.array([[5, 6, 7, 8, 9]]), cache, record=True)
     replays = []
-    monkeypatch.setattr(selection, "gdn_replay", lambda *a: replays.append(a[-1]) or a[0])
+    monkeypatch.setattr(gdn, "gdn_replay", lambda *a: replays.append(a[-1]) or a[0])
 
     def forbidden(*a, **k):
         raise AssertionError("rollback ran a layer forward")
@@ -155,8 +156,8 @@ def test_small_m_swap_only_for_verify_widths(monkeypatch):
     target = Target(model)
     seen = []
     monkeypatch.setattr(selection, "use_metal", lambda name: name == "qmm_small_m")
-    monkeypatch.setattr(selection, "qmm_small_m_metal",
-                        lambda x, *a, **k: seen.append(x.shape) or selection.qmm_small_m_reference(x, *a, **k))
+    monkeypatch.setattr(qmm, "qmm_small_m_metal",
+                        lambda x, *a, **k: seen.append(x.shape) or qmm.qmm_small_m_reference(x, *a, **k))
     cache = target.make_cache()
     target.forward(mx.array([list(range(40))]), cache, record=True)  # prefill width: MLX's qmm
     target.forward(mx.array([[3]]), cache)  # decode width: MLX's qmv
@@ -181,7 +182,7 @@ def test_unverified_apple_gpu_keeps_mlx_lm_recurrence(monkeypatch):
     monkeypatch.setattr(selection, "on_metal", lambda: True)
     monkeypatch.setattr(selection.mx, "default_device", lambda: mx.gpu)
     monkeypatch.setattr(gated_delta, "gated_delta_kernel", fake_kernel)
-    monkeypatch.setattr(selection, "gdn_tape", lambda *a: pytest.fail("twin ran on the GPU path"))
+    monkeypatch.setattr(gdn, "gdn_tape", lambda *a: pytest.fail("twin ran on the GPU path"))
     out, accepts = decode_with_partial_accepts(model, tok, prompt, ref, block_size=8, seed=5)
     assert out == ref and len(set(accepts)) > 2
     widths = set(fused)
@@ -197,7 +198,7 @@ def test_lossless_with_kv_inject_kernel_in_the_draft(monkeypatch, arch):
     """The draft's caches become one preallocated stack filled by the kernel; output stays exact
     and the draft proposes what it proposes on the reference path."""
     from dflash_mlx.models.draft.checkpoints import random_draft
-    from dflash_mlx.kernels.selection import _StackedView
+    from dflash_mlx.kernels.context_kv import _StackedView
 
     model, tok = tiny_target(arch, seed=1)
     prompt, ref = clean_case(model, 40, 24, seed=3)

@@ -163,7 +163,7 @@ def main(argv=None) -> int:
 
 def depth_main(args, argv) -> int:
     """`--suite depth`: the depth benchmark (dflash_mlx/bench/depth.py)."""
-    from dflash_mlx.bench import depth
+    from dflash_mlx.bench import depth, depth_report, depth_summary
 
     raw = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--max-tokens" or a.startswith("--max-tokens=") for a in raw):
@@ -199,19 +199,19 @@ def depth_main(args, argv) -> int:
 
         path = out / "results.json"
         previous = json.loads(path.read_text()) if path.exists() else None
-        keep = depth.MEASURED_WITH
+        keep = depth_summary.MEASURED_WITH
         if previous and any(k in previous["config"] and previous["config"][k] != asdict(cfg).get(k) for k in keep):
             raise CLIError(f"--resume: {path} was measured with other settings ({', '.join(keep)}); "
                            "give the same ones or another --out", EXIT_USAGE)
     try:
         doc = depth.run(model, draft, tokenizer, cfg, others=others, resume=previous,
-                        on_record=lambda d: depth.write_all(d, out, with_plot=False))
+                        on_record=lambda d: depth_report.write_all(d, out, with_plot=False))
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None
-    paths = depth.write_all(doc, out, with_plot=not args.no_plots)
-    print(depth.markdown(doc).split("## Per document")[0])
+    paths = depth_report.write_all(doc, out, with_plot=not args.no_plots)
+    print(depth_report.markdown(doc).split("## Per document")[0])
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
-    return 1 if depth.mismatches(doc) else 0
+    return 1 if depth_summary.mismatches(doc) else 0
 
 
 if __name__ == "__main__":

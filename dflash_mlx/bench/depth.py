@@ -19,21 +19,19 @@ policy settled on (its most used width in the second half of each answer's cycle
 and its speed against the best fixed width.
 """
 
-import math
 import statistics
 import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from dflash_mlx.bench.depth_report import fmt
+from dflash_mlx.bench.depth_summary import summarize
 from dflash_mlx.bench.documents import EVAL_DOCUMENTS, document_prompt, read_documents
 
 SCHEMA = "dflash-mlx-bench-depth/1"
 DEFAULT_DEPTHS = (256, 1024, 2048, 4096, 0)  # 0: as deep as the context window allows
-# What two results must share to be merged (`merge`) or one continued (`--resume`).
-MEASURED_WITH = ("max_tokens", "widths", "compare", "documents", "shared_plain_prefill", "repeats")
 
 
 @dataclass
@@ -57,11 +55,6 @@ class DepthConfig:
 
 def _log(msg: str):
     print(msg, file=sys.stderr, flush=True)
-
-
-def geomean(xs: Sequence[float]) -> Optional[float]:
-    xs = [x for x in xs if x and x > 0]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def resolve_depths(depths: Sequence[int], context: Optional[int], max_tokens: int) -> List[int]:
@@ -242,7 +235,7 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
             for k in others:
                 o = runs[f"auto {k}"]
                 _log(f"  {k}: {o['decode_tps']:.2f} tok/s tau {o['tau'] or 0:.2f} ttft {o['ttft_s']:.1f}s")
-            _log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {_f(p['ttft_s'], '{:.1f}')}s | "
+            _log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {fmt(p['ttft_s'], '{:.1f}')}s | "
                  f"auto {a['decode_tps']:.2f} tok/s tau {a['tau'] or 0:.2f} ttft {a['ttft_s']:.1f}s "
                  f"width {rec['settled_width']} | "
                  + " ".join(f"{w}: {runs[f'block {w}']['decode_tps']:.2f}" for w in cfg.widths)
@@ -254,220 +247,3 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
     doc["environment"]["loadavg_end"] = environment(model)["loadavg"]
     doc["summary"] = summarize(doc["records"], cfg.widths)
     return doc
-
-
-def merge(docs: Sequence[dict]) -> dict:
-    """One result from runs that measured different depths with the same settings (a
-    benchmark split across processes, one per core): records in depth order, summary
-    recomputed, the elapsed time the longest run's."""
-    keep = MEASURED_WITH + ("model", "draft")
-    first = docs[0]
-    for d in docs[1:]:
-        differ = [k for k in keep if _setting(d, k) != _setting(first, k)]
-        if differ or d["documents"] != first["documents"]:
-            raise ValueError(f"depth results measured with other settings ({', '.join(differ) or 'documents'}) "
-                             "do not merge")
-    seen = set()
-    records = []
-    for d in docs:
-        for r in d["records"]:
-            if (r["depth"], r["document"]) in seen:
-                raise ValueError(f"depth {r['depth']}, {r['document']} is measured twice")
-            seen.add((r["depth"], r["document"]))
-            records.append(r)
-    records.sort(key=lambda r: r["depth"])
-    depths = sorted({r["depth"] for r in records})
-    out = dict(first)
-    out["config"] = dict(first["config"], resolved_depths=depths,
-                         command=" & ".join(d["config"].get("command", "") for d in docs))
-    out["records"] = records
-    out["elapsed_s"] = max(d.get("elapsed_s", 0.0) for d in docs)
-    out["summary"] = summarize(records, first["config"]["widths"])
-    return out
-
-
-def _setting(doc: dict, key: str):
-    """A result's setting; results from before `repeats` existed ran each setting once."""
-    return doc["config"].get(key, 1 if key == "repeats" else None)
-
-
-def _others(records: List[dict]) -> List[str]:
-    return sorted({k[len("auto "):] for r in records for k in r["runs"] if k.startswith("auto ")})
-
-
-def summarize(records: List[dict], widths: Sequence[int]) -> Dict[str, dict]:
-    out = {}
-    for depth in sorted({r["depth"] for r in records}):
-        rows = [r for r in records if r["depth"] == depth]
-
-        def speed(name, key="decode_tps"):
-            return [r["runs"][name][key] / r["runs"]["plain"][key] for r in rows
-                    if r["runs"][name][key] and r["runs"]["plain"][key]]
-
-        fixed = {w: geomean(speed(f"block {w}")) for w in widths}
-        best = max((w for w in widths if fixed[w]), key=lambda w: fixed[w], default=None)
-        auto = geomean(speed("auto"))
-        settled = Counter(r["settled_width"] for r in rows if r["settled_width"] is not None)
-        out[str(depth)] = {
-            "documents": len(rows),
-            "plain_tps": geomean([r["runs"]["plain"]["decode_tps"] for r in rows]),
-            "auto_tps": geomean([r["runs"]["auto"]["decode_tps"] for r in rows]),
-            "speedup": auto,
-            "speedup_cpu": geomean(speed("auto", "decode_tps_cpu")),
-            "tau": geomean([r["runs"]["auto"]["tau"] for r in rows]),
-            "ttft_plain_s": geomean([r["runs"]["plain"]["ttft_s"] for r in rows]),
-            "ttft_auto_s": geomean([r["runs"]["auto"]["ttft_s"] for r in rows]),
-            # on the documents whose plain prefill was timed too
-            "ttft_ratio": geomean([r["runs"]["auto"]["ttft_s"] / r["runs"]["plain"]["ttft_s"] for r in rows
-                                   if r["runs"]["plain"]["ttft_s"] and r["runs"]["auto"]["ttft_s"]]),
-            "settled_widths": dict(sorted(settled.items())),
-            "fixed_speedup": {str(w): fixed[w] for w in widths},
-            "fixed_tau": {str(w): geomean([r["runs"][f"block {w}"]["tau"] for r in rows]) for w in widths},
-            "best_fixed_width": best,
-            "auto_vs_best_fixed": (auto / fixed[best]) if auto and best else None,
-            "mismatches": sum(not run["identical"] for r in rows for run in r["runs"].values()),
-            "others": {k: {"speedup": geomean(speed(f"auto {k}")),
-                           "speedup_cpu": geomean(speed(f"auto {k}", "decode_tps_cpu")),
-                           "tau": geomean([r["runs"][f"auto {k}"]["tau"] for r in rows]),
-                           "ttft_s": geomean([r["runs"][f"auto {k}"]["ttft_s"] for r in rows])}
-                       for k in _others(rows)},
-        }
-    return out
-
-
-def _f(x, fmt="{:.2f}"):
-    return "–" if x is None else fmt.format(x)
-
-
-def markdown(doc: dict) -> str:
-    cfg, env = doc["config"], doc["environment"]
-    widths = cfg["widths"]
-    lines = [
-        f"# Depth benchmark: {cfg['model']} with draft {cfg['draft']}",
-        "",
-        f"Held-out documents: {', '.join(d['name'] for d in doc['documents'])}; each cut so the whole "
-        f"prompt is the depth's length, then one question. {cfg['max_tokens']} tokens, greedy, "
-        "plain decoding (`baseline=True`) and the default width (`block_size=\"auto\"`) from empty "
-        "caches, interleaved; fixed widths from the auto run's prompt cache"
-        + ("; plain decoding's prefill timed on each depth's first document, the others decode from "
-           "the auto run's target cache" if cfg.get("shared_plain_prefill", True) else "")
-        + (f"; decode speeds the median of {cfg['repeats']} runs" if cfg.get("repeats", 1) > 1 else "")
-        + ". Geometric means over documents; the width policy reset at each depth.",
-        "",
-        "| depth | docs | plain tok/s | auto tok/s | speed-up | tau | TTFT plain s | TTFT auto s | TTFT auto / plain | "
-        "speed-up (CPU time) | auto settled on | " + " | ".join(f"block {w}" for w in widths)
-        + " | auto / best fixed | identical |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|" + "---:|" * len(widths) + "---:|---|",
-    ]
-    for depth, s in doc["summary"].items():
-        settled = ", ".join(f"{w} ({n})" for w, n in s["settled_widths"].items()) or "–"
-        fixed = " | ".join(f"{_f(s['fixed_speedup'][str(w)])}x" for w in widths)
-        lines.append(
-            f"| {depth} | {s['documents']} | {_f(s['plain_tps'])} | {_f(s['auto_tps'])} | "
-            f"**{_f(s['speedup'])}x** | {_f(s['tau'])} | {_f(s['ttft_plain_s'])} | {_f(s['ttft_auto_s'])} | "
-            f"{_f(s['ttft_ratio'])} | "
-            f"{_f(s['speedup_cpu'])}x | {settled} | {fixed} | {_f(s['auto_vs_best_fixed'], '{:.3f}')} (best: {s['best_fixed_width']}) | "
-            f"{'yes' if not s['mismatches'] else 'NO: ' + str(s['mismatches'])} |")
-    others = sorted({k for s in doc["summary"].values() for k in s.get("others", {})})
-    if others:
-        lines += ["", f"Other drafts beside the main draft (`{cfg['draft']}`, the table above), at the "
-                  f"default width from empty caches: {', '.join(others)}.", "",
-                  "| depth | draft | speed-up | speed-up (CPU time) | tau | TTFT s |", "|---:|---|---:|---:|---:|---:|"]
-        for depth, s in doc["summary"].items():
-            lines.append(f"| {depth} | {cfg['draft']} | {_f(s['speedup'])}x | {_f(s['speedup_cpu'])}x | "
-                         f"{_f(s['tau'])} | {_f(s['ttft_auto_s'])} |")
-            for k in others:
-                o = s["others"].get(k)
-                if o:
-                    lines.append(f"| {depth} | {k} | {_f(o['speedup'])}x | {_f(o['speedup_cpu'])}x | "
-                                 f"{_f(o['tau'])} | {_f(o['ttft_s'])} |")
-    lines += [
-        "",
-        "Fixed-width columns: speed-up over plain decoding (geometric mean); tau at each: "
-        + "; ".join(f"depth {d}: " + ", ".join(f"{w}: {_f(s['fixed_tau'][str(w)])}" for w in widths)
-                    for d, s in doc["summary"].items()) + ".",
-        "",
-        f"Machine: {env.get('platform')}, {env.get('cpu_count')} cores, MLX {env.get('mlx_version')}, "
-        f"BLAS {env.get('blas')}, threads {env.get('thread_env')}, load average "
-        f"{env.get('loadavg')} at start, {env.get('loadavg_end')} at end, {doc.get('elapsed_s')} s.",
-        "",
-        f"Command: `{cfg.get('command')}`",
-        "",
-        "## Per document",
-        "",
-        "| depth | document | plain tok/s | auto tok/s | tau | TTFT plain / auto s | settled | auto's tokens "
-        "(draft / tree / copy / plain) | " + " | ".join(f"block {w} tok/s" for w in widths) + " |",
-        "|---:|---|---:|---:|---:|---|---:|---|" + "---:|" * len(widths),
-    ]
-    for r in doc["records"]:
-        p, a = r["runs"]["plain"], r["runs"]["auto"]
-        kinds = a.get("proposals") or {}
-        split = " / ".join(str(kinds.get(k, [0, 0])[1]) for k in ("draft", "tree", "copy", "plain")) if kinds else "–"
-        lines.append(
-            f"| {r['depth']} | {r['document']} | {_f(p['decode_tps'])} | {_f(a['decode_tps'])} | {_f(a['tau'])} | "
-            f"{_f(p['ttft_s'])} / {_f(a['ttft_s'])} | {r['settled_width']} | {split} | "
-            + " | ".join(_f(r["runs"][f"block {w}"]["decode_tps"]) for w in widths) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def plot(doc: dict, path: Path) -> Optional[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    s = doc["summary"]
-    depths = [int(d) for d in s]
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    ax = axes[0]
-    ax.plot(depths, [s[str(d)]["speedup"] for d in depths], "o-", label="auto")
-    for w in doc["config"]["widths"]:
-        ax.plot(depths, [s[str(d)]["fixed_speedup"][str(w)] for d in depths], ".--", alpha=0.6, label=f"block {w}")
-    others = sorted({k for v in s.values() for k in v.get("others", {})})
-    for k in others:
-        ax.plot(depths, [s[str(d)]["others"].get(k, {}).get("speedup") for d in depths], "s-", label=f"auto, {k}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(xscale="log", xlabel="prompt tokens", ylabel="speed-up over plain", title="decode speed-up")
-    ax.legend(fontsize=7)
-    ax = axes[1]
-    ax.plot(depths, [s[str(d)]["tau"] for d in depths], "o-", label=doc["config"]["draft"])
-    for k in others:
-        ax.plot(depths, [s[str(d)]["others"].get(k, {}).get("tau") for d in depths], "s-", label=k)
-    ax.legend(fontsize=7)
-    ax.set(xscale="log", xlabel="prompt tokens", ylabel="tau (auto)", title="tokens per target forward")
-    ax = axes[2]
-    ax.plot(depths, [s[str(d)]["ttft_plain_s"] for d in depths], "o-", label="plain")
-    ax.plot(depths, [s[str(d)]["ttft_auto_s"] for d in depths], "s--", label="auto")
-    ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel="seconds", title="time to first token")
-    ax.legend(fontsize=7)
-    for ax in axes:
-        ax.set_xticks(depths, [str(d) for d in depths], minor=False)
-        ax.set_xticks([], minor=True)
-        ax.tick_params(axis="x", labelsize=7)
-    fig.suptitle(f"{doc['config']['model']} + {doc['config']['draft']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
-def write_all(doc: dict, out_dir: Path, with_plot: bool = True) -> List[Path]:
-    import json
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "results.json", out_dir / "README.md"]
-    tmp = paths[0].with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(paths[0])
-    paths[1].write_text(markdown(doc))
-    if with_plot and doc["summary"]:
-        p = plot(doc, out_dir / "depth.png")
-        if p:
-            paths.append(p)
-    return paths
-
-
-def mismatches(doc: dict) -> int:
-    return sum(s["mismatches"] for s in doc["summary"].values())

@@ -24,7 +24,7 @@ SUBCOMMANDS = {
     "doctor": "dflash_mlx.cli.doctor",
     "export": "dflash_mlx.cli.export",
     "export-draft": "dflash_mlx.cli.export_draft",
-    "serve": "dflash_mlx.serve.app",
+    "serve": "dflash_mlx.serve.cli",
 }
 
 

@@ -24,9 +24,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
 
 from dflash_mlx.identity import IdentityMap
-from dflash_mlx.models.target.rollback import (StandIn, VerifyRecord, recorded_apart, replay_gdn_rows, replay_layer_rows,
-                                 rollback_batch_rows, sub_caches)
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.rollback import (StandIn, VerifyRecord, recorded_apart, replay_gdn_rows,
+                                               replay_layer_rows, rollback_batch_rows, sub_caches)
 
 _SUPPORT = IdentityMap()
 

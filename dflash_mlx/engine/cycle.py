@@ -1,106 +1,27 @@
 """The DFlash cycle of one sequence: prefill, then draft -> verify -> accept -> rollback.
 
 Token-level pieces, as mlx-lm keeps its step functions apart from its response layer:
-the drafters (`DraftContext`, and `PlainDecoding` for plain decoding at width 1),
-`prefill_chunks`, and `cycle`, one cycle of one sequence on its own caches. The engine
-(`batch.BatchEngine`) runs `cycle` for a row that decodes alone, which is every
-`stream_generate` call, and its own batched cycle for two rows or more.
+`prefill_chunks`, and `cycle`, one cycle of one sequence on its own caches, with the split
+of its verify's LM head (`HeadRows`). The engine (`engine.BatchEngine`) runs `cycle` for a
+row that decodes alone, which is every `stream_generate` call, and its own batched cycle
+(`batch_cycle`) for two rows or more. What a cycle asks of the draft: `drafter`.
 """
 
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
-from dflash_mlx.speculation.copies import ContextIndex, CopyPolicy
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
-from dflash_mlx.speculation.tree import TreePolicy, compact_cache, verify_tree
-
-
-def _wrap_tokenizer(tokenizer):
-    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
-
-
-def stop_ids(tokenizer, extra: Sequence[int] = ()) -> set:
-    """The token ids that end an answer: the tokenizer's EOS ids plus `extra`."""
-    return set(_wrap_tokenizer(tokenizer).eos_token_ids or ()) | set(extra or ())
-
-
-# -- drafters: what a cycle asks of the draft ------------------------------------
-
-
-class PlainDecoding:
-    """The null drafter: no draft, so every cycle is a one-token target step."""
-
-    draft = None
-    layer_ids: List[int] = []
-
-    def absorb(self, features):
-        pass
-
-    def keep(self, features):
-        pass
-
-
-class DraftContext:
-    """A draft and its context cache (held by the prompt cache) as the cycles use them.
-
-    Features of committed positions wait in `state.pending` until the next draft
-    forward absorbs them, so a width-1 cycle runs no draft computation at all.
-    """
-
-    # Past this many waiting positions they are absorbed anyway, which bounds the
-    # lazy graph a long stretch of width-1 cycles would otherwise build up.
-    MAX_PENDING = 64
-
-    def __init__(self, draft, state: PromptCache):
-        self.draft = draft
-        self.state = state
-        self.layer_ids = list(draft.config.target_layer_ids)
-
-    def take_pending(self) -> Optional[mx.array]:
-        """The features waiting for the next draft forward, handed over (none wait after)."""
-        pending, self.state.pending = self.state.pending, None
-        return pending
-
-    def absorb(self, features: Optional[mx.array]):
-        """Inject features now (prefill), after whatever was waiting."""
-        pending = self.take_pending()
-        if pending is not None:
-            self.draft.inject(pending, self.state.draft_cache)
-        self.draft.inject(features, self.state.draft_cache)
-
-    def keep(self, features: mx.array):
-        pending = self.state.pending
-        self.state.pending = features if pending is None else mx.concatenate([pending, features], axis=1)
-        if self.state.pending.shape[1] > self.MAX_PENDING:
-            self.absorb(None)
-
-    def draft_logits(self, last: mx.array, width: int) -> mx.array:
-        """The draft's logits [1, width - 1, V_draft] for the block after `last`."""
-        return self.draft.propose_logits(last, self.take_pending(), self.state.draft_cache, width)
-
-    def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
-        return acceptor.propose(self.draft, self.draft_logits(last, width))
-
-
-def propose_rows(drafters: Sequence[DraftContext], lasts: Sequence[mx.array], width: int,
-                 acceptors: Sequence) -> List[Proposal]:
-    """Each row's proposal for a verify of `width` (a batch's drafting rows, same draft): one
-    draft forward for them all where the draft batches rows of different contexts
-    (`propose_logits_rows`), else a forward per row. Per row on a CPU, the draft's small
-    matmuls cost about as much for one row as for eight."""
-    draft = drafters[0].draft
-    caches = [d.state.draft_cache for d in drafters]
-    if len(drafters) < 2 or not getattr(draft, "batches_rows", lambda c: False)(caches):
-        return [d.propose(last, width, a) for d, last, a in zip(drafters, lasts, acceptors)]
-    logits = draft.propose_logits_rows(lasts, [d.take_pending() for d in drafters], caches, width)  # [B, width - 1, V_draft]
-    return [a.propose(draft, logits[b : b + 1]) for b, a in enumerate(acceptors)]
+from dflash_mlx.models.target.tree_attention import compact_cache
+from dflash_mlx.policy.copies import CopyPolicy
+from dflash_mlx.policy.trees import TreePolicy
+from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
+from dflash_mlx.speculation.copies import ContextIndex
+from dflash_mlx.speculation.tree_verify import verify_tree
 
 
 class HeadRows:
@@ -127,46 +48,6 @@ class HeadRows:
 
     def update(self, accept_length: int):
         self.mean_accept += 0.1 * (accept_length - self.mean_accept)
-
-
-# -- profiling -------------------------------------------------------------------
-
-
-class PhaseTimer:
-    """Wall time per cycle phase. It evaluates at each phase boundary, which costs
-    host syncs the engine otherwise avoids: for benchmarks only."""
-
-    def start(self):
-        self.t0 = self.t = time.perf_counter()
-        self.times: Dict[str, float] = {}
-
-    def mark(self, phase: str, arrays=None):
-        """`arrays`: what the phase produced (or a function returning it) to wait for."""
-        if arrays is not None:
-            mx.eval(arrays() if callable(arrays) else arrays)
-        now = time.perf_counter()
-        self.times[phase] = now - self.t
-        self.t = now
-
-    def result(self) -> Dict[str, float]:
-        self.times["other"] = max(0.0, time.perf_counter() - self.t0 - sum(self.times.values()))
-        return dict(self.times)
-
-
-class NoTimer:
-    """Profiling off: no syncs, no times."""
-
-    def start(self):
-        pass
-
-    def mark(self, phase, arrays=None):
-        pass
-
-    def result(self):
-        return None
-
-
-# -- the token-level engine ----------------------------------------------------------
 
 
 def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
@@ -202,7 +83,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
 
 
 def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
-          budget: int, stops, timer, head_rows: "HeadRows", logprobs: Optional[int] = None,
+          budget: int, stops, timer, head_rows: HeadRows, logprobs: Optional[int] = None,
           copies: Optional[CopyPolicy] = None, index: Optional[ContextIndex] = None,
           trees: Optional[TreePolicy] = None) -> Tuple[Step, mx.array]:
     """One draft -> verify -> accept -> rollback cycle of one sequence on its own (unbatched)
@@ -213,10 +94,10 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     its other rows, see `HeadRows`); `widths` picks its verify width.
     `copies` (with `index`, the context so far): the cycle may verify a copy of what followed
     an earlier occurrence of the context's suffix instead of the draft's block, when that
-    is expected to commit more tokens per second (`copy_proposals.CopyPolicy`).
-    `trees` (on targets `token_tree.tree_support` accepts; sampled exactly at T > 0): a drafted cycle may
-    spend its rows on a token tree from the draft's top-k instead of its chain
-    (`token_tree.TreePolicy`; two host syncs in such a cycle).
+    is expected to commit more tokens per second (`policy.copies.CopyPolicy`).
+    `trees` (on targets `tree_attention.tree_support` accepts; sampled exactly at T > 0): a drafted
+    cycle may spend its rows on a token tree from the draft's top-k instead of its chain
+    (`policy.trees.TreePolicy`, `speculation.tree_verify`; two host syncs in such a cycle).
     `logprobs` (None: off) >= 0: the step carries its tokens' `TokenLogprob`s with that
     many alternatives, from the verify's own logits (one more sync when on).
     """

@@ -1,12 +1,14 @@
-"""Steps and responses: what a cycle committed (`Step`), and one answer's steps as
-`DFlashResponse`s with detokenized text and running statistics (`Answer`); the one `tau`.
-Both engines (`generate.stream_generate`, `batch.BatchEngine`) answer through here."""
+"""Steps and responses: what a cycle committed (`Step`) and where an answer ends
+(`stop_ids`, `committed_span`), and one answer's steps as `DFlashResponse`s with
+detokenized text and running statistics (`Answer`); the one `tau`. Every answer
+(`generate.stream_generate`, the server's, through `engine.BatchEngine`) goes through here."""
 
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 
 def tau(accept_lengths: Sequence[int]) -> float:
@@ -92,6 +94,16 @@ class Step:
     proposal: Optional[str] = None  # what was verified: "draft" | "tree" | "copy" | None (a plain step)
 
 
+def wrap_tokenizer(tokenizer) -> TokenizerWrapper:
+    """mlx-lm's wrapper (EOS ids, streaming detokenizer) around a tokenizer, unless it is one."""
+    return tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer)
+
+
+def stop_ids(tokenizer, extra: Sequence[int] = ()) -> set:
+    """The token ids that end an answer: the tokenizer's EOS ids plus `extra`."""
+    return set(wrap_tokenizer(tokenizer).eos_token_ids or ()) | set(extra or ())
+
+
 def committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optional[str]]:
     """How many of a cycle's tokens are committed, and whether generation ends there."""
     for i, tok in enumerate(tokens):
@@ -104,7 +116,7 @@ def committed_span(tokens: List[int], stops, budget: int) -> Tuple[int, Optional
 
 class Answer:
     """One answer's steps as `DFlashResponse`s: detokenized text and running statistics
-    (the single-sequence engine and the batch engine make their responses here)."""
+    (every row of the engine, alone or batched, makes its responses here)."""
 
     def __init__(self, tokenizer, prompt_tokens: int, prefilled: int, prompt_time: float):
         self.detok = tokenizer.detokenizer

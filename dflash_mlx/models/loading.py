@@ -177,7 +177,8 @@ def _is_gguf(path: Path) -> bool:
 
 
 def _load_gguf(path, dt, quiet):
-    from dflash_mlx.models.gguf.loader import GGUFError, load_gguf
+    from dflash_mlx.models.gguf.loader import load_gguf
+    from dflash_mlx.models.gguf.reader import GGUFError
 
     progress = (lambda done, total: None) if quiet else None
     try:

@@ -1,7 +1,7 @@
 """The server's answers: the worker's events as text, tool calls, logprobs and an end, in
 OpenAI's and Anthropic's shapes, whole or streamed (server-sent events), and errors in each API's
-own shape. "Worker" and "Job" annotations name `dflash_mlx.serve.worker`'s classes (not imported:
-that module imports this one)."""
+own shape. "Worker" and "Job" annotations name `dflash_mlx.serve.worker.Worker` and
+`dflash_mlx.serve.jobs.Job`."""
 
 import asyncio
 import json
@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from dflash_mlx.serve import protocol as P
+from dflash_mlx.serve import protocol_anthropic as PA
 from dflash_mlx.serve.requests import RequestError
 from dflash_mlx.tool_calls import ToolCallStream
 
@@ -225,7 +226,7 @@ async def anthropic_complete(worker: "Worker", request: Request, job: "Job", rid
                 done = piece.value
     finally:
         watcher.cancel()
-    body = P.MessageResponse(id=rid, model=worker.model_name, content=blocks, stop_reason=_stop_reason(done),
+    body = PA.MessageResponse(id=rid, model=worker.model_name, content=blocks, stop_reason=_stop_reason(done),
                              stop_sequence=done["stop_sequence"], usage=_anthropic_usage(done["usage"]))
     return JSONResponse(body.model_dump())
 

@@ -1,55 +1,45 @@
 """`dflash-mlx serve`: an OpenAI- and Anthropic-compatible HTTP server on the DFlash engine.
 
 FastAPI on uvicorn; request and response bodies are the pydantic models of
-`dflash_mlx.serve.protocol`. Routes: OpenAI's POST /v1/chat/completions and
-/v1/completions (tool calls, logprobs), Anthropic's POST /v1/messages and
-/v1/messages/count_tokens, GET /v1/models and /health. Errors come in each API's
-own shape. One target + draft are loaded at start; one worker thread runs the
-engine: continuous batching (`--max-batch` requests decode together, new ones join
-between cycles) or, for targets the batch engine does not take, one request at a
-time; either from a bounded queue (a full queue answers 429 with Retry-After).
-A follow-up turn prefills only its new tokens from cached conversations (bounded in
-bytes). A client that goes away cancels its generation at the next cycle. Tool calls
-are parsed by the tokenizer's mlx-lm tool parser (`dflash_mlx.tool_calls`).
+`dflash_mlx.serve.protocol` (OpenAI) and `dflash_mlx.serve.protocol_anthropic`.
+Routes: OpenAI's POST /v1/chat/completions and /v1/completions (tool calls,
+logprobs), Anthropic's POST /v1/messages and /v1/messages/count_tokens, GET
+/v1/models and /health. Errors come in each API's own shape. One target + draft
+are loaded at start; one worker thread runs the engine: continuous batching
+(`--max-batch` requests decode together, new ones join between cycles) or, for
+targets the batch engine does not take, one request at a time; either from a
+bounded queue (a full queue answers 429 with Retry-After). A follow-up turn
+prefills only its new tokens from cached conversations (bounded in bytes). A
+client that goes away cancels its generation at the next cycle. Tool calls are
+parsed by the tokenizer's mlx-lm tool parser (`dflash_mlx.tool_calls`).
 
-Here: the app's routes and the command line. The worker (scheduling, cached
-conversations, cancellation): `server_worker.py`; request bodies to
-`GenerationRequest`s and stop strings: `server_requests.py`; the worker's events as
-each API's answers, whole or streamed: `server_answers.py`.
+Here: the app's routes and how request validation errors read. The command line:
+`cli.py`; the worker (scheduling): `worker.py`, its jobs and their answers' events:
+`jobs.py`, cached conversations: `cache_pool.py`; request bodies to
+`GenerationRequest`s and stop strings: `requests.py`; the worker's events as each
+API's answers, whole or streamed: `answers.py`.
 """
 
-import argparse
 import asyncio
-import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 from typing import Optional
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException
 
 from dflash_mlx.serve import protocol as P
-from dflash_mlx.cli.common import ArgumentParser, checked_options, load_model_and_draft
-from dflash_mlx.options import GenerationOptions, add_generation_args
-from dflash_mlx.models.packaged import DEFAULT_MODEL
+from dflash_mlx.serve import protocol_anthropic as PA
 from dflash_mlx.serve.answers import (
     anthropic_error, call_id, openai_error, anthropic_complete, anthropic_stream, openai_complete, openai_stream,
 )
+from dflash_mlx.serve.jobs import Job
 from dflash_mlx.serve.requests import (
-    RequestError, StopMatcher, anthropic_prompt, completion_request, messages_request, openai_chat_request,
+    RequestError, anthropic_prompt, completion_request, messages_request, openai_chat_request,
 )
-from dflash_mlx.serve.worker import DEFAULT_PROMPT_CACHE_BYTES, Job, Worker, default_max_batch
-
-__all__ = ["Job", "StopMatcher", "Worker", "build_parser", "create_app", "load_worker", "main"]
-
-DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
-
-
-# -- the HTTP app ---------------------------------------------------------------
+from dflash_mlx.serve.worker import Worker
 
 
 def _error_for(request: Request, err: RequestError):
@@ -112,7 +102,7 @@ def validation_message(errors) -> RequestError:
 
 
 _OPENAI_ERRORS = {s: {"model": P.OpenAIError} for s in (400, 404, 429, 500, 503)}
-_ANTHROPIC_ERRORS = {s: {"model": P.AnthropicError} for s in (400, 404, 429, 500, 503)}
+_ANTHROPIC_ERRORS = {s: {"model": PA.AnthropicError} for s in (400, 404, 429, 500, 503)}
 
 
 def _streamed(model, what: str) -> dict:
@@ -181,126 +171,19 @@ def create_app(worker: Worker):
     async def completions(body: P.CompletionRequest, request: Request):
         return await openai_routes(request, completion_request, body, "cmpl-")
 
-    @app.post("/v1/messages", response_model=None, responses={**_streamed(P.MessageResponse, "the message"),
+    @app.post("/v1/messages", response_model=None, responses={**_streamed(PA.MessageResponse, "the message"),
                                                              **_ANTHROPIC_ERRORS})
-    async def messages(body: P.MessagesRequest, request: Request):
+    async def messages(body: PA.MessagesRequest, request: Request):
         return await run(request, messages_request, body,
                          lambda rq, job, rid: anthropic_complete(worker, rq, job, rid),
                          lambda job, rid: anthropic_stream(worker, job, rid), anthropic_error, "msg_")
 
-    @app.post("/v1/messages/count_tokens", response_model=P.TokenCount, responses=_ANTHROPIC_ERRORS)
-    async def count_tokens(body: P.AnthropicPrompt):
+    @app.post("/v1/messages/count_tokens", response_model=PA.TokenCount, responses=_ANTHROPIC_ERRORS)
+    async def count_tokens(body: PA.AnthropicPrompt):
         try:
             ids, _ = anthropic_prompt(worker, body, check_window=False)  # a count, also past the window
         except RequestError as e:
             return anthropic_error(e)
-        return P.TokenCount(input_tokens=len(ids))
+        return PA.TokenCount(input_tokens=len(ids))
 
     return app
-
-
-# -- command line ---------------------------------------------------------------
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
-    return value
-
-
-def _bytes(text: str) -> int:
-    """A size in bytes: a whole number, optionally with K, M, G or T (powers of 1024)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    scale = 1
-    if t and t[-1] in "KMGT":
-        scale, t = 1024 ** ("KMGT".index(t[-1]) + 1), t[:-1]
-    try:
-        value = float(t) * scale
-    except ValueError:
-        value = -1
-    if value < 0 or value != value:
-        raise argparse.ArgumentTypeError(f"expected a size in bytes such as 512M, 2G or 1000000, got {text!r}")
-    return int(value)
-
-
-def build_parser():
-    p = ArgumentParser(
-        prog="dflash-mlx serve",
-        description="OpenAI-compatible server (POST /v1/chat/completions, /v1/completions; "
-        "GET /v1/models, /health) on DFlash speculative decoding.",
-    )
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"packaged name, .gguf file, mlx-lm folder or hub id (default: {DEFAULT_MODEL})")
-    p.add_argument("--draft", help="DFlash draft: packaged name, folder or hub id "
-                   "(default: the packaged draft of a packaged --model)")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
-    # --max-tokens and the sampling flags are the defaults of a request's own fields
-    add_generation_args(p, GenerationOptions(max_tokens=512))
-    p.add_argument("--max-batch", type=_positive, default=None,
-                   help="requests decoding at once (continuous batching; 1: one at a time; default: "
-                   f"{default_max_batch()} on this machine, one per 3 GiB of memory); targets the batch "
-                   "engine does not take are served one at a time")
-    p.add_argument("--queue-size", type=_positive, default=16,
-                   help="requests that may wait for a free row; more get 429 with Retry-After (default: 16)")
-    p.add_argument("--snapshots", type=_count, default=4,
-                   help="cached conversations kept for prefix reuse across requests (default: 4)")
-    p.add_argument("--prompt-cache-bytes", type=_bytes, default=DEFAULT_PROMPT_CACHE_BYTES,
-                   help="most bytes the cached conversations hold, e.g. 512M, 2G or a number (default: 1G); "
-                   "batched, the running requests' caches count too (no new request joins past it); "
-                   "one at a time, the current conversation comes on top")
-    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
-                   help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--baseline", action="store_true", help="serve the target alone, without a draft")
-    return p
-
-
-def load_worker(args) -> Worker:
-    options = checked_options(args)
-    model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
-                                                               dtype=args.dtype)
-    return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
-                  options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
-                  prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch)
-
-
-def main(argv=None) -> int:
-    """`dflash-mlx serve`; `dflash_mlx.cli.main.main` turns errors into one line."""
-    args = build_parser().parse_args(argv)
-    worker = load_worker(args)
-    print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {worker.options.block_size}, "
-          f"{worker.scheduling}, on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=5)
-    _serve(config, worker)
-    return 0
-
-
-def _serve(config, worker: Worker):
-    class Server(uvicorn.Server):
-        """On Ctrl-C / SIGTERM the worker stops first, so open streams end (with an
-        error event) at their next cycle instead of waiting out the grace period."""
-
-        def handle_exit(self, sig, frame):
-            threading.Thread(target=worker.stop, daemon=True).start()  # it joins the worker: not on the loop
-            super().handle_exit(sig, frame)
-
-    Server(config).run()
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,15 @@
-"""The server's requests: OpenAI and Anthropic request bodies (`dflash_mlx.serve.protocol`) turned
-into one `GenerationRequest` (chat template, tools, sampling options, window check), request
-errors in each API's shape, and stop strings matched across streamed pieces. "Worker" annotations name `dflash_mlx.serve.worker.Worker` (not imported: that
-module imports this one)."""
+"""The server's requests: OpenAI and Anthropic request bodies (`dflash_mlx.serve.protocol`,
+`dflash_mlx.serve.protocol_anthropic`) turned into one `GenerationRequest` (chat template, tools,
+sampling options, window check), request errors in each API's shape, and stop strings matched
+across streamed pieces. "Worker" annotations name `dflash_mlx.serve.worker.Worker` (not imported:
+that module imports this one)."""
 
 import json
 from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 from dflash_mlx.serve import protocol as P
+from dflash_mlx.serve import protocol_anthropic as PA
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.tool_calls import template_tools
 
@@ -98,7 +100,7 @@ def openai_chat_messages(messages: List[P.ChatMessage]) -> List[dict]:
     return out
 
 
-def anthropic_chat_messages(body: P.AnthropicPrompt) -> List[dict]:
+def anthropic_chat_messages(body: PA.AnthropicPrompt) -> List[dict]:
     """Anthropic messages as chat templates read them: tool_result blocks become "tool" messages,
     tool_use blocks the assistant's tool_calls."""
     out = []
@@ -120,9 +122,9 @@ def anthropic_chat_messages(body: P.AnthropicPrompt) -> List[dict]:
             calls.clear()
 
         for block in m.content:
-            if isinstance(block, P.AnthropicText):
+            if isinstance(block, PA.AnthropicText):
                 text.append(block.text)
-            elif isinstance(block, P.AnthropicToolUse):
+            elif isinstance(block, PA.AnthropicToolUse):
                 calls.append({"id": block.id, "type": "function",
                               "function": {"name": block.name, "arguments": block.input}})
             else:
@@ -134,7 +136,7 @@ def anthropic_chat_messages(body: P.AnthropicPrompt) -> List[dict]:
     return out
 
 
-def anthropic_tools(tools: Optional[List[P.AnthropicTool]]) -> Optional[List[dict]]:
+def anthropic_tools(tools: Optional[List[PA.AnthropicTool]]) -> Optional[List[dict]]:
     if not tools:
         return None
     return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
@@ -218,7 +220,7 @@ def completion_request(worker: "Worker", body: P.CompletionRequest) -> Generatio
     )
 
 
-def anthropic_prompt(worker: "Worker", body: P.AnthropicPrompt, check_window: bool = True):
+def anthropic_prompt(worker: "Worker", body: PA.AnthropicPrompt, check_window: bool = True):
     _check_model(worker, body.model)
     _refuse(body)
     none = body.tool_choice is not None and body.tool_choice.type == "none"
@@ -226,7 +228,7 @@ def anthropic_prompt(worker: "Worker", body: P.AnthropicPrompt, check_window: bo
                        check_window=check_window)
 
 
-def messages_request(worker: "Worker", body: P.MessagesRequest) -> GenerationRequest:
+def messages_request(worker: "Worker", body: PA.MessagesRequest) -> GenerationRequest:
     ids, tools = anthropic_prompt(worker, body)
     parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
     return GenerationRequest("chat", ids, sampling_options(worker, body, body.max_tokens),

@@ -3,42 +3,40 @@
 Two ways, chosen at start:
 
 - **batched** (`max_batch` > 1 on a target `batch_caches.batch_support` accepts): continuous
-  batching on `batch.BatchEngine`. Jobs join between cycles while there are free rows
+  batching on `engine.BatchEngine`. Jobs join between cycles while there are free rows
   (their prompts prefilled one chunk per cycle, so running streams keep flowing), each
-  from the longest cached prefix among the caches of earlier answers (a pool bounded in
-  count and, with every row's live caches, in bytes); a finished, cancelled or ended job
-  leaves at once and frees its row.
+  from the longest cached prefix among the caches of earlier answers (`cache_pool.CachePool`,
+  bounded in count and, with every row's live caches, in bytes); a finished, cancelled or
+  ended job leaves at once and frees its row.
 - **one at a time** (other targets, or `max_batch` 1): `stream_generate` per job with one
   `PromptCache` whose snapshots serve caches that cannot be trimmed (Gated DeltaNet state).
 
 Either way a full queue answers 429 with a Retry-After estimate; a stopping server 503.
 What each job's engine responses become (text pieces, stop strings, logprobs, usage)
-is `JobAnswer`, the same for both.
+is `jobs.JobAnswer`, the same for both.
 """
 
-import asyncio
 import os
 import queue
 import threading
-import time
-from collections import OrderedDict
-from dataclasses import dataclass, field, replace
-from typing import Any, Dict, List, Optional
+from dataclasses import replace
+from typing import Dict, List, Optional
 
 import mlx.core as mx
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from dflash_mlx.engine.engine import BatchEngine, BatchRequest
+from dflash_mlx.engine.engine import BatchEngine
+from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.engine.batch_caches import batch_support
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions
-from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache, nbytes
-from dflash_mlx.serve.requests import GenerationRequest, RequestError, StopMatcher
+from dflash_mlx.engine.prompt_cache import make_prompt_cache
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
+from dflash_mlx.serve.jobs import Job, JobAnswer, shutting_down
+from dflash_mlx.serve.requests import GenerationRequest, RequestError
 from dflash_mlx.tool_calls import with_tool_calling
-
-DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # cached conversations (and, batched, the rows' caches): 1 GiB
 
 
 def default_max_batch() -> int:
@@ -48,112 +46,6 @@ def default_max_batch() -> int:
     except (ValueError, OSError, AttributeError):
         return 8
     return max(1, min(16, round(memory / (3 << 30))))
-
-
-@dataclass
-class Job:
-    request: GenerationRequest
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    ended: threading.Event = field(default_factory=threading.Event)  # the answer is complete: stop generating
-    queued_at: float = field(default_factory=time.perf_counter)
-    cycles: int = 0  # engine responses the worker has taken so far
-    cancel_cycle: Optional[int] = None  # `cycles` when the cancel came
-
-    def cancel(self):
-        if not self.cancelled.is_set():
-            self.cancel_cycle = self.cycles
-            self.cancelled.set()
-
-    def end(self):
-        """The client has all of the answer it asked for (its one tool call): end it as served."""
-        self.ended.set()
-
-    def emit(self, kind: str, payload: Any = None):
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-
-
-class JobAnswer:
-    """One job's engine responses as events: text pieces (stop strings held back and cut,
-    logprobs), then "done" with the finish reason and usage, or the cancellation."""
-
-    def __init__(self, worker: "Worker", job: Job):
-        self.worker, self.job = worker, job
-        self.matcher = StopMatcher(job.request.stop)
-        self.started = time.perf_counter()
-        self.first, self.last, self.finish, self.stop_matched = True, None, None, False
-        self.widths: Dict[int, int] = {}
-        self.lead = ""
-
-    def feed(self, r) -> bool:
-        """Take one engine response; True when the answer is over (a finish, a stop string,
-        the client ended or cancelled it)."""
-        job, req = self.job, self.job.request
-        job.cycles += 1
-        if self.first:
-            self.first = False
-            if req.kind == "completion":
-                self.lead = self.worker._lost_leading_space(r.token)
-        self.last = r
-        if r.verify_width is not None:
-            self.widths[r.verify_width] = self.widths.get(r.verify_width, 0) + 1
-        text = r.text
-        if self.lead and text:
-            text = text if text.startswith(self.lead) else self.lead + text
-            self.lead = ""
-        text, self.stop_matched = self.matcher.feed(text)
-        lps = r.logprobs
-        if lps is not None and r.finish_reason == "stop":
-            lps = lps[:-1]  # the stop token is not part of the answer
-        if text or lps:
-            job.emit("text", (text, lps))
-        if self.stop_matched:
-            self.finish = "stop"
-        elif r.finish_reason is not None:
-            self.finish = r.finish_reason
-        elif job.ended.is_set():
-            self.finish = "stop"
-        return self.finish is not None or job.cancelled.is_set()
-
-    def complete(self):
-        """Emit the end: "done" with usage, or (cancelled) "done" without, or the shutdown error."""
-        job, worker, last = self.job, self.worker, self.last
-        if self.finish is None:  # cancelled (or the server stopping)
-            worker.counts["cancelled"] += 1
-            worker.cycles_after_cancel.append(job.cycles - (job.cancel_cycle or job.cycles))
-            job.emit(*(("error", shutting_down()) if worker.stopping else ("done", None)))
-            return
-        tail = "" if self.stop_matched else self.matcher.flush()  # held back for a stop string that never came
-        if tail:
-            job.emit("text", (tail, None))
-        worker.counts["served"] += 1
-        worker.served_seconds.append(time.perf_counter() - self.started)
-        del worker.served_seconds[:-16]
-        accepts = last.accept_lengths
-        reused = last.prompt_tokens - last.prefill_tokens
-        usage = {
-            "prompt_tokens": last.prompt_tokens,
-            "completion_tokens": last.generation_tokens,
-            "total_tokens": last.prompt_tokens + last.generation_tokens,
-            "prompt_tokens_details": {"cached_tokens": reused},
-            "dflash": {
-                "tau": last.tau,
-                "mean_accept_length": sum(accepts) / len(accepts) if accepts else 0.0,
-                "cycles": len(accepts),
-                "verify_widths": {str(k): v for k, v in sorted(self.widths.items())},
-                "prompt_tokens_reused": reused,
-                "prefill_tokens": last.prefill_tokens,
-                "prompt_tokens_per_second": last.prompt_tps,
-                "tokens_per_second": last.generation_tps,
-                "queue_seconds": self.started - job.queued_at,
-                "seconds": time.perf_counter() - self.started,
-                "block_size": job.request.options.block_size,
-                "draft": worker.draft_name,
-            },
-        }
-        job.emit("done", {"finish_reason": self.finish, "usage": usage,
-                          "stop_sequence": self.matcher.matched if self.stop_matched else None})
 
 
 class Worker:
@@ -196,12 +88,11 @@ class Worker:
         self.batch_refused = batch_support(target) if self.max_batch > 1 else "max_batch is 1"
         self.engine: Optional[BatchEngine] = None
         if self.batch_refused is None:
-            self.engine = BatchEngine(model, draft, self.tokenizer, max_batch=self.max_batch,
-                                      block_size=self.options.block_size)
+            self.engine = self._new_engine()
         # cached conversations: one PromptCache (with snapshots) one at a time; batched, a pool
         self.cache = (make_prompt_cache(model, draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
                       if self.engine is None else None)
-        self.pool: "OrderedDict[int, PromptCache]" = OrderedDict()
+        self.pool = CachePool(max_snapshots, prompt_cache_bytes)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
         self.current: Optional[Job] = None
         self.active: Dict[int, tuple] = {}  # batched: row uid -> (job, answer, row)
@@ -266,12 +157,8 @@ class Worker:
             **self.counts,
         }
         if self.engine is not None:
-            stats = self.engine.stats()  # read from another thread: a moment's view
-            out["batch"] = stats
-            # the one-at-a-time keys: kept conversations as "snapshots", the rows' caches as "live"
-            out["prompt_cache"] = {"snapshots": len(self.pool), "max_snapshots": self.max_snapshots,
-                                   "snapshot_bytes": self._pool_bytes(), "live_bytes": self._rows_bytes(),
-                                   "max_bytes": self.max_bytes}
+            out["batch"] = self.engine.stats()  # read from another thread: a moment's view
+            out["prompt_cache"] = self.pool.stats(self.engine)
         else:
             out["prompt_cache"] = self.cache.stats()
         return out
@@ -293,15 +180,11 @@ class Worker:
             self.jobs.put(None)
             self._thread.join(timeout)
 
-    def _lost_leading_space(self, token: int) -> str:
-        """" " when the streaming detokenizer drops the first token's leading space.
-
-        mlx-lm's BPE detokenizer starts every answer without it, right for a chat
-        answer but not for a completion, whose text continues the prompt.
-        """
-        if not isinstance(self.tokenizer.detokenizer, BPEStreamingDetokenizer):
-            return ""
-        return " " if self.tokenizer.decode([token]).startswith(" ") else ""
+    def _cancelled_waiting(self, job: Job):
+        """A job cancelled while it waited: answered without running a cycle."""
+        self.counts["cancelled"] += 1
+        self.cycles_after_cancel.append(0)
+        job.emit("done", None)
 
     def _failed(self, job: Job, e: Exception):
         if isinstance(e, RequestError):
@@ -329,9 +212,7 @@ class Worker:
                 if self.stopping:  # taken between stop()'s drain and its cancel
                     job.emit("error", shutting_down())
                 elif job.cancelled.is_set():
-                    self.counts["cancelled"] += 1
-                    self.cycles_after_cancel.append(0)
-                    job.emit("done", None)
+                    self._cancelled_waiting(job)
                 else:
                     self._generate(job)
             except Exception as e:
@@ -359,6 +240,10 @@ class Worker:
 
     # -- batched
 
+    def _new_engine(self) -> BatchEngine:
+        return BatchEngine(self.model, self.draft, self.tokenizer, max_batch=self.max_batch,
+                           block_size=self.options.block_size)
+
     def _run_batched(self):
         engine = self.engine
         while True:
@@ -377,8 +262,7 @@ class Worker:
                 for job, _, _ in self.active.values():
                     self._failed(job, e)
                 self.active.clear()
-                self.engine = engine = BatchEngine(self.model, self.draft, self.tokenizer, max_batch=self.max_batch,
-                                                   block_size=self.options.block_size)
+                self.engine = engine = self._new_engine()
                 continue
             for uid, (job, answer, row) in list(self.active.items()):
                 if not row.done and (job.cancelled.is_set() or job.ended.is_set()):
@@ -387,12 +271,12 @@ class Worker:
                     del self.active[uid]
                     answer.complete()
                     if row.state.valid and row.state.tokens:
-                        self._keep(row.state)
+                        self.pool.keep(row.state, engine)
 
     def _admit(self) -> bool:
         """Take waiting jobs into free rows (waiting for one when nothing runs); False: stop."""
         engine = self.engine
-        while engine.room > 0 and self._bytes_left():
+        while engine.room > 0 and self.pool.room(engine):
             try:
                 job = self.jobs.get(block=engine.idle)
             except queue.Empty:
@@ -405,14 +289,12 @@ class Worker:
                 job.emit("error", shutting_down())
                 continue
             if job.cancelled.is_set():
-                self.counts["cancelled"] += 1
-                self.cycles_after_cancel.append(0)
-                job.emit("done", None)
+                self._cancelled_waiting(job)
                 continue
             req = job.request
             try:
                 row = engine.add(BatchRequest(req.prompt_ids, self._options(req), logprobs=req.logprobs,
-                                              prompt_cache=self._take(req.prompt_ids)))
+                                              prompt_cache=self.pool.take(req.prompt_ids)))
             except ValueError as e:
                 job.emit("error", RequestError(str(e)))
                 continue
@@ -421,58 +303,3 @@ class Worker:
                 continue
             self.active[row.uid] = (job, JobAnswer(self, job), row)
         return True
-
-    # -- cached conversations (batched)
-
-    def _take(self, prompt_ids: List[int]) -> Optional[PromptCache]:
-        """The pooled conversation sharing the longest prefix with `prompt_ids` (taken out of
-        the pool: a row owns its caches), or None for new ones."""
-        best, best_len = None, 0
-        for key, state in self.pool.items():
-            n = 0
-            for a, b in zip(state.tokens, prompt_ids):
-                if a != b:
-                    break
-                n += 1
-            if n > best_len:
-                best, best_len = key, n
-        return self.pool.pop(best) if best is not None else None
-
-    def _keep(self, state: PromptCache):
-        if self.max_snapshots < 1:
-            return
-        self.pool[id(state)] = state
-        while len(self.pool) > self.max_snapshots:
-            self.pool.popitem(last=False)
-        self._evict()
-
-    def _pool_bytes(self) -> int:
-        return sum(s.live_bytes + s.snapshot_bytes for s in list(self.pool.values()))
-
-    def _rows_bytes(self) -> int:
-        engine = self.engine
-        rows = list(engine.rows) + list(engine.joining)
-        # a lone row decodes on its own PromptCache's caches, which are the engine's then
-        batch = nbytes(engine.cache) if engine.batched else 0
-        return batch + sum(nbytes(r.state.draft_cache) + nbytes(r.state.target_cache) + r.state.snapshot_bytes
-                           for r in rows)
-
-    def _evict(self):
-        """Least recently used conversations out while rows and pool hold more than `max_bytes`."""
-        if self.max_bytes is None:
-            return
-        while self.pool and self._pool_bytes() + self._rows_bytes() > self.max_bytes:
-            self.pool.popitem(last=False)
-
-    def _bytes_left(self) -> bool:
-        """Whether another row may join: the rows' caches leave room under `max_bytes`
-        (conversations in the pool go first; with nothing running a job always runs)."""
-        if self.max_bytes is None or self.engine.idle:
-            return True
-        self._evict()
-        return self._rows_bytes() < self.max_bytes
-
-
-def shutting_down() -> RequestError:
-    return RequestError("the server is shutting down; retry on its next start", status=503,
-                        code="shutting_down", type="server_error")

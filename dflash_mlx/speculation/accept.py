@@ -1,5 +1,12 @@
 """Acceptance: which drafted tokens the target keeps, and the token it adds.
 
+Words used here and by every caller:
+  accepted tokens   the leading drafted tokens the target keeps (`accept_length` of them);
+  recovered token   what the target puts at the first rejected position (its argmax, or a
+                    draw from the residual normalize(max(p - q, 0)) at temperature > 0);
+  bonus token       what the target adds after a fully accepted block (its last row);
+  committed         accepted + the one recovered or bonus token: accept_length + 1 per cycle.
+
 Two acceptors with one interface (`propose`, `first_token`, `accept`):
 
   GreedyAcceptor    temperature 0: the longest prefix equal to the target's argmax.

@@ -85,7 +85,7 @@ def make_recipe(records: Sequence[dict], tokenizer, n_train_chats: int, n_eval_c
                 doc_cuts: Sequence[int], max_len: int = 8192, min_len: int = 2048, seed: int = 0,
                 n_docs: Optional[int] = None) -> dict:
     """Which records form which conversation, and which documents are cut where."""
-    from dflash_mlx.train.trainer import split_by_hash
+    from dflash_mlx.train.split import split_by_hash
 
     eos = tokenizer.eos_token_id
     train, held = split_by_hash(_answered(records, eos), 0.03)  # as `dflash-mlx train` splits them

@@ -2,9 +2,12 @@
 
 config.json + model.safetensors (via `dflash_mlx.models.draft.dflash.save_draft`, loadable by
 any z-lab-format loader), plus the optional reduced vocabulary
-(`draft_vocab.npy`), README.md and the training curve.
+(`draft_vocab.npy`), README.md and the training curve. `export_run` is a
+`dflash-mlx train` run's last stage: the curve, the card, and the engine tau of
+the exported draft, measured on exactly what users get.
 """
 
+import json
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -13,7 +16,9 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from dflash_mlx.models.draft.dflash import DFlashDraftModel
-from dflash_mlx.models.draft.checkpoints import save_draft
+from dflash_mlx.models.draft.checkpoints import load_draft, save_draft
+from dflash_mlx.train.curves import plot_curves, read_tau_curve
+from dflash_mlx.train.evaluate import measure_tau
 from dflash_mlx.train.init import fold_feature_scale
 
 
@@ -140,3 +145,49 @@ def model_card(info: dict) -> str:
         lines += ["", "## Notes", "", info["notes"]]
     lines += ["", "![training curve](training_curve.png)", ""]
     return "\n".join(lines)
+
+
+def export_run(run, trainer, draft, records):
+    """Export `trainer`'s draft into `run.out` with its card and curve, then measure its
+    engine tau (--tau-prompts) and write that into the card. `run`: train/run.py's Run;
+    `draft`: train/run_draft.py's Draft; `records`: train/run_data.py's Records."""
+    args, log, out = run.args, run.log, run.out
+    state = trainer.state_dict()
+    if args.export_only and trainer.resumed_config:
+        state["config"] = trainer.resumed_config  # the card describes how it was trained, not this call's flags
+    tau_curve = read_tau_curve(run.dir / "tau_curve.jsonl")
+    plot_curves(state, run.dir / "training_curve.png", tau_curve)
+    # with what --follow-data added; deep records once each, however often they repeat
+    trained = list({r["id"]: r for r in list(trainer.train_records) + list(records.held)}.values())
+    short = [r for r in trained if not r.get("target_labels")]
+    depth_train = records.depth_train
+    info = {
+        "target": args.target,
+        "records": len(short),
+        "response_tokens": sum(len(r["response"]) for r in short),
+        "depth_records": len(depth_train),
+        "depth_tokens": sum(len(r["prompt"]) + len(r["response"]) for r in depth_train),
+        "depth_repeat": max(args.depth_repeat, 1),
+        "init_from": args.init_from,
+        "steps": trainer.step,
+        "supervised_tokens": trainer.tokens,
+        "train_seconds": trainer.elapsed,
+        "state": state,
+        "compute": args.compute,
+        "tau_curve": tau_curve,
+        "init": args.init,
+    }
+    export_draft(draft.model, out, dtype=getattr(mx, args.dtype), card=model_card(info),
+                 curve=run.dir / "training_curve.png", feature_scale=draft.scale)
+    log(f"exported draft to {out}")
+    suites = [x for x in args.tau_suites.split(",") if x]
+    limits = {s: args.tau_prompts.get(s, args.tau_prompts.get("*", 0)) for s in suites}
+    if any(limits.values()):
+        shipped = load_draft(out, run.model)  # exactly what users get (exported dtype, vocabulary)
+        info["tau"] = {}
+        for suite, n in limits.items():
+            if n > 0:
+                info["tau"].update(measure_tau(run.model, run.tokenizer, shipped, [suite], limit=n,
+                                               max_tokens=args.tau_max_tokens, log=log))
+        (run.dir / "tau_final.json").write_text(json.dumps(info["tau"], indent=2))
+        (out / "README.md").write_text(model_card(info))

@@ -5,7 +5,7 @@ target's own last layers already turn "layer L-n-1 output" into next-token
 hidden states, so copying them, and fusing the features so that the context
 starts as exactly what layer L-n reads, gives the draft a sane function at step
 0: on SmolLM2 the first loss drops from ~15 nats (random layers) to ~7.6 and a
-handful of sequences becomes fittable (see `overfit` in trainer.py).
+handful of sequences becomes fittable (see `overfit_check` in run.py).
 
 Pieces, each used where the shapes allow (`draft_config_from_target` makes them
 allow it by default):

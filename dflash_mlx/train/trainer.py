@@ -2,23 +2,19 @@
 
 Each step takes a few target-generated sequences, picks K random anchors in
 each response, and trains all K blocks [anchor, MASK x (B-1)] of a sequence in
-one forward (`forward.py`, block-sparse mask). Target features come from a
-`features.FeatureSource`: the on-disk fp16 cache the data generation wrote, or
-recomputed with the frozen target when a record has none.
+one forward (`batch.make_batch`, `forward.py`, block-sparse mask). Target features
+come from a `features.FeatureSource`: the on-disk fp16 cache the data generation
+wrote, or recomputed with the frozen target when a record has none.
 
 Determinism: the batch of step s depends only on (seed, s) (an epoch
 permutation plus a per-step anchor RNG), so a run resumed from a checkpoint
 takes exactly the steps an uninterrupted run would. Checkpoints (draft
-weights, AdamW state, history) are written to a temporary folder and renamed
-into place, so a kill never leaves a torn checkpoint.
+weights, AdamW state, history) are atomic (`checkpoint.py`).
 """
 
-import json
-import shutil
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -26,191 +22,15 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
 
 from dflash_mlx.models.draft.dflash import DFlashDraftModel
-from dflash_mlx.models.draft.config import DraftConfig
 from dflash_mlx.progress import eta_seconds, format_duration
+from dflash_mlx.train.batch import Batch, make_batch
+from dflash_mlx.train.checkpoint import adopt_moments, load_checkpoint, save_checkpoint, save_snapshot
+from dflash_mlx.train.config import TrainConfig, decay_matrices, lr_schedule, make_optimizer
 from dflash_mlx.train.forward import training_logits
 from dflash_mlx.train.loss import block_loss, block_metrics, expected_tau, position_accuracy
 from dflash_mlx.train.vocab import index_map
-
-CHECKPOINT = "checkpoint"  # the latest full checkpoint (weights + optimizer + state)
-SNAPSHOTS = "snapshots"  # weights-only copies kept for the learning curve
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 2000
-    batch_tokens: int = 2048  # block tokens per step (sequences x blocks x block size)
-    blocks_per_seq: int = 8
-    lr: float = 6e-4
-    warmup: float = 0.04  # fraction of steps
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.01  # matrices only: decaying norm weights pulls them toward 0, not 1
-    grad_clip: float = 1.0
-    gamma: float = 7.0
-    # Self-distillation: loss = (1 - distill) * CE(target's token) + distill * CE(target's
-    # top-k distribution); 0 trains on the target's tokens alone.
-    distill: float = 0.0  # the teacher's top-k: FeatureSource(teacher_topk=...)
-    dropout: float = 0.0  # training forward only (context and residual branches)
-    seed: int = 0
-    max_seq_len: int = 512
-    checkpoint_every: float = 180.0  # seconds between checkpoints
-    snapshot_every: int = 0  # steps between weight snapshots (0: none)
-    eval_every: int = 100  # steps between held-out evaluations
-    eval_records: int = 32
-    log_every: int = 10
-
-
-def lr_schedule(cfg: TrainConfig):
-    warm = max(1, int(round(cfg.warmup * cfg.steps)))
-    return optim.join_schedules(
-        [
-            optim.linear_schedule(cfg.lr / warm, cfg.lr, warm),
-            optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * cfg.min_lr_ratio),
-        ],
-        [warm],
-    )
-
-
-def split_records(records: Sequence[dict], n_eval: int):
-    """Held-out records for evaluation: chosen by id hash, stable as data grows."""
-    import hashlib
-
-    def key(r):
-        return hashlib.sha1(r["id"].encode()).hexdigest()
-
-    ranked = sorted(records, key=key)
-    held = {r["id"] for r in ranked[:n_eval]}
-    return [r for r in records if r["id"] not in held], [r for r in records if r["id"] in held]
-
-
-def split_by_hash(records: Sequence[dict], frac: float):
-    """Held-out records by a fixed hash threshold: a record never changes side as data grows."""
-    import hashlib
-
-    def held(r):
-        return int(hashlib.sha1(r["id"].encode()).hexdigest()[:8], 16) < frac * 2**32
-
-    return [r for r in records if not held(r)], [r for r in records if held(r)]
-
-
-def load_run_draft(run_dir, target) -> DFlashDraftModel:
-    """The draft of run folder `run_dir`'s latest checkpoint (training-space weights: the
-    feature scale is not folded into `fc`), bound to `target`."""
-    run = Path(run_dir)
-    cfg = DraftConfig.from_dict(json.loads((run / "draft_config.json").read_text()))
-    draft = DFlashDraftModel(cfg)
-    draft.bind(target)
-    draft.load_weights(list(mx.load(str(run / CHECKPOINT / "draft.safetensors")).items()))
-    if (run / CHECKPOINT / "vocab.safetensors").exists():
-        draft.set_vocab(mx.load(str(run / CHECKPOINT / "vocab.safetensors"))["token_ids"])
-    mx.eval(draft.parameters())
-    return draft
-
-
-@dataclass
-class Batch:
-    features: mx.array  # [N, S, n_tl*H]
-    block_ids: mx.array  # [N, K*B]
-    anchors: mx.array  # [N, K]
-    labels: mx.array  # [N, K, B-1] draft-vocabulary indices
-    valid: mx.array  # [N, K, B-1] label exists and is in the draft vocabulary
-    exists: mx.array  # [N, K, B-1] label exists
-    # The target's distribution at each label (distillation): its top-k tokens as
-    # draft-vocabulary indices and their probabilities, renormalised over the top-k
-    # tokens the draft vocabulary has (0 elsewhere). None without a teacher.
-    soft_ids: Optional[mx.array] = None  # [N, K, B-1, k]
-    soft_probs: Optional[mx.array] = None  # [N, K, B-1, k]
-
-    @property
-    def supervised(self) -> int:
-        return int(self.exists.sum().item())
-
-
-def make_batch(
-    records: Sequence[dict],
-    features: Callable[[dict], np.ndarray],
-    rng: np.random.Generator,
-    block_size: int,
-    blocks_per_seq: int,
-    mask_token_id: int,
-    vocab_index: np.ndarray,
-    max_seq_len: int = 512,
-    feature_scale: Optional[np.ndarray] = None,
-    teacher: Optional[Callable[[dict], tuple]] = None,
-    target_labels: Optional[Callable[[dict], np.ndarray]] = None,
-) -> Batch:
-    """K random anchors in each record's response; blocks past the end are masked.
-    `feature_scale` [n_tl*H] preconditions the features (folded into fc at export).
-    `teacher(rec)` -> (ids [len-1, k], log-probs [len-1, k]): soft labels as well.
-    Depth records (`train/depth_data.py`) may carry `spans` ([start, end) positions
-    anchors are drawn from: the target's own responses in a chained conversation) and
-    `target_labels` (labels are then `target_labels(rec)`, the target's argmax after
-    each position, instead of the next token of the text)."""
-    B, K = block_size, blocks_per_seq
-    feats, blocks, anchors, labels, valid, exists = [], [], [], [], [], []
-    soft_ids, soft_probs = [], []
-    for rec in records:
-        seq = (rec["prompt"] + rec["response"])[:max_seq_len]
-        T = len(seq)
-        P = min(len(rec["prompt"]), T - 2)
-        cand = np.arange(P, T - 1)  # anchors need at least one label after them
-        if rec.get("spans"):
-            inside = np.zeros(T, dtype=bool)
-            for a0, a1 in rec["spans"]:
-                inside[max(a0, 0):min(a1, T)] = True
-            cand = cand[inside[cand]]
-        take = min(K, len(cand))
-        a = np.sort(rng.choice(cand, size=take, replace=False)) if take else np.zeros(0, np.int64)
-        a_ok = np.arange(K) < take
-        a = np.concatenate([a, np.full(K - take, P, dtype=a.dtype)]).astype(np.int64)
-        pos = a[:, None] + np.arange(1, B)[None]  # label positions [K, B-1]
-        ex = (pos < T) & a_ok[:, None]
-        seq_np = np.asarray(seq, dtype=np.int64)
-        feats.append(np.asarray(features(rec))[: T - 1])  # first: the same forward may give the labels
-        if rec.get("target_labels"):
-            if target_labels is None:
-                raise ValueError(f"record {rec['id']} is labelled by the target: pass target_labels")
-            argmax = np.asarray(target_labels(rec), dtype=np.int64)  # [len-1]: token after position j
-            lab_full = np.where(ex, argmax[np.minimum(pos - 1, len(argmax) - 1)], 0)
-        else:
-            lab_full = np.where(ex, seq_np[np.minimum(pos, T - 1)], 0)
-        lab = vocab_index[lab_full]
-        va = ex & (lab >= 0)
-        blk = np.full((K, B), mask_token_id, dtype=np.int64)
-        blk[:, 0] = seq_np[a]
-        blocks.append(blk.reshape(-1))
-        anchors.append(a)
-        labels.append(np.maximum(lab, 0))
-        valid.append(va)
-        exists.append(ex)
-        if teacher is not None:
-            # row j of the teacher is the target's distribution of token j+1
-            t_ids, t_logp = teacher(rec)
-            rows = np.minimum(pos - 1, len(t_ids) - 1)
-            ids = vocab_index[np.asarray(t_ids)[rows]]  # [K, B-1, k], -1: not in the draft vocabulary
-            p = np.exp(np.asarray(t_logp, np.float32)[rows]) * (ids >= 0) * ex[..., None]
-            p /= np.maximum(p.sum(-1, keepdims=True), 1e-9)
-            soft_ids.append(np.maximum(ids, 0))
-            soft_probs.append(p)
-    S = max(f.shape[0] for f in feats)
-    F = np.zeros((len(feats), S, feats[0].shape[1]), dtype=np.float32)
-    for i, f in enumerate(feats):
-        F[i, : f.shape[0]] = f
-    if feature_scale is not None:
-        F *= feature_scale[None, None, :]
-    return Batch(
-        mx.array(F),
-        mx.array(np.stack(blocks).astype(np.int32)),
-        mx.array(np.stack(anchors).astype(np.int32)),
-        mx.array(np.stack(labels).astype(np.int32)),
-        mx.array(np.stack(valid)),
-        mx.array(np.stack(exists)),
-        mx.array(np.stack(soft_ids).astype(np.int32)) if teacher is not None else None,
-        mx.array(np.stack(soft_probs)) if teacher is not None else None,
-    )
 
 
 class Trainer:
@@ -240,9 +60,8 @@ class Trainer:
         self.seqs_per_step = max(1, cfg.batch_tokens // (cfg.blocks_per_seq * B))
         vocab = None if draft.vocab_ids is None else np.array(draft.vocab_ids)
         self.vocab_index = index_map(vocab, draft.config.vocab_size)
-        # Decoupled weight decay is applied by hand to matrices only (see train_step).
-        self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=0.0)
-        self.optimizer.init(draft.trainable_parameters())
+        # Decoupled weight decay is applied by hand to matrices only (config.decay_matrices).
+        self.optimizer = make_optimizer(draft, cfg)
         self.step = 0
         self.tokens = 0  # supervised (mask-position) tokens seen
         self.elapsed = 0.0  # training seconds, summed over resumed runs
@@ -302,10 +121,7 @@ class Trainer:
         lr = self.optimizer.learning_rate
         self.optimizer.update(self.draft, grads)
         if self.cfg.weight_decay:
-            decay = 1.0 - lr * self.cfg.weight_decay
-            self.draft.update(tree_unflatten([
-                (k, v * decay) for k, v in tree_flatten(self.draft.trainable_parameters()) if v.ndim >= 2
-            ]))
+            decay_matrices(self.draft, lr, self.cfg.weight_decay)
         corr, n, acc_sum, blocks = block_metrics(logits, batch.labels, batch.valid, batch.exists)
         mx.eval(self.draft.parameters(), self.optimizer.state, loss, gnorm, corr, n, acc_sum, blocks)
         return {
@@ -371,48 +187,16 @@ class Trainer:
         }
 
     def save_checkpoint(self):
-        """weights + optimizer + state, written to a temp folder and renamed into place."""
-        final = self.run_dir / CHECKPOINT
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-ckpt-", dir=self.run_dir))
-        try:
-            mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(self.draft.parameters())))
-            opt = dict(tree_flatten(self.optimizer.state))
-            mx.save_safetensors(str(tmp / "optimizer.safetensors"), {k: v for k, v in opt.items() if isinstance(v, mx.array)})
-            if self.draft.vocab_ids is not None:
-                mx.save_safetensors(str(tmp / "vocab.safetensors"), {"token_ids": self.draft.vocab_ids})
-            (tmp / "state.json").write_text(json.dumps(self.state_dict()))
-            old = self.run_dir / (CHECKPOINT + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            if final.exists():
-                final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        save_checkpoint(self.run_dir, self.draft, self.optimizer, self.state_dict())
 
     def save_snapshot(self):
-        d = self.run_dir / SNAPSHOTS
-        d.mkdir(exist_ok=True)
-        name = d / f"step{self.step:07d}.safetensors"
-        tmp = d / f".tmp-{name.name}"
-        mx.save_safetensors(str(tmp), dict(tree_flatten(self.draft.parameters())),
-                            metadata={"step": str(self.step), "tokens": str(self.tokens)})
-        tmp.replace(name)
+        save_snapshot(self.run_dir, self.draft, self.step, self.tokens)
 
     def resume(self) -> bool:
         """Continue from the latest checkpoint of run_dir (False: none there)."""
-        ck = self.run_dir / CHECKPOINT
-        if not ck.exists() and (self.run_dir / (CHECKPOINT + ".old")).exists():
-            ck = self.run_dir / (CHECKPOINT + ".old")  # killed between the two renames
-        if not (ck / "state.json").exists():
+        state = load_checkpoint(self.run_dir, self.draft, self.optimizer)
+        if state is None:
             return False
-        state = json.loads((ck / "state.json").read_text())
-        self.draft.load_weights(list(mx.load(str(ck / "draft.safetensors")).items()))
-        if (ck / "vocab.safetensors").exists():
-            self.draft.set_vocab(mx.load(str(ck / "vocab.safetensors"))["token_ids"])
-        opt = mx.load(str(ck / "optimizer.safetensors"))
-        self.optimizer.state = tree_unflatten(list(opt.items()))
         self.step, self.tokens = state["step"], state["tokens"]
         self.elapsed = state.get("elapsed", 0.0)
         self.history, self.evals = state["history"], state["evals"]
@@ -426,21 +210,8 @@ class Trainer:
                    end_records=len(self.train_records), minutes=(self.elapsed - start_elapsed) / 60)
 
     def adopt_moments(self, checkpoint) -> int:
-        """Start from another run's Adam moments where its parameters match these (a grown
-        draft's old layers, fc, norms); the rest start at zero. Fresh moments make Adam's
-        first steps (MLX's AdamW has no bias correction) move every weight by ~3x the lr,
-        which undoes part of a trained draft. The step count stays this run's own: the lr
-        schedule reads it. Returns how many tensors were adopted."""
-        saved = mx.load(str(Path(checkpoint) / "optimizer.safetensors"))
-        state = dict(tree_flatten(self.optimizer.state))
-        adopted = 0
-        for k, v in state.items():
-            if k.endswith((".m", ".v")) and k in saved and tuple(saved[k].shape) == tuple(v.shape):
-                state[k] = saved[k].astype(v.dtype)
-                adopted += 1
-        self.optimizer.state = tree_unflatten(list(state.items()))
-        mx.eval(self.optimizer.state)
-        return adopted
+        """Another run's Adam moments where its parameters match these (`checkpoint.adopt_moments`)."""
+        return adopt_moments(self.optimizer, checkpoint)
 
     # -- loop -------------------------------------------------------------------
 
@@ -514,63 +285,3 @@ class Trainer:
         self._end_leg(leg, schedule, start_elapsed)
         self.save_checkpoint()
         return self.history
-
-
-def plot_curves(state: Dict, path, tau_points: Optional[List[Dict]] = None):
-    """Training curve PNG: loss/accuracy vs supervised tokens, held-out tau estimate
-    (and engine-measured tau where given; the deep held-out records where evaluated)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from dflash_mlx.train.evaluate import tau_trend
-
-    hist, evals = state.get("history", []), state.get("evals", [])
-    trend = tau_trend(tau_points or [], min_tokens=200_000)
-    fig, axes = plt.subplots(1, 4 if trend else 3, figsize=(20 if trend else 15, 4))
-    if hist:
-        t = [h["tokens"] for h in hist]
-        axes[0].plot(t, [h["loss"] for h in hist], label="train", alpha=0.6)
-        axes[1].plot(t, [h["acc"] for h in hist], label="train", alpha=0.6)
-        axes[2].plot(t, [h["tau_hat"] for h in hist], label="train tau (estimate)", alpha=0.5)
-    if evals:
-        t = [e["tokens"] for e in evals]
-        axes[0].plot(t, [e["val_loss"] for e in evals], "o-", label="held-out")
-        axes[1].plot(t, [e["val_acc"] for e in evals], "o-", label="held-out")
-        axes[2].plot(t, [e["val_tau_hat"] for e in evals], "o-", label="held-out tau (estimate)")
-        deep = [e for e in evals if e.get("depth")]
-        if deep:  # held-out deep records (--depth-data), another distribution: plotted apart
-            t = [e["tokens"] for e in deep]
-            for ax, key in zip(axes, ("val_loss", "val_acc", "val_tau_hat")):
-                ax.plot(t, [e["depth"][key] for e in deep], "s--", label="held-out, deep")
-        # The first steps' losses (tens of nats) would flatten the rest of the curve.
-        top = 1.5 * max([e["val_loss"] for e in evals] + [e["depth"]["val_loss"] for e in deep])
-        if top > 0:  # a held-out set with no label to score gives loss 0
-            axes[0].set_ylim(0, top)
-    if tau_points:
-        axes[2].plot([p["tokens"] for p in tau_points], [p["tau"] for p in tau_points], "s-",
-                     label="engine tau (greedy, B=16)")
-    if trend:
-        import numpy as np
-
-        ax = axes[3]
-        pts = [p for p in tau_points if p["tokens"] > 0]
-        ax.semilogx([p["tokens"] for p in pts], [p["tau"] for p in pts], "s", base=2, label="engine tau")
-        x = np.logspace(np.log2(pts[0]["tokens"]), np.log2(pts[-1]["tokens"]) + 7, 50, base=2)
-        ax.plot(x, trend["intercept"] + trend["per_doubling"] * np.log2(x), "--",
-                label=f"fit: {trend['per_doubling']:+.3f} tau per doubling")
-        ax.axvline(pts[-1]["tokens"], color="grey", alpha=0.4)
-    titles = ["weighted CE loss", "top-1 accuracy (mask positions)", "tau",
-              "engine tau, log-linear trend (extrapolated 128x)"]
-    drawn = [[ln.get_label() for ln in ax.get_lines()] for ax in axes]
-    for ax, title in zip(axes, titles):
-        ax.set_title(title)
-        ax.set_xlabel("supervised tokens")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return drawn  # the curves' labels, per panel

@@ -16,7 +16,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3 import MLP
 from mlx_lm.models.rope_utils import initialize_rope
 
-from dflash_mlx.kernels import selection
+from dflash_mlx.kernels import context_kv, selection
 from dflash_mlx.models.draft.context_cache import ContextCache
 from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError
 from dflash_mlx.models.rope_offsets import rotate_rows
@@ -192,7 +192,7 @@ class DFlashDraftModel(nn.Module):
     def make_cache(self) -> List[ContextCache]:
         if selection.use_metal("kv_inject"):
             # Preallocated K/V of all layers: the kernel's output lands with one write per tensor.
-            return selection.make_stacked_cache(self)
+            return context_kv.make_stacked_cache(self)
         return [ContextCache(layer.self_attn.window) for layer in self.layers]
 
     def fuse(self, features: mx.array) -> mx.array:
@@ -203,7 +203,7 @@ class DFlashDraftModel(nn.Module):
         if features is None:
             return
         if selection.use_metal("kv_inject"):  # off unless verified on Apple GPUs (see metal/README.md)
-            return selection.draft_inject(self, features, cache)
+            return context_kv.draft_inject(self, features, cache)
         self.inject_reference(features, cache)
 
     def inject_reference(self, features: mx.array, cache: List[ContextCache]):

@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, RotatingKVCache, _BaseCache
 
-from dflash_mlx.kernels import selection
+from dflash_mlx.kernels import gdn
 
 
 class UnsupportedTargetError(ValueError):
@@ -137,7 +137,7 @@ class TapedGatedDeltaNet(StandIn):
     """Stands in for a Qwen3.5 `GatedDeltaNet` token mixer during verify.
 
     The same computation as mlx-lm's module for an unpadded batch, except that
-    the recurrence is `selection.gdn_verify` (which also returns the per-step
+    the recurrence is `gdn.gdn_verify` (which also returns the per-step
     deltas where that is free), and the tape is handed to `sink`.
     """
 
@@ -174,7 +174,7 @@ class TapedGatedDeltaNet(StandIn):
         state = cache[1]
         if state is None:
             state = mx.zeros((B, m.num_v_heads, m.head_v_dim, m.head_k_dim), dtype=mx.float32)
-        out, cache[1], deltas = selection.gdn_verify(q, k, v, g, beta, state)
+        out, cache[1], deltas = gdn.gdn_verify(q, k, v, g, beta, state)
         cache.advance(S)
         self._sink(GDNTape(conv_input, state, q, k, v, g, beta, deltas))
         out = m.norm(out, z)
@@ -259,7 +259,7 @@ def replay_gdn(c: ArraysCache, tape: GDNTape, keep: int):
     """
     n_conv = tape.conv_input.shape[1] - tape.k.shape[1]  # K - 1
     c[0] = mx.contiguous(tape.conv_input[:, keep : keep + n_conv])
-    c[1] = selection.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)
+    c[1] = gdn.gdn_rewind(tape.state, tape.q, tape.k, tape.v, tape.g, tape.beta, tape.deltas, keep)
 
 
 def replay_gdn_rows(c: ArraysCache, tape: GDNTape, keep: Sequence[int]):
@@ -270,7 +270,7 @@ def replay_gdn_rows(c: ArraysCache, tape: GDNTape, keep: Sequence[int]):
         return  # every row kept everything: the cache is what the verify left
     c[0] = mx.concatenate([tape.conv_input[b : b + 1, k : k + n_conv] for b, k in enumerate(keep)], axis=0)
     c[1] = mx.concatenate([
-        c[1][b : b + 1] if k == steps else selection.gdn_rewind(
+        c[1][b : b + 1] if k == steps else gdn.gdn_rewind(
             tape.state[b : b + 1], tape.q[b : b + 1], tape.k[b : b + 1], tape.v[b : b + 1], tape.g[b : b + 1],
             tape.beta[b : b + 1], None if tape.deltas is None else tape.deltas[b : b + 1], k)
         for b, k in enumerate(keep)], axis=0)

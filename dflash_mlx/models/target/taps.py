@@ -1,0 +1,143 @@
+"""Verify-time module swaps: what a `Target.forward` puts in place of the model's own modules.
+
+Nothing here patches mlx-lm classes. During one forward the entries of the
+model's own `layers` list (and modules inside them) are swapped for thin
+stand-ins, and put back in a `finally`; the model's own forward (masks, sliding
+windows, shared KV, embedding scales) runs unchanged around them:
+
+  tapped layers       hand their output to the draft's features (`_LayerTap`)
+  Gated DeltaNet      runs taped, so a rollback replays it (`TapedGatedDeltaNet`)
+  other recurrence    its layer is recorded, so a rollback re-runs it (`ReplayTap`)
+  quantized linears   go through the small-M kernel at verify widths (`_SmallMQuantizedLinear`)
+  rotary embeddings   take a token tree's positions (`TreeRoPE`)
+"""
+
+from contextlib import contextmanager
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache, CacheList
+
+from dflash_mlx.kernels import qmm, selection
+from dflash_mlx.models.target.rollback import ReplayTap, StandIn, TapedGatedDeltaNet, VerifyRecord
+from dflash_mlx.models.target.tree_attention import TreeRoPE
+
+
+class _LayerTap(StandIn):
+    """Stands in for one decoder layer during a forward and hands its output to `after`."""
+
+    def __init__(self, layer, after):
+        self._wrapped = layer
+        self._after = after
+
+    def __call__(self, *args, **kwargs):
+        out = self._wrapped(*args, **kwargs)
+        self._after(out)
+        return out
+
+
+def quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
+    """(parent, key, layer) for every affine QuantizedLinear under `module` (parent: Module or list)."""
+    found = []
+
+    def walk(parent, items):
+        for key, child in items:
+            if isinstance(child, nn.QuantizedLinear):
+                if getattr(child, "mode", "affine") == "affine":
+                    found.append((parent, key, child))
+            elif isinstance(child, nn.Module):
+                walk(child, child.items())
+            elif isinstance(child, list):
+                walk(child, enumerate(child))
+
+    walk(module, module.items())
+    return found
+
+
+class _SmallMQuantizedLinear(StandIn):
+    """Stands in for one QuantizedLinear during a verify forward: `qmm.quantized_linear`."""
+
+    def __init__(self, layer):
+        self._wrapped = layer
+
+    def __call__(self, x):
+        return qmm.quantized_linear(self._wrapped, x)
+
+
+def use_small_m(target, width: int) -> bool:
+    """Whether a forward of `width` (B*S) tokens runs the target's quantized projections
+    through the small-M kernel: it is on and the width is one it takes."""
+    return (bool(target._quantized) and qmm.QMM_MIN_M <= width <= qmm.QMM_MAX_M
+            and selection.use_metal("qmm_small_m"))
+
+
+@contextmanager
+def taps(target, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool,
+         cache: List[Any], tree=None):
+    """The swaps of one `target.forward`: layers `layer_ids` write their outputs into
+    `features`; with `record`, the recurrent layers record what a rollback needs; with
+    `small_m`, the quantized projections go through the kernel; with `tree`, the rotary
+    embeddings take the tree's positions. Everything is put back on exit."""
+    layers = target.layers
+    slot: Dict[int, List[int]] = {}
+    for i, lid in enumerate(layer_ids):  # an id may repeat (small targets)
+        slot.setdefault(lid, []).append(i)
+
+    def make_tap(idx, layer):
+        def after(out):
+            for i in slot.get(idx, ()):
+                features[i] = out[0] if isinstance(out, tuple) else out
+
+        return _LayerTap(layer, after)
+
+    def make_sink(idx):
+        def sink(tape):
+            record.gdn[idx] = tape
+
+        return sink
+
+    def keep_replay(entry):
+        record.replay[id(entry.cache)] = entry
+
+    # (container, key, original) for everything swapped; restored in reverse.
+    swapped = []
+    try:
+        if record is not None:
+            for idx in target._gdn_layers:
+                layer = layers[idx]
+                swapped.append((layer, "linear_attn", layer["linear_attn"]))
+                layer["linear_attn"] = TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
+            replayed = [c for c, kind in zip(cache, target._replay_kinds) if kind == "replay"]
+            watched = {id(c): c for c in replayed}
+            # recurrent state beside attention in one CacheList (Falcon-H1): the module the
+            # layer hands that state to is recorded too, so a rollback re-runs that module
+            # alone and the attention beside it is trimmed (per row in a batch)
+            inner = {id(s): s for c in replayed if isinstance(c, CacheList)
+                     for s in c.caches if isinstance(s, ArraysCache)}
+            if watched:
+                # which layer gets which cache is the model's business: every layer is
+                # watched, and one handed a watched cache records its call
+                for idx in range(len(layers)):
+                    layer = layers[idx]
+                    if inner:
+                        for name, child in list(layer.children().items()):
+                            if isinstance(child, nn.Module):
+                                swapped.append((layer, name, child))
+                                layer[name] = ReplayTap(child, inner, keep_replay)
+                    swapped.append((layers, idx, layer))
+                    layers[idx] = ReplayTap(layer, watched, keep_replay)
+        if small_m:
+            for parent, key, q in target._quantized:
+                swapped.append((parent, key, q))
+                parent[key] = _SmallMQuantizedLinear(q)
+        if tree is not None:
+            for parent, key in target.rope_slots:
+                swapped.append((parent, key, parent[key]))
+                parent[key] = TreeRoPE(parent[key], tree)
+        for idx in slot:
+            swapped.append((layers, idx, layers[idx]))
+            layers[idx] = make_tap(idx, layers[idx])
+        yield
+    finally:
+        for container, key, original in reversed(swapped):
+            container[key] = original
