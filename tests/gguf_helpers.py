@@ -36,7 +36,7 @@ def byte_vocab():
 
 
 def permute_rows(w, n_heads):
-    """llama.cpp's permutation (the inverse of gguf_loader.unpermute_rows)."""
+    """llama.cpp's permutation (the inverse of convert.unpermute_rows)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

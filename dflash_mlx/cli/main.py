@@ -16,7 +16,7 @@ from dflash_mlx.models.draft.config import DraftMismatchError
 from dflash_mlx.cli.common import EXIT_FAIL, EXIT_INTERRUPTED, SUBCOMMAND_HELP, CLIError
 from dflash_mlx.models.loading import ModelLoadError
 
-# The module that runs each subcommand (its `main(argv)`); `frontend.SUBCOMMAND_HELP` describes them.
+# The module that runs each subcommand (its `main(argv)`); `cli.common.SUBCOMMAND_HELP` describes them.
 SUBCOMMANDS = {
     "chat": "dflash_mlx.tui.app",
     "bench": "dflash_mlx.bench.cli",

@@ -1,6 +1,6 @@
 """Write a trained draft in z-lab's format, with a model card.
 
-config.json + model.safetensors (via `dflash_mlx.models.draft.dflash.save_draft`, loadable by
+config.json + model.safetensors (via `dflash_mlx.models.draft.checkpoints.save_draft`, loadable by
 any z-lab-format loader), plus the optional reduced vocabulary
 (`draft_vocab.npy`), README.md and the training curve. `export_run` is a
 `dflash-mlx train` run's last stage: the curve, the card, and the engine tau of

@@ -173,7 +173,7 @@ class Target:
         `record=True` marks a verify forward: Gated DeltaNet layers run taped and the
         layers holding other recurrent state are recorded (the VerifyRecord `rollback`
         replays). A quantized target's projections go through the small-M kernel when
-        it is on and B*S fits its widths. `tree` (a `token_tree.TokenTree` of S nodes):
+        it is on and B*S fits its widths. `tree` (a `tree_attention.TokenTree` of S nodes):
         the tokens are its nodes, each seeing its ancestors at the position of its depth
         (the caches' masks and the rotary embeddings are swapped for the call).
         """
