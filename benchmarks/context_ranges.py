@@ -15,7 +15,7 @@ import argparse
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import load, load_draft, stream_generate
-from dflash_mlx.policy import sizer
+from dflash_mlx.policy import sizer as policy
 from dflash_mlx.bench.depth import _run, prompt_at_depth
 from dflash_mlx.bench.suites import format_prompt, load_suite
 from dflash_mlx.bench.documents import EVAL_DOCUMENTS, read_documents
@@ -40,7 +40,7 @@ def main():
     docs, _ = read_documents(EVAL_DOCUMENTS)
     for p in load_suite("mtbench", 3) + load_suite("gsm8k", 3):
         list(stream_generate(model, draft, tok, format_prompt(tok, p), max_tokens=64))
-    sizer = sizer.sizer_for(model, draft)
+    sizer = policy.sizer_for(model, draft)
     print("after the short prompts:", times_line(sizer), flush=True)
 
     ids = prompt_at_depth(tok, docs[args.document], args.depth)
@@ -55,12 +55,12 @@ def main():
                                     prompt_cache=shared))
 
     runs = {"auto, learned on short prompts (prefill)": auto()}
-    print("at depth:", times_line(sizer.sizer_for(model, draft)), flush=True)
+    print("at depth:", times_line(policy.sizer_for(model, draft)), flush=True)
     for rep in range(2):
         runs[f"plain {rep}"] = plain()
         runs[f"auto, learned on short prompts {rep}"] = auto()
     for rep in range(2):
-        sizer.forget_sizers()
+        policy.forget_sizers()
         runs[f"auto, fresh policy {rep}"] = auto()
         runs[f"plain, again {rep}"] = plain()
     reference = runs["plain 0"]["tokens"]

@@ -12,10 +12,13 @@ from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError  # no
 from dflash_mlx.generate import (  # noqa: E402
     DFlashResponse,
     PromptCache,
+    SuffixIndex,
     generate,
     make_prompt_cache,
+    make_suffix_index,
     stream_generate,
 )
+
 from dflash_mlx.models.target.adapter import Target  # noqa: E402
 
 

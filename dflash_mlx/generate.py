@@ -21,6 +21,8 @@ from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.models.target.adapter import target_for
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.speculation.accept import make_acceptor
+from dflash_mlx.speculation.suffix_index import SuffixIndex, make_suffix_index  # noqa: F401 (public path)
+
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
@@ -58,6 +60,7 @@ def stream_generate(
     logprobs: Optional[int] = None,
     copy_proposals: bool = True,
     token_trees: bool = True,
+    suffix_index: Optional[SuffixIndex] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -66,7 +69,9 @@ def stream_generate(
     verify width from measured acceptance and cycle times (see `dflash_mlx.policy.sizer`);
     "draft" is always the draft's own block size (z-lab's behaviour); a whole number
     a fixed width (`dflash_mlx.options.BLOCK_SIZE_SPELLINGS`).
-    `baseline=True` (or `draft=None`) decodes with the target alone.
+    `baseline=True` decodes with the target alone: plain decoding, nothing else.
+    `draft=None` (no DFlash draft) with "auto" verifies copies (below) where they pay and
+    plain steps otherwise; with any other block size it is plain decoding.
     `split_head`: verify's LM head in two pieces (`engine.cycle.HeadRows`); None: on CPUs only.
     `logprobs`: None (off, no cost), or k >= 0: each response's `logprobs` gives its
     tokens' log-probabilities under the target's unmodified distribution (before
@@ -74,6 +79,9 @@ def stream_generate(
     `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
     instead of the draft's block, when measured acceptance and cost say it commits more
     tokens per second (`dflash_mlx.policy.copies`); exact either way.
+    `suffix_index` (`make_suffix_index(model)`, kept by the caller across calls): earlier
+    calls' prompts and answers, a source of copies beside the context's own; this call's
+    prompt and answer go into it when it ends (`dflash_mlx.speculation.suffix_index`).
     `token_trees` (with "auto", on attention-only targets that take a tree's mask and
     positions, `dflash_mlx.models.target.tree_attention.tree_support`): a drafted cycle may
     verify a tree of the draft's likeliest continuations instead of its chain, when trees
@@ -92,6 +100,8 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) < 0):
         raise ValueError(f"logprobs must be None (off) or a whole number >= 0 of alternatives, got {logprobs!r}")
+    if suffix_index is not None and not suffix_index.made_for(model):
+        raise ValueError("suffix_index was made for another model; make one with make_suffix_index(model)")
 
     state = prompt_cache
     if state is None:
@@ -109,9 +119,9 @@ def stream_generate(
     # caches, with trees, copies and a split head.
     engine = BatchEngine(model, draft if use_draft else None, tokenizer, max_batch=1, target=target,
                          prefill_chunk=prefill_step_size, prefill_budget=len(prompt_ids),
-                         block_size=block_size if use_draft else 1, copy_proposals=copy_proposals,
+                         block_size=1 if baseline else block_size, copy_proposals=copy_proposals and not baseline,
                          token_trees=token_trees, split_head=split_head, profile=profile,
-                         snapshot_prompts=False)
+                         snapshot_prompts=False, suffix_index=None if baseline else suffix_index)
     options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, seed=seed, draft_sampling=draft_sampling)
     # mlx-lm's set-up: its generation stream, and (on Apple GPUs) the model's

@@ -11,10 +11,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The embedded default target, loaded once per test process: (model, tokenizer)."""
-    from dflash_mlx import load
+    """The embedded default target, loaded once per test process: (model, tokenizer), the same
+    objects as `gguf_helpers.load_packaged("smollm2-135m")`. Tests must not change them."""
+    from gguf_helpers import load_packaged
 
-    return load("smollm2-135m", quiet=True)
+    return load_packaged("smollm2-135m")
 
 
 @pytest.fixture(scope="session")

@@ -124,11 +124,11 @@ def test_doctor_reports_environment(capsys):
     assert "blas" in text and "smollm2-135m" in text and "default_dtype" in text
 
 
-def test_model_without_draft_needs_draft_or_baseline(tiny, capsys):
-    code, _, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "hi")
-    assert code != 0 and "--draft" in err and "--baseline" in err
-    # front ends without --baseline do not offer it
-    for sub in ("chat", "bench"):
+def test_bench_without_a_draft_needs_one(tiny, capsys):
+    """The one-shot CLI, the chat and the server decode with copies of the context when a model
+    has no draft (tests/test_copies_without_draft.py); the benchmark compares a draft."""
+    for sub in ("bench",):
+
         code, _, err = cli(capsys, sub, "--model", str(tiny / "tiny.gguf"))
         assert code == 1 and err.strip() == (
             f"dflash-mlx {sub}: error: no DFlash draft for '{tiny / 'tiny.gguf'}': "
@@ -301,12 +301,80 @@ BAD_SOURCES = {
 BAD_FLAG = ["--no-such-flag"]
 
 
-def dflash_mlx_cli(argv, tmp_path, timeout=120):
+# A fresh interpreter spends ~1.5 s importing before it reaches the error, so the cases below
+# run as processes forked from one driver that imported the subcommands once: each child is
+# then `python -m dflash_mlx.cli.main ARGV` (runpy, as `-m` runs it) with its own argv,
+# environment, stdout and stderr files, and its exit status from its own interpreter's exit.
+# What the imports print would land on the driver's stderr, which must stay empty.
+# (test_entry_point_error_has_no_traceback runs one error from a fresh interpreter.)
+CLI_DRIVER = r"""
+import gc, importlib, json, os, runpy, sys, warnings
+
+cases, modules, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+for name in modules:
+    importlib.import_module(name)
+assert "dflash_mlx.cli.main" not in sys.modules  # -m runs it fresh, as __main__
+gc.freeze()  # what the imports made stays out of the children's collections (their exit: 0.4 s less each)
+results = {}
+for key, (argv, folder) in cases.items():
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (3.12+: fork with threads alive)
+        pid = os.fork()
+    if pid == 0:
+        os.environ["XDG_CACHE_HOME"] = os.path.join(folder, "cache")
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            f = os.open(os.path.join(folder, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.argv = ["dflash_mlx.cli.main", *argv]
+        runpy.run_module("dflash_mlx.cli.main", run_name="__main__", alter_sys=True)
+        sys.exit(0)  # (its __main__ block exits first; SystemExit leaves through the interpreter's own exit)
+    _, status = os.waitpid(pid, 0)
+    results[key] = {"returncode": os.waitstatus_to_exitcode(status),
+                    **{name: open(os.path.join(folder, name)).read() for name in ("stdout", "stderr")}}
+with open(out, "w") as f:
+    json.dump(results, f)
+"""
+
+
+def run_cli_cases(cases, tmp_path, timeout=300):
+    """{key: argv} run as `python -m dflash_mlx.cli.main ARGV` processes (see CLI_DRIVER), each with
+    its own folder for `{tmp}` and XDG_CACHE_HOME: {key: CompletedProcess-like (returncode, stdout, stderr)}."""
+    from types import SimpleNamespace
+
+    from dflash_mlx.cli.main import SUBCOMMANDS
+
+    folders = {}
+    for i, key in enumerate(cases):
+        folders[key] = tmp_path / f"case{i}"
+        folders[key].mkdir()
+    spec = {key: ([a.replace("{tmp}", str(folders[key])) for a in argv], str(folders[key]))
+            for key, argv in cases.items()}
+    modules = ["dflash_mlx.cli.run", *SUBCOMMANDS.values()]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
                XDG_CACHE_HOME=str(tmp_path / "cache"))
-    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
-    return subprocess.run([sys.executable, "-m", "dflash_mlx.cli.main", *argv], capture_output=True,
-                          text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    out = tmp_path / "results.json"
+    r = subprocess.run([sys.executable, "-c", CLI_DRIVER, json.dumps(spec), json.dumps(modules), str(out)],
+                       capture_output=True, text=True, env=env, timeout=timeout, stdin=subprocess.DEVNULL)
+    assert r.returncode == 0 and r.stdout == "" and r.stderr == "", (r.returncode, r.stdout, r.stderr)
+    return {key: SimpleNamespace(**v) for key, v in json.loads(out.read_text()).items()}
+
+
+def _bad_source_cases():
+    return [(name, i) for name, argvs in BAD_SOURCES.items() for i, argv in enumerate(argvs) if argv is not None]
+
+
+@pytest.fixture(scope="module")
+def cli_processes(tmp_path_factory):
+    """Every bad-source case, and `--debug` on a bad model, each in its own process."""
+    from dflash_mlx.cli.main import SUBCOMMANDS
+
+    cases = {f"{name}:{i}": BAD_SOURCES[name][i] for name, i in _bad_source_cases()
+             if name == "run" or name in SUBCOMMANDS}
+    cases["debug"] = ["--debug", "--model", "no-such-model", "hi"]
+    return run_cli_cases(cases, tmp_path_factory.mktemp("cli-processes"))
 
 
 def test_every_subcommand_has_a_bad_source_case():
@@ -315,16 +383,14 @@ def test_every_subcommand_has_a_bad_source_case():
     assert set(SUBCOMMANDS) | {"run"} <= set(BAD_SOURCES)
 
 
-@pytest.mark.parametrize("case", [(name, i) for name, argvs in BAD_SOURCES.items()
-                                  for i, argv in enumerate(argvs) if argv is not None],
-                         ids=lambda c: f"{c[0]}-{'model' if c[1] == 0 else 'draft'}")
-def test_bad_model_or_draft_is_one_line(case, tmp_path):
+@pytest.mark.parametrize("case", _bad_source_cases(), ids=lambda c: f"{c[0]}-{'model' if c[1] == 0 else 'draft'}")
+def test_bad_model_or_draft_is_one_line(case, cli_processes):
     from dflash_mlx.cli.main import SUBCOMMANDS
 
     name, i = case
     if name != "run" and name not in SUBCOMMANDS:
         pytest.skip(f"no '{name}' subcommand in this checkout")
-    r = dflash_mlx_cli(BAD_SOURCES[name][i], tmp_path)
+    r = cli_processes[f"{name}:{i}"]
     prog = "dflash-mlx" if name == "run" else f"dflash-mlx {name}"
     assert r.returncode == (2 if name == "doctor" else 1), r.stderr  # 2: a bad flag
     lines = r.stderr.strip().splitlines()
@@ -350,8 +416,8 @@ def test_bad_flag_is_one_line_in_every_subcommand(name, capsys):
     assert err.count("\n") == 1 and err.startswith(f"{prog}: error: ") and "--no-such-flag" in err, err
 
 
-def test_debug_shows_the_traceback(tmp_path):
-    r = dflash_mlx_cli(["--debug", "--model", "no-such-model", "hi"], tmp_path)
+def test_debug_shows_the_traceback(cli_processes):
+    r = cli_processes["debug"]
     assert r.returncode != 0
     assert "Traceback" in r.stderr and "Error: unknown model 'no-such-model'" in r.stderr
 

@@ -109,13 +109,15 @@ def test_profile_times_every_cycle_and_leaves_tokens_alone():
 
 
 def test_plain_decoding_runs_no_draft():
-    """baseline=True and draft=None decode with the target alone, one token per cycle."""
+    """baseline=True, and draft=None without copies, decode with the target alone, one token per
+    cycle (draft=None with copies: tests/test_copies_without_draft.py)."""
     model, tok = tiny_target("llama", seed=2)
     prompt = list(range(10, 25))
     ref = greedy_reference(model, prompt, 8)
     draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9)
-    for d, baseline in ((draft, True), (None, False)):
-        rs = list(stream_generate(model, d, tok, prompt, max_tokens=8, baseline=baseline, stop_token_ids=[]))
+    for d, kw in ((draft, dict(baseline=True)), (None, dict(baseline=True)), (None, dict(copy_proposals=False))):
+        rs = list(stream_generate(model, d, tok, prompt, max_tokens=8, stop_token_ids=[], **kw))
+
         assert [t for r in rs for t in r.tokens] == ref
         assert [r.verify_width for r in rs[1:]] == [1] * 7 and rs[-1].accept_lengths == [0] * 7
     assert draft.cycle == 0

@@ -152,13 +152,18 @@ def test_vllm_form_with_a_bad_map_is_one_line(verifier, tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_exports_the_shipped_draft(tmp_path):
-    from dflash_mlx import load
+def test_cli_exports_the_shipped_draft(tmp_path, smollm2, monkeypatch):
     from dflash_mlx.cli.main import main
+    from dflash_mlx.models import loading
 
+    # the target each export loads is the session's (loaded once per process; read, never changed)
+    real_load, asked = loading.load, []
+    monkeypatch.setattr(loading, "load", lambda name, **kw: asked.append(name) or (
+        smollm2 if name == "smollm2-135m" else real_load(name, **kw)))
     for fmt in ("vllm", "speculators", "zlab-full"):
         assert main(["export-draft", "smollm2-135m", str(tmp_path / fmt), "--format", fmt]) == 0
-    model, _ = load("smollm2-135m", quiet=True)
+    assert asked == ["smollm2-135m"] * 3  # each export loaded the draft's own target
+    model, _ = smollm2
     shipped = load_draft("smollm2-135m", model)
     for fmt in ("vllm", "speculators"):
         back = load_draft(str(tmp_path / fmt), model)

@@ -1,6 +1,7 @@
 """Exactness: DFlash greedy output equals plain mlx-lm greedy decoding, token for token."""
 
 import random
+from functools import lru_cache
 
 import pytest
 
@@ -18,6 +19,13 @@ def model_for(arch):
     if arch not in _MODELS:
         _MODELS[arch] = tiny_target(arch, seed=1)
     return _MODELS[arch]
+
+
+@lru_cache(maxsize=None)
+def greedy_of(arch, prompt, max_tokens):
+    """mlx-lm's greedy continuation of `prompt` (a tuple) on model_for(arch), computed once:
+    test_max_tokens_inside_a_block scripts its draft from the same 40 tokens at every budget."""
+    return tuple(greedy_reference(model_for(arch)[0], list(prompt), max_tokens))
 
 
 def run(model, draft, tok, prompt, block_size="draft", **kw):
@@ -105,7 +113,7 @@ def test_stop_token_mid_block(arch):
 def test_max_tokens_inside_a_block(arch, max_tokens):
     model, tok = model_for(arch)
     prompt, ref = clean_case(model, 11, max_tokens, seed=6)
-    draft = ScriptedDraft(Target(model), prompt + greedy_reference(model, prompt, 40), lambda c: 10**9)
+    draft = ScriptedDraft(Target(model), prompt + list(greedy_of(arch, tuple(prompt), 40)), lambda c: 10**9)
     out, responses = run(model, draft, tok, prompt, max_tokens=max_tokens, stop_token_ids=[])
     assert out == ref and len(out) == max_tokens
     assert responses[-1].finish_reason == "length"

@@ -218,14 +218,34 @@ def test_packed_responses_round_trip(tmp_path):
     assert msgs and "1 records without their prompt source" in msgs[0]
 
 
+def _long_gsm8k_responses(tok, tmp_path, n=4):
+    """The first `n` committed GSM8K responses of 60 tokens or more, unpacked. The choice
+    reads only ids and responses, which unpacking keeps (it drops records, in order), so the
+    records chosen before unpacking are those chosen after: only they are re-tokenized (all
+    ~5800 records take ~3 s)."""
+    import gzip
+    import json
+
+    keep = lambda r: r["id"].startswith("gsm8k-train:") and len(r["response"]) >= 60  # noqa: E731
+    with gzip.open(D.DATA_DIR / "smollm2-135m-responses.jsonl.gz", "rt", encoding="utf-8") as f:
+        lines = [line for line in f if line.strip() and keep(json.loads(line))]
+    out = []
+    for start in range(0, len(lines), n):  # (a record is skipped if its prompt cannot be rebuilt)
+        with gzip.open(tmp_path / "subset.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(lines[start : start + n])
+        out += D.unpack_responses(tmp_path / "subset.jsonl.gz", tok)
+        if len(out) >= n:
+            return out[:n]
+    return out
+
+
 @pytest.fixture(scope="module")
-def smollm2_overfit_setup(smollm2):
+def smollm2_overfit_setup(smollm2, tmp_path_factory):
     """The real embedded target, 4 committed GSM8K responses, and one feature source for
     both recipes (same taps: the frozen target's features are computed once per record)."""
     model, tok = smollm2
     target = Target(model)
-    packed = D.DATA_DIR / "smollm2-135m-responses.jsonl.gz"
-    gsm = [r for r in D.unpack_responses(packed, tok) if r["id"].startswith("gsm8k-train:") and len(r["response"]) >= 60]
+    gsm = _long_gsm8k_responses(tok, tmp_path_factory.mktemp("gsm8k"))
     return tok, target, gsm[:4], FeatureSource(target, [1, 10, 18, 27])
 
 
@@ -372,10 +392,18 @@ def _trained_draft(setup, tmp_path, layers=2, steps=30):
     return draft, feats, scale
 
 
+@pytest.fixture(scope="module")
+def trained(setup, tmp_path_factory):
+    """The 30-step draft the growing tests start from, trained once, and its run folder
+    (its checkpoint: run/small/checkpoint). Growing reads it and never changes it."""
+    run = tmp_path_factory.mktemp("run")
+    return (*_trained_draft(setup, run), run)
+
+
 @pytest.mark.parametrize("layers", [3, 4, 5])
-def test_grown_draft_computes_what_the_trained_draft_does(setup, tmp_path, layers):
+def test_grown_draft_computes_what_the_trained_draft_does(setup, trained, tmp_path, layers):
     _, tok, target, recs = setup
-    draft, feats, scale = _trained_draft(setup, tmp_path)
+    draft, feats, scale, _ = trained
     grown = I.grow_draft(draft, layers)
     assert grown.config.num_hidden_layers == layers and len(grown.layers) == layers
     assert grown.config.target_layer_ids == draft.config.target_layer_ids
@@ -419,16 +447,16 @@ def test_dropout_is_training_only_and_random(setup, tmp_path):
     assert abs(np.mean(a) - np.mean(plain)) < 0.25 * np.std(plain)
 
 
-def test_grown_draft_adopts_the_trained_runs_adam_moments(setup, tmp_path):
+def test_grown_draft_adopts_the_trained_runs_adam_moments(setup, trained, tmp_path):
     from mlx.utils import tree_flatten
 
     _, tok, target, recs = setup
-    draft, feats, scale = _trained_draft(setup, tmp_path)  # its checkpoint: tmp_path/small/checkpoint
+    draft, feats, scale, run = trained  # its checkpoint: run/small/checkpoint
     grown = I.grow_draft(draft, 4)
     tc = TrainConfig(steps=1, batch_tokens=256, blocks_per_seq=8, lr=1e-3, eval_every=0, log_every=10**6)
     tr = Trainer(grown, recs, [], feats, tc, tmp_path / "grown", log=lambda s: None, feature_scale=scale)
-    n = tr.adopt_moments(tmp_path / "small" / "checkpoint")
-    saved = mx.load(str(tmp_path / "small" / "checkpoint" / "optimizer.safetensors"))
+    n = tr.adopt_moments(run / "small" / "checkpoint")
+    saved = mx.load(str(run / "small" / "checkpoint" / "optimizer.safetensors"))
     state = dict(tree_flatten(tr.optimizer.state))
     old = [k for k in state if k.endswith((".m", ".v")) and not k.startswith(("layers.2.", "layers.3."))]
     assert n == len(old) > 0

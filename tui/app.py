@@ -76,9 +76,10 @@ class ChatApp(App):
 
     def __init__(self, model=None, tokenizer=None, draft=None, *, model_name: Optional[str] = None,
                  draft_name: Optional[str] = None, settings: Optional[Settings] = None,
-                 template: Optional[Template] = None, stream_fn: Optional[Callable] = None):
+                 template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
+                 draft_bits: Optional[int] = None):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
-        (`model_name`, `draft_name`) on the engine thread once the app is up."""
+        (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up."""
         super().__init__()
         self.settings = (settings or Settings()).check()
         self.template = template
@@ -87,6 +88,7 @@ class ChatApp(App):
         self._given = (model, tokenizer, draft) if model is not None else None
         self.model_name = model_name or (type(model).__module__.rsplit(".", 1)[-1] if model is not None else "")
         self.draft_name = draft_name or ("none" if draft is None and model is not None else "")
+        self.draft_bits = draft_bits
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -150,12 +152,16 @@ class ChatApp(App):
         self._jobs.put((what, fn))
 
     def _load(self) -> None:
-        from dflash_mlx.cli.common import load_model_and_draft
+        from dflash_mlx.cli.common import load_model_and_draft, no_draft_note
         from dflash_mlx.models.packaged import untrained_draft
 
-        model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True)
+
+        model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True,
+                                                              draft_bits=self.draft_bits, without_draft=True)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
             "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
+        if draft is None:
+            label, note = "none (copies of the context)", no_draft_note(self.model_name)
         self.post_message(Loaded(self._new_session(model, tokenizer, draft), self.model_name, label, note))
 
     def _stopping(self) -> bool:
@@ -323,12 +329,13 @@ class ChatApp(App):
 
 
 def build_parser():
-    from dflash_mlx.cli.common import ArgumentParser
+    from dflash_mlx.cli.common import ArgumentParser, add_draft_bits_arg
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
     p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
+    add_draft_bits_arg(p)
     add_generation_args(p, Settings())
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
     return p
@@ -349,8 +356,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     # a name that cannot be a model or draft fails here, not after the app is up
-    draft_for(args.model, args.draft)
-    app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings)
+    draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
+
+    app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

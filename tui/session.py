@@ -7,7 +7,8 @@ call them directly. Every MLX call of a session must happen on one thread.
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
-from dflash_mlx.generate import encode_prompt, make_prompt_cache, stop_ids, stream_generate
+from dflash_mlx.generate import encode_prompt, make_prompt_cache, make_suffix_index, stop_ids, stream_generate
+from dflash_mlx.policy.copies import NO_DRAFT_MAX_COPY
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 
 from dflash_mlx.tui.segments import CycleText, Segment
@@ -56,6 +57,8 @@ class ChatSession:
         self.messages: List[Dict[str, str]] = []  # user/assistant turns, system kept apart
         self.cache = None
         self.last: Optional[Turn] = None
+        # earlier turns of every conversation of the session, for copies (kept by "new chat")
+        self.suffix_index = make_suffix_index(model)
 
     @property
     def draft_block_size(self) -> int:
@@ -70,8 +73,10 @@ class ChatSession:
     def max_block_size(self) -> int:
         """The widest verify a cycle can have: the top of the accept-length scales."""
         b = self.block_size
-        # "auto" never verifies more than the draft's block size
-        return self.draft_block_size if b == "auto" else b
+        # "auto" never verifies more than the draft's block size (with no draft, the longest copy)
+        if b == "auto":
+            return self.draft_block_size if self.draft is not None else NO_DRAFT_MAX_COPY + 1
+        return b
 
     def new_chat(self) -> None:
         """Forget the conversation and the cache (it is rebuilt on the next turn)."""
@@ -99,7 +104,8 @@ class ChatSession:
             self.cache = make_prompt_cache(self.model, self.draft)
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
-            **s.generate_kwargs(),
+            suffix_index=self.suffix_index, **s.generate_kwargs(),
+
         )
         try:
             for r in stream:

@@ -7,7 +7,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli.common import EXIT_USAGE, ArgumentParser, CLIError, checked_options, draft_for, load_model_and_draft, usage_error
+from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_draft_bits_arg, checked_options, draft_for,
+                                   load_model_and_draft, usage_error)
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name | folder | .gguf | hub id")
     p.add_argument("--draft", default=None, help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model)")
+    add_draft_bits_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")
     p.add_argument("--out", default=None,
@@ -134,14 +136,15 @@ def main(argv=None) -> int:
     from dflash_mlx.bench import report, runner
 
     print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
-    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
+    model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
+                                                          draft_bits=args.draft_bits)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
         min_p=options.min_p, draft_sampling=options.draft_sampling, seed=options.seed,
         warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
-        model=args.model, draft=draft_name, data_dir=args.data_dir,
+        model=args.model, draft=draft_name if args.draft_bits is None else label, data_dir=args.data_dir,
         command=_command(argv),
     )
     out_dir = Path(out)
@@ -189,7 +192,8 @@ def depth_main(args, argv) -> int:
         datetime.now(timezone.utc).strftime("%Y%m%d") + "-depth-"
         + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(draft_name).name)))
     print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
-    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype)
+    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
+                                                      draft_bits=args.draft_bits)
     from dflash_mlx import load_draft
 
     others = {label: load_draft(name, model, quiet=True) for label, name in cfg.compare.items()}

@@ -65,12 +65,19 @@ def check_sources(model: str, draft=None) -> None:
         raise CLIError(str(e)) from None
 
 
-def draft_for(model: str, draft=None, baseline=None):
+def no_draft_note(model: str) -> str:
+    """What a front end says when `model` has no DFlash draft (it then decodes with copies)."""
+    return (f"no DFlash draft for {model!r}: copies of the context are on (verified where they pay, plain "
+            "steps otherwise; exact); --draft adds a draft, --baseline is plain decoding")
+
+
+def draft_for(model: str, draft=None, baseline=None, without_draft: bool = False):
     """The draft a front end loads for `model`: `draft`, else a packaged model's own.
 
     `baseline` is the front end's --baseline flag: True means no draft (None is
     returned); None means the front end has no such flag. Both names are
-    checked before anything loads.
+    checked before anything loads. `without_draft`: a front end that decodes with
+    copies of the context alone gets None for a model with no draft (else an error).
     """
     from dflash_mlx.models.packaged import is_packaged
 
@@ -79,6 +86,8 @@ def draft_for(model: str, draft=None, baseline=None):
         return None
     if draft is None:
         if not is_packaged(model):
+            if without_draft:
+                return None
             alternative = "" if baseline is None else ", or --baseline to use the target alone"
             raise CLIError(f"no DFlash draft for {model!r}: pass --draft (a folder or hub id){alternative}")
         draft = model
@@ -86,20 +95,60 @@ def draft_for(model: str, draft=None, baseline=None):
     return draft
 
 
-def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False):
-    """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags."""
+def add_distributed_arg(parser) -> None:
+    """`--distributed`: the target split over the processes `mlx.launch` started."""
+    parser.add_argument("--distributed", choices=("tensor", "pipeline", "auto"), default=None,
+                        help="under mlx.launch: split the target over the launched processes, tensor parallel "
+                        "(Model.shard), pipeline parallel (its layers), or auto (tensor where mlx-lm has it); "
+                        "rank 0 reads the prompt and prints; the draft is loaded whole on every rank "
+                        "(default: one process; see docs/distributed.md)")
+
+
+def launched(distributed) -> bool:
+    """Whether this process speaks for the run: always, except a rank other than 0 under
+    --distributed (its standard output then goes nowhere)."""
+    if distributed is None:
+        return True
+    import os
+    import sys
+
+    from dflash_mlx.models.sharded import world
+
+    if world().size() < 2:
+        raise CLIError("--distributed needs two or more processes: start it with mlx.launch "
+                       "(e.g. mlx.launch -n 2 --backend ring --hostfile hosts.json ...)", EXIT_USAGE)
+    if world().rank() == 0:
+        return True
+    sys.stdout = open(os.devnull, "w")
+    return False
+
+
+def add_draft_bits_arg(parser) -> None:
+    """`--draft-bits`, beside every front end's --draft."""
+    parser.add_argument("--draft-bits", type=int, choices=(4, 8), default=None,
+                        help="quantize a float draft's projections to 4 or 8 bits on load (MLX affine, "
+                        "group size 64; default: as stored; a draft stored quantized loads quantized)")
+
+
+def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,
+                         without_draft: bool = False, distributed=None):
+    """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags
+    (`distributed`: the target split over the processes of mlx.launch; the draft whole on each)."""
     from dflash_mlx import load, load_draft
     from dflash_mlx.models.draft.config import DraftMismatchError
+    from dflash_mlx.models.draft.quantize import describe
     from dflash_mlx.models.packaged import draft_label
 
-    draft_name = draft_for(model, draft, baseline)
-    target, tokenizer = load(model, dtype=dtype, quiet=quiet)
+    draft_name = draft_for(model, draft, baseline, without_draft)
+
+    target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed)
     if draft_name is None:
         return target, tokenizer, None, None
     try:
-        loaded = load_draft(draft_name, target, quiet=quiet)
+        loaded = load_draft(draft_name, target, quiet=quiet, bits=draft_bits)
     except DraftMismatchError as e:
         raise CLIError(f"draft {draft_name!r} does not fit model {model!r}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
         raise CLIError(f"could not load draft {draft_name!r}: {e}") from None
-    return target, tokenizer, loaded, draft_label(draft_name)
+    quantized = describe(loaded) if loaded is not None else None
+    return target, tokenizer, loaded, draft_label(draft_name) + (f" ({quantized})" if quantized else "")

@@ -1,4 +1,4 @@
-"""`dflash-mlx export-draft DRAFT OUT --format zlab-full|vllm|speculators`: a draft for other engines.
+"""`dflash-mlx export-draft DRAFT OUT --format zlab-full|vllm|speculators|mlx`: a draft for other engines.
 
 - `zlab-full`: z-lab's layout scoring the target's whole vocabulary (no
   `draft_vocab.npy`): what SGLang (`DFLASH`), z-lab's own code and speculators'
@@ -11,6 +11,10 @@
 - `speculators`: speculators' DFlash layout (aux ids = ours + 1; `d2t`/`t2d`/`lm_head`
   for a reduced vocabulary), with `--verifier` the name the consumer loads the
   target by (a hub id or path): its loader takes the embedding and head from there.
+- `mlx`: z-lab's layout as this package stores it (the reduced vocabulary kept in
+  `draft_vocab.npy`), and with `--bits 4|8` MLX-quantized weights with mlx-lm's
+  `quantization` entry. Only MLX loaders read quantized weights, so `--bits` is
+  refused with the other formats, and so is a draft loaded quantized.
 
 Head rows come from the target given with `--target` (default: a packaged draft's
 own target). A packaged GGUF target is quantized: pass the Hugging Face model
@@ -27,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-FORMATS = ("zlab-full", "vllm", "speculators")
+FORMATS = ("zlab-full", "vllm", "speculators", "mlx")
 CARD = """# DFlash draft ({fmt} layout)
 
 Written by `dflash-mlx export-draft` from `{source}` for target `{target}`.
@@ -43,6 +47,9 @@ WHAT = {
     "speculators": "speculators' DFlash layout (`speculators_model_type: dflash`), verifier `{verifier}`: "
                    "`DFlashDraftModel.from_pretrained(<this folder>)` in speculators, or vLLM "
                    "(`vllm serve {verifier} --speculative-config '{{\"model\": <this folder>}}'`).",
+    "mlx": "z-lab's DFlash layout as dflash-mlx stores it (`config.json`, `model.safetensors`, the reduced "
+           "vocabulary in `draft_vocab.npy` if any){quantized}: `dflash-mlx --draft <this folder>` or "
+           "`dflash_mlx.load_draft(<this folder>, model)`.",
 }
 
 
@@ -51,17 +58,25 @@ class ExportDraftError(ValueError):
 
 
 def export_draft(draft, out, fmt: str, target=None, verifier: Optional[str] = None,
-                 verifier_architectures=(), source: str = "", target_name: str = "") -> Path:
+                 verifier_architectures=(), source: str = "", target_name: str = "",
+                 bits: Optional[int] = None, group_size: int = 64) -> Path:
     """Write `draft` (as loaded, weights in their stored dtype) to `out` in format `fmt`.
 
     `target` (a `Target`) supplies head rows (vllm/speculators with a reduced
-    vocabulary) and the layer count; `verifier` names it in speculators' config."""
+    vocabulary) and the layer count; `verifier` names it in speculators' config.
+    `bits` (format `mlx` only) quantizes the draft's projections first."""
     from dflash_mlx.models.draft.foreign import speculators
     from dflash_mlx.models.draft.foreign import vllm
     from dflash_mlx.models.draft.foreign.common import head_rows
+    from dflash_mlx.models.draft.quantize import describe
 
     if fmt not in FORMATS:
         raise ExportDraftError(f"unknown format {fmt!r}; one of {', '.join(FORMATS)}")
+    if fmt != "mlx" and (bits is not None or describe(draft)):
+        raise ExportDraftError(f"--format {fmt} is read by engines that take float weights only: quantized "
+                               "drafts (--bits, or a draft stored quantized) export with --format mlx")
+    if fmt == "mlx":
+        return _write_mlx(draft, Path(out), bits, group_size, source, target_name)
     if getattr(draft.config, "version", 1) != 1 and fmt != "zlab-full":
         raise ExportDraftError(f"DFlash 2 drafts have no {fmt} layout; use --format zlab-full")
     cfg = draft.config.to_dict()
@@ -90,13 +105,34 @@ def export_draft(draft, out, fmt: str, target=None, verifier: Optional[str] = No
     return _write(Path(out), cfg, weights, card)
 
 
-def _write(out: Path, cfg: dict, weights: dict, card: str) -> Path:
-    """config.json + model.safetensors + README.md, atomically (a temporary folder renamed)."""
+def _write_mlx(draft, out: Path, bits, group_size, source: str, target_name: str) -> Path:
+    """Format `mlx`: the draft as `save_draft` writes it, quantized first when `bits` is given."""
+    from dflash_mlx.models.draft.checkpoints import DRAFT_VOCAB_FILE, config_dict
+    from dflash_mlx.models.draft.quantize import describe, quantize_draft
+
+    if bits is not None:
+        try:
+            quantize_draft(draft, bits, group_size)
+        except ValueError as e:
+            raise ExportDraftError(str(e)) from None
+    q = describe(draft)
+    card = CARD.format(fmt="mlx", source=source or "a draft", target=target_name or "?",
+                       what=WHAT["mlx"].format(quantized=f", {q} (MLX affine, mlx-lm's `quantization` entry)"
+                                               if q else ""))
+    extra = {} if draft.vocab_ids is None else {DRAFT_VOCAB_FILE: draft.vocab_ids.astype(mx.int32)}
+    return _write(out, config_dict(draft), dict(tree_flatten(draft.parameters())), card, extra)
+
+
+def _write(out: Path, cfg: dict, weights: dict, card: str, arrays: Optional[dict] = None) -> Path:
+    """config.json + model.safetensors + README.md (+ `arrays`, .npy files by name), atomically
+    (a temporary folder renamed)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-export-", dir=out.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "pt"})
+        for name, array in (arrays or {}).items():
+            mx.save(str(tmp / name), array)
         (tmp / "README.md").write_text(card)
         if out.exists():
             shutil.rmtree(out)
@@ -111,7 +147,8 @@ def main(argv=None) -> int:
     from dflash_mlx.cli.common import ArgumentParser, CLIError
 
     p = ArgumentParser(prog="dflash-mlx export-draft",
-                       description="write a DFlash draft in z-lab full-vocabulary, vLLM or speculators format")
+                       description="write a DFlash draft in z-lab full-vocabulary, vLLM or speculators format, "
+                       "or for MLX (optionally quantized)")
     p.add_argument("draft", help="draft: packaged name, folder or hub id")
     p.add_argument("out", help="output folder")
     p.add_argument("--format", required=True, choices=FORMATS)
@@ -120,8 +157,15 @@ def main(argv=None) -> int:
     p.add_argument("--verifier", default=None,
                    help="speculators: the name the consumer loads the target by (default for a packaged "
                         "target: its hub id)")
+    p.add_argument("--bits", type=int, choices=(4, 8), default=None,
+                   help="--format mlx: quantize the draft's projections to 4 or 8 bits (MLX affine)")
+    p.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64,
+                   help="--format mlx with --bits: weights per quantization group (default: 64)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing folder")
     args = p.parse_args(argv)
+    if args.bits is not None and args.format != "mlx":
+        raise CLIError(f"--bits writes MLX-quantized weights, which the readers of --format {args.format} "
+                       "(SGLang, vLLM, speculators) cannot load; use --format mlx", 2)
     from dflash_mlx.models import packaged
 
     out = Path(args.out).expanduser()
@@ -140,15 +184,17 @@ def main(argv=None) -> int:
         check_sources(target_name, args.draft)
         model, _ = load(target_name, quiet=True)
         target = Target(model, name=target_name)
-    elif args.format != "zlab-full":
+    elif args.format not in ("zlab-full", "mlx"):
         raise CLIError(f"--format {args.format} needs --target (the draft's target model)", 2)
     draft = _load_stored(args.draft, target)
     arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(getattr(target, "arch", None), None)
     export_draft(draft, out, args.format, target=target, verifier=verifier,
-                 verifier_architectures=[arch] if arch else [], source=args.draft, target_name=target_name or "")
+                 verifier_architectures=[arch] if arch else [], source=args.draft,
+                 target_name=target_name or "", bits=args.bits, group_size=args.group_size)
     vocab = "full vocabulary" if draft.vocab_ids is None or args.format == "zlab-full" else \
         f"draft vocabulary {draft.vocab_ids.shape[0]}"
-    print(f"wrote {out} ({args.format}, {vocab})")
+    quantized = f", {args.bits}-bit" if args.bits else ""
+    print(f"wrote {out} ({args.format}{quantized}, {vocab})")
     return 0
 
 

@@ -7,7 +7,8 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli.common import EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, checked_options, load_model_and_draft
+from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
+                                   add_draft_bits_arg, checked_options, launched, load_model_and_draft, no_draft_note)
 from dflash_mlx.options import add_generation_args
 
 
@@ -32,12 +33,16 @@ def build_parser():
     p.add_argument(
         "--draft",
         help="DFlash draft: packaged name, folder or hub id (default: the packaged draft of a "
-        "packaged --model)",
+        "packaged --model; with none, copies of the context alone)",
     )
+    add_draft_bits_arg(p)
+    add_distributed_arg(p)
+
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
-    p.add_argument("--baseline", action="store_true", help="decode with the target alone (for comparison)")
+    p.add_argument("--baseline", action="store_true",
+                   help="plain decoding with the target alone: no draft, no copies (for comparison)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
@@ -67,9 +72,17 @@ def _read_prompt(args) -> str:
 
 def run(args) -> int:
     options = checked_options(args)
-    prompt = _read_prompt(args)
+    speaks = launched(args.distributed)
+    prompt = _read_prompt(args) if speaks else None
+    if args.distributed is not None:
+        from dflash_mlx.models.sharded import share
+
+        prompt = share(prompt)  # rank 0's, read once
     model, tokenizer, draft, draft_label = load_model_and_draft(
-        args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json)
+        args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json or not speaks,
+        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed)
+    if draft is None and not args.baseline and speaks:
+        print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
 
     from dflash_mlx import stream_generate
     from dflash_mlx.models.loading import apply_chat_template
@@ -81,7 +94,7 @@ def run(args) -> int:
 
     pieces, tokens, last = [], [], None
     try:
-        for r in stream_generate(model, draft, tokenizer, text, baseline=draft is None,
+        for r in stream_generate(model, draft, tokenizer, text, baseline=args.baseline,
                                  **options.generate_kwargs()):
             pieces.append(r.text)
             tokens.extend(r.tokens)
@@ -113,10 +126,13 @@ def run(args) -> int:
         print(json.dumps(out, ensure_ascii=False))
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
-    for kind, label in (("tree", "trees"), ("copy", "copies")):
+    for kind, label in (("tree", "trees"), ("copy", "copies"), ("global_copy", "earlier answers")):
+
         counts = last.proposal_counts.get(kind)
         if counts:
             tau_s += f", {counts[1]} from {label}"
+    if not speaks:
+        return 0
     print()
     print(
         f"[{stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s{tau_s}, "

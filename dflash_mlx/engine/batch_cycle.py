@@ -23,7 +23,9 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_mlx.engine.batch_caches import for_forward, rollback_rows
+from dflash_mlx.engine.cycle import copy_kind
 from dflash_mlx.engine.drafter import propose_rows
+from dflash_mlx.engine.distributed import shared_seconds
 from dflash_mlx.engine.responses import Step
 from dflash_mlx.engine.rows import Row
 from dflash_mlx.models.target.adapter import Target
@@ -43,8 +45,10 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
                 copied: Sequence[int], matches: Sequence[Optional[CopyMatch]]) -> Tuple[List[Step], List[int], float]:
     """One cycle of `rows` (two or more, decoding on the batch's caches `cache`, whose rollback
     `kinds` the engine read) at `width`: row b verifies a copy of `copied[b]` tokens of
-    `matches[b]`, or (0) its draft's block. (each row's step, each row's accept length, the
-    seconds to the cycle's one host sync.)"""
+    `matches[b]`, or (0) its draft's block (with no draft, its last token repeated: it commits
+    one token, as a plain step). (each row's step, each row's accept length, the seconds to
+    the cycle's one host sync.)"""
+
     t0 = time.perf_counter()
     for r in rows:
         r.state.valid = False
@@ -52,7 +56,10 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
         lasts = [r.last[:, None] for r in rows]
         proposals = [_copy_proposal(m.continuation, c, width) if c else None for m, c in zip(matches, copied)]
         drafting = [b for b, c in enumerate(copied) if not c] if width > 1 else []
-        if drafting:
+        if drafting and draft is None:  # no draft: a row without a copy verifies its last token repeated
+            for b in drafting:
+                proposals[b] = Proposal(mx.repeat(rows[b].last[:, None], width - 1, axis=1))
+        elif drafting:
             drafted = propose_rows([rows[b].drafter for b in drafting], [rows[b].last for b in drafting], width,
                                    [rows[b].acceptor for b in drafting])
             for b, p in zip(drafting, drafted):
@@ -77,10 +84,11 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
             accept_len = mx.concatenate([a for a, _ in each])
             committed = mx.concatenate([c[:, :width] for _, c in each])
     mx.eval(verify_in, accept_len, committed)  # the cycle's host sync
-    seconds = time.perf_counter() - t0
+    seconds = shared_seconds(target, time.perf_counter() - t0)  # every rank of a split target alike
     fed, accepts, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
-                      "copy" if copied[b] else "draft" if width > 1 else None, logits[b])
+                      copy_kind(matches[b]) if copied[b] else "draft" if width > 1 and draft is not None else None,
+                      logits[b])
              for b, r in enumerate(rows)]
     rejected = [width - len(s.tokens) for s in steps]
     with mx.stream(generation_stream):

@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_mlx.engine.distributed import shared_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
@@ -20,7 +21,8 @@ from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.policy.copies import CopyPolicy
 from dflash_mlx.policy.trees import TreePolicy
 from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
-from dflash_mlx.speculation.copies import ContextIndex
+from dflash_mlx.speculation.copies import ContextIndex, CopyMatch
+from dflash_mlx.speculation.suffix_index import SuffixIndex
 from dflash_mlx.speculation.tree_verify import verify_tree
 
 
@@ -85,7 +87,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
 def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
           budget: int, stops, timer, head_rows: HeadRows, logprobs: Optional[int] = None,
           copies: Optional[CopyPolicy] = None, index: Optional[ContextIndex] = None,
-          trees: Optional[TreePolicy] = None) -> Tuple[Step, mx.array]:
+          trees: Optional[TreePolicy] = None, shared: Optional[SuffixIndex] = None) -> Tuple[Step, mx.array]:
     """One draft -> verify -> accept -> rollback cycle of one sequence on its own (unbatched)
     caches: (its Step, the new last committed token [1]).
 
@@ -94,7 +96,8 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     its other rows, see `HeadRows`); `widths` picks its verify width.
     `copies` (with `index`, the context so far): the cycle may verify a copy of what followed
     an earlier occurrence of the context's suffix instead of the draft's block, when that
-    is expected to commit more tokens per second (`policy.copies.CopyPolicy`).
+    is expected to commit more tokens per second (`policy.copies.CopyPolicy`); `shared`, an
+    index of earlier requests, offers a candidate beside the context's own.
     `trees` (on targets `tree_attention.tree_support` accepts; sampled exactly at T > 0): a drafted
     cycle may spend its rows on a token tree from the draft's top-k instead of its chain
     (`policy.trees.TreePolicy`, `speculation.tree_verify`; two host syncs in such a cycle).
@@ -106,8 +109,9 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     width = widths.choose(budget)
     match, copy_length = None, 0
     if copies is not None:
-        match = index.match(copies.max_length)
-        copy_length = copies.choose(match, budget, width)
+        match, copy_length = copies.best([index.match(copies.max_length),
+                                          shared.match(index.tokens, copies.max_length) if shared else None],
+                                         budget, width)
     use_tree = False
     if trees is not None and not copy_length:
         explore = trees.explore(width, min(budget, widths.max_block))
@@ -154,7 +158,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         rows = tree_run.path  # verify rows of the committed tokens' inputs, root first
         verified = [tree_run.tree.tokens[r] for r in rows]
         trees.update(width, a)
-        widths.update(width, a, time.perf_counter() - t0, chain=False)
+        widths.update(width, a, shared_seconds(target, time.perf_counter() - t0), chain=False)
     else:
         mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
         a = accept_len.item()
@@ -162,9 +166,10 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         rows = list(range(a + 1))
         verified = verify_in[0, : a + 1].tolist()
         if copy_length:
-            copies.update(match.length, copy_length, a, time.perf_counter() - t0)
+            copies.update(match.length, copy_length, a, shared_seconds(target, time.perf_counter() - t0),
+                          shared=match.shared)
         else:
-            widths.update(width, a, time.perf_counter() - t0)
+            widths.update(width, a, shared_seconds(target, time.perf_counter() - t0))
     head_rows.update(a)
     timer.mark("verify")
 
@@ -194,7 +199,13 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     state.valid = True
     if index is not None:
         index.extend(tokens[:kept])
-    kind = "tree" if tree_run is not None else ("copy" if copy_length else ("draft" if width > 1 else None))
+    kind = ("tree" if tree_run is not None else copy_kind(match) if copy_length
+            else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
     return step, mx.array([tokens[a]], dtype=mx.int32)
+
+
+def copy_kind(match: CopyMatch) -> str:
+    """A copy cycle's `Step.proposal`: "copy" of the context, "global_copy" of earlier requests."""
+    return "global_copy" if match.shared else "copy"

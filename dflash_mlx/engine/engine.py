@@ -35,6 +35,8 @@ from dflash_mlx.options import AUTO, fixed_width
 from dflash_mlx.policy.batch_widths import BatchWidths
 from dflash_mlx.policy.copies import batch_copy_policy_for
 from dflash_mlx.policy.sizer import FixedWidth, sizer_for
+from dflash_mlx.speculation.suffix_index import SuffixIndex
+
 
 
 class BatchEngine:
@@ -44,14 +46,18 @@ class BatchEngine:
     def __init__(self, model, draft, tokenizer, max_batch: int = 8, prefill_chunk: int = 256,
                  prefill_budget: int = 512, block_size=AUTO, target: Optional[Target] = None,
                  copy_proposals: bool = True, token_trees: bool = True, split_head: Optional[bool] = None,
-                 profile: bool = False, snapshot_prompts: bool = True):
+                 profile: bool = False, snapshot_prompts: bool = True, suffix_index: Optional[SuffixIndex] = None):
         """`prefill_chunk`: prompt tokens per prefill forward; `prefill_budget`: prompt tokens
         run per step before the decoding rows' cycle (joining requests' time to first token
         against the running rows' pace). A row decoding alone runs `cycle.cycle` on its own
         caches, where `copy_proposals`, `token_trees` and `split_head` apply as in
         `stream_generate`; `profile`: phase times in its steps (from a copy of the width policy).
         `snapshot_prompts`: a recurrent target's prompt end is kept as a snapshot (the next
-        turn's prefix). `target`: the adapter to use (default: the one `draft` is bound to)."""
+        turn's prefix). `target`: the adapter to use (default: the one `draft` is bound to).
+        With no draft, `block_size` "auto" and `copy_proposals` verify copies where they pay
+        and plain steps otherwise (any other setting: plain steps). `suffix_index`: earlier
+        requests' prompts and answers, for copies (`speculation.suffix_index`); every
+        request that does not opt out (`BatchRequest.global_copies`) is added as it ends."""
         self.model, self.draft, self.tokenizer = model, draft, tokenizer
         self.target = target if target is not None else target_for(model, draft)
         if max_batch < 1:
@@ -65,7 +71,11 @@ class BatchEngine:
         self.prefill_budget = prefill_budget
         self.copy_proposals, self.token_trees, self.split_head = copy_proposals, token_trees, split_head
         self.snapshot_prompts = snapshot_prompts
-        width = fixed_width(block_size, draft.block_size) if draft is not None else 1
+        if draft is not None:
+            width = fixed_width(block_size, draft.block_size)
+        else:  # no draft: copies where they pay (a width-1 sizer prices them), else plain steps
+            width = None if fixed_width(block_size, 1) is None and copy_proposals else 1
+        self.suffix_index = suffix_index
         self.widths = BatchWidths(model, draft) if width is None else None
         if self.widths is not None and profile:
             # profiling syncs at every phase: its cycle times must not teach the shared policy
@@ -73,7 +83,8 @@ class BatchEngine:
         self.fixed = FixedWidth(width) if width is not None else None
         # copies in batched cycles (with `auto`, as a lone row's): their acceptance is the lone rows'
         self.batch_copies = (batch_copy_policy_for(self.widths.sizer(1))
-                             if self.widths is not None and draft is not None and copy_proposals else None)
+                             if self.widths is not None and copy_proposals else None)
+
         self.timer = PhaseTimer() if profile else NoTimer()
         self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
         self.joining: Deque[Row] = deque()
@@ -122,7 +133,15 @@ class BatchEngine:
             return
         self._leave([row])
 
+    def _remember(self, rows: List[Row]):
+        """Rows that end go into the index of earlier requests, unless they opted out."""
+        if self.suffix_index is not None:
+            for r in rows:
+                if r.request.global_copies:
+                    self.suffix_index.add(r.document())
+
     def _leave(self, rows: List[Row]):
+        self._remember(rows)
         if not self.batched:  # the lone row: its caches are its PromptCache's already
             self.rows, self.cache = [], None
             return
@@ -187,6 +206,8 @@ class BatchEngine:
             row.state.snapshot()
         if step.finish is None:
             self._join(row)
+        else:
+            self._remember([row])
         ran = (prefilled - 1) % self.prefill_chunk + 1 if prefilled else 1  # the last chunk's tokens
         return ran, [row.respond(step, first=True)]
 
@@ -212,9 +233,9 @@ class BatchEngine:
         rows = self.rows
         if self.batch_copies is None or not any(r.copies is not None for r in rows):
             return width, [0] * len(rows), [None] * len(rows)
-        matches = [r.context_index().match(self.batch_copies.max_length) if r.copies is not None else None
-                   for r in rows]
         policy, sizer, lone = self.batch_copies, self.widths.current, self.widths.sizer(1)
+        matches = [policy.pick(r.copy_matches(policy.max_length), r.budget) if r.copies is not None else None
+                   for r in rows]
         policy.at_context(context)
         lone.at_context(context)
         policy.seed({w: t * lone.load for w, t in lone.times.items()})
@@ -236,7 +257,7 @@ class BatchEngine:
                                               width, copied, matches)
         for m, c, a in zip(matches, copied, accepts):
             if c:
-                self.batch_copies.record.update(m.length, c, min(a, c))
+                self.batch_copies.record_of(m).update(m.length, c, min(a, c))
         self.cycles += 1
         if self.widths is not None:
             # (a cycle's rollback runs lazily in the next cycle's graph, and is timed there)

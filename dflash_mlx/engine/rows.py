@@ -16,6 +16,7 @@ from typing import List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from dflash_mlx.engine.cycle import HeadRows, cycle, prefill_chunks
+from dflash_mlx.engine.distributed import shared_seed
 from dflash_mlx.engine.drafter import DraftContext, PlainDecoding
 from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.engine.responses import (Answer, DFlashResponse, Step, committed_span, first_step, stop_ids,
@@ -37,6 +38,7 @@ class BatchRequest:
     stop_token_ids: Sequence[int] = ()
     logprobs: Optional[int] = None
     prompt_cache: Optional[PromptCache] = None
+    global_copies: bool = True  # copies from the engine's index of earlier requests, and this one kept there
 
 
 class Row:
@@ -54,14 +56,17 @@ class Row:
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
+        self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike
         # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence
         # call; trees only while the row decodes alone (`cycle.cycle`)
         self.head_rows = HeadRows(split=mx.default_device() == mx.cpu if engine.split_head is None
                                   else engine.split_head)
-        sizer = engine.widths.sizer(1) if engine.widths is not None and engine.draft is not None else None
+        sizer = engine.widths.sizer(1) if engine.widths is not None else None
         self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
-        self.trees = (tree_policy_for(sizer) if sizer is not None and engine.token_trees
+        self.trees = (tree_policy_for(sizer) if sizer is not None and engine.draft is not None and engine.token_trees
                       and tree_support(engine.target) is None else None)
+        # earlier requests' prompts and answers (`speculation.suffix_index`), unless this one opted out
+        self.shared = engine.suffix_index if self.copies is not None and request.global_copies else None
         self.index = None  # the context's copy index (`context_index`), kept up to date by every cycle
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         max_tokens = opts.max_tokens
@@ -83,17 +88,29 @@ class Row:
             self.index = self.state.context_index(int(self.last.item()))
         return self.index
 
+    def copy_matches(self, max_length: int) -> list:
+        """Its copy candidates: the context's own match, and one from earlier requests."""
+        index = self.context_index()
+        return [index.match(max_length), self.shared.match(index.tokens, max_length) if self.shared else None]
+
+    def document(self) -> List[int]:
+        """Its prompt and what it answered so far (for the index of earlier requests)."""
+        if self.index is not None:  # kept up to date by every cycle
+            return list(self.index.tokens)
+        return list(self.state.tokens) + [int(self.last.item())] if self.last is not None else []
+
     # -- joining
+
 
     def start(self):
         """Its prompt's first chunk runs now: the row's clock starts (and its seed is set)."""
         if self.started is not None:
             return
         self.started = time.perf_counter()
-        if self.request.options.seed is not None:
+        if self.seed is not None:
             # as stream_generate does; the random stream is the batch's, so a seed reproduces
             # a sampled answer only for a row that runs alone (at a fixed width)
-            mx.random.seed(self.request.options.seed)
+            mx.random.seed(self.seed)
 
     def cancel_prefill(self):
         self.prefill.close()
@@ -117,7 +134,8 @@ class Row:
         index = self.context_index() if self.copies is not None else None
         step, self.last = cycle(target, self.drafter, self.acceptor, widths, self.state, self.last, self.budget,
                                 self.stops, timer, self.head_rows, self.request.logprobs, self.copies, index,
-                                self.trees)
+                                self.trees, self.shared)
+
         self.budget -= len(step.tokens)
         return step
 

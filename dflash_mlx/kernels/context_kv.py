@@ -3,8 +3,9 @@
 `context_kv` computes the context K/V of all draft layers from their stacked
 k_proj/v_proj outputs (`context_kv_reference` is the draft's own per-layer
 math; `context_kv_metal` the kv_inject kernel). `draft_inject` is the draft's
-injection on top of it: one matmul for all layers' projections, one kernel,
-and with a `StackedContextCache` one slice update per tensor.
+injection on top of it: one matmul for all layers' projections (float or
+affine-quantized alike), one kernel, and with a `StackedContextCache` one
+slice update per tensor.
 """
 
 import math
@@ -77,17 +78,46 @@ def context_kv(kv, k_norm_weight, offset, *, eps, rope):
     return context_kv_reference(kv, k_norm_weight, offset, eps=eps, rope=rope)
 
 
-def stacked_kv_weight(draft) -> mx.array:
-    """[L * 2 * Hkv * D, H]: every layer's k_proj then v_proj rows (cached on the draft)."""
-    parts = []
-    for layer in draft.layers:
-        parts += [layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight]
+def _kv_projections(draft) -> list:
+    return [p for layer in draft.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+
+
+def stack_kind(draft) -> Optional[str]:
+    """'float' or 'quantized' when every layer's k/v projections stack into one matmul
+    (no bias; quantized ones all affine with one group size and bits), else None."""
+    projs = _kv_projections(draft)
+    if any("bias" in p for p in projs):
+        return None
+    if all(type(p) is nn.Linear for p in projs):
+        return "float"
+    if all(type(p) is nn.QuantizedLinear for p in projs):
+        kinds = {(p.group_size, p.bits, p.mode) for p in projs}
+        return "quantized" if kinds == {(projs[0].group_size, projs[0].bits, "affine")} else None
+    return None
+
+
+def stacked_kv_weight(draft):
+    """Every layer's k_proj then v_proj rows, stacked once (cached on the draft): the weight
+    [L * 2 * Hkv * D, H] of float projections, or (packed weight, scales, biases) of
+    quantized ones (a quantized row's groups lie along its input, so rows stack as they are)."""
+    names = ("weight",) if stack_kind(draft) == "float" else ("weight", "scales", "biases")
+    parts = [p[n] for p in _kv_projections(draft) for n in names]
     cached = getattr(draft, "_dflash_kv_stack", None)
     if cached is not None and len(cached[0]) == len(parts) and all(a is b for a, b in zip(cached[0], parts)):
         return cached[1]
-    w = mx.concatenate(parts, axis=0)
+    stacked = tuple(mx.concatenate(parts[i::len(names)], axis=0) for i in range(len(names)))
+    w = stacked[0] if len(names) == 1 else stacked
     object.__setattr__(draft, "_dflash_kv_stack", (parts, w))
     return w
+
+
+def stacked_kv(draft, h: mx.array) -> mx.array:
+    """h [.., H] -> every layer's k_proj and v_proj outputs, [.., L * 2 * Hkv * D], in one matmul."""
+    w = stacked_kv_weight(draft)
+    if isinstance(w, tuple):
+        p = draft.layers[0].self_attn.k_proj
+        return mx.quantized_matmul(h, *w, transpose=True, group_size=p.group_size, bits=p.bits)
+    return h @ w.T
 
 
 class StackedContextCache:
@@ -175,16 +205,15 @@ def draft_inject(draft, features: Optional[mx.array], cache) -> None:
     if features is None or features.shape[1] == 0:
         return
     S = features.shape[1]
-    if not all(type(l.self_attn.k_proj) is nn.Linear and type(l.self_attn.v_proj) is nn.Linear
-               and "bias" not in l.self_attn.k_proj for l in draft.layers):
-        return draft.inject_reference(features, cache)  # quantized/biased projections: keep the draft's path
+    if stack_kind(draft) is None:
+        return draft.inject_reference(features, cache)  # biased or mixed projections: keep the draft's path
     offsets = {c.offset for c in cache}
     if len(offsets) != 1:
         raise ValueError("draft_inject: layer caches disagree on the context offset")
     attn = draft.layers[0].self_attn
     h_ctx = draft.fuse(features)
     B = h_ctx.shape[0]
-    kv = (h_ctx @ stacked_kv_weight(draft).T).reshape(
+    kv = stacked_kv(draft, h_ctx).reshape(
         B, S, len(draft.layers), 2, attn.n_kv_heads, attn.head_dim
     )
     k_w = mx.stack([layer.self_attn.k_norm.weight for layer in draft.layers])

@@ -122,12 +122,18 @@ def hub_snapshot(repo: str, allow_patterns, what: str = "model") -> Path:
         raise ModelLoadError(f"could not fetch {what} {repo!r} from the Hugging Face Hub: {e}") from None
 
 
-def load(name_or_path, dtype=None, quiet: bool = False):
-    """`(model, tokenizer)`: packaged name | .gguf file | mlx-lm folder | hub id."""
+def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[str] = None):
+    """`(model, tokenizer)`: packaged name | .gguf file | mlx-lm folder | hub id.
+
+    `distributed` ("tensor" | "pipeline" | "auto", under `mlx.launch`): the model split over the
+    launched processes (`models.sharded`); an mlx-lm folder or hub id is read by each rank in
+    its part only, another source is loaded whole and then split."""
     name = str(name_or_path).strip()
     kind, path = resolve_source(name)
     dt = resolve_dtype(dtype)
-    if kind == "packaged":
+    if distributed is not None:
+        model, tokenizer = _load_distributed(name, kind, path, dtype, dt, quiet, distributed)
+    elif kind == "packaged":
         model, tokenizer = _load_packaged(name, dtype, dt, quiet)
     elif kind == "hub":
         model, tokenizer = _load_hub(name, dtype, dt)
@@ -144,6 +150,23 @@ def load(name_or_path, dtype=None, quiet: bool = False):
 
     relayout_for_cpu(model)  # the CPU's GEMM reads W.T faster when it is contiguous
     return model, tokenizer
+
+
+def _load_distributed(name, kind, path, dtype, dt, quiet, mode):
+    from dflash_mlx.models import sharded
+
+    try:
+        if kind == "hub" or (kind == "path" and path.is_dir() and (path / "config.json").is_file()):
+            # from the hub: the config first (to choose the split), then each rank's own weights
+            folder = hub_snapshot(name, ["*.json", "*.py", "*.txt", "*.jinja", "tokenizer.model", "*.tiktoken"]) \
+                if kind == "hub" else path
+            model, tokenizer, _ = sharded.load_split(folder, mode, source=name if kind == "hub" else None)
+            return _cast(model, dtype, dt), tokenizer
+        model, tokenizer = load(name, dtype, quiet)
+        sharded.split(model, mode)
+        return model, tokenizer
+    except sharded.ShardingError as e:
+        raise ModelLoadError(str(e)) from None
 
 
 def _load_packaged(name: str, dtype, dt, quiet):

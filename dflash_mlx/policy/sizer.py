@@ -275,13 +275,16 @@ _SIZERS_LOCK = threading.Lock()
 
 
 def sizer_for(model, draft) -> BlockSizer:
-    """The process's `BlockSizer` for this target/draft pair (made on first use)."""
+    """The process's `BlockSizer` for this target/draft pair (made on first use). With no
+    draft (None) a sizer of width 1: plain steps, the rival copies are priced against."""
+    key = (model,) if draft is None else (model, draft)
     with _SIZERS_LOCK:
-        sizer = _SIZERS.get((model, draft))
+        sizer = _SIZERS.get(key)
         if sizer is None:
-            sizer = BlockSizer(draft.block_size)
-            _SIZERS.put((model, draft), sizer)
+            sizer = BlockSizer(draft.block_size if draft is not None else 1)
+            _SIZERS.put(key, sizer)
         return sizer
+
 
 
 def forget_sizers():

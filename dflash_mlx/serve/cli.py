@@ -11,12 +11,15 @@ import threading
 
 import uvicorn
 
-from dflash_mlx.cli.common import ArgumentParser, checked_options, load_model_and_draft
+from dflash_mlx.cli.common import (ArgumentParser, add_draft_bits_arg, checked_options, load_model_and_draft,
+                                   no_draft_note)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.serve.app import create_app
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES
 from dflash_mlx.serve.worker import Worker, default_max_batch
+from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES
+
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
 
@@ -65,7 +68,9 @@ def build_parser():
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"packaged name, .gguf file, mlx-lm folder or hub id (default: {DEFAULT_MODEL})")
     p.add_argument("--draft", help="DFlash draft: packaged name, folder or hub id "
-                   "(default: the packaged draft of a packaged --model)")
+                   "(default: the packaged draft of a packaged --model; with none, copies of the context alone)")
+
+    add_draft_bits_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     # --max-tokens and the sampling flags are the defaults of a request's own fields
@@ -84,24 +89,38 @@ def build_parser():
                    "one at a time, the current conversation comes on top")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
-    p.add_argument("--baseline", action="store_true", help="serve the target alone, without a draft")
+    p.add_argument("--baseline", action="store_true",
+                   help="serve the target alone: plain decoding, no draft, no copies")
+    p.add_argument("--global-copies-bytes", type=_bytes, default=DEFAULT_SUFFIX_INDEX_BYTES,
+                   help="most bytes the index of earlier requests' prompts and answers holds, which every "
+                   "request copies from beside its own conversation, oldest dropped first (default: 256M)")
+    p.add_argument("--no-global-copies", action="store_true",
+                   help="no index of earlier requests: each request copies from its own conversation only "
+                   "(privacy between users; one request opts out with \"dflash\": {\"global_copies\": false})")
     return p
 
 
 def load_worker(args) -> Worker:
     options = checked_options(args)
     model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
-                                                               dtype=args.dtype)
+                                                               dtype=args.dtype, draft_bits=args.draft_bits,
+                                                               without_draft=True)
+    if draft is None and not args.baseline:
+        print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
-                  prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch)
+                  prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
+                  global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
 
 
 def main(argv=None) -> int:
     """`dflash-mlx serve`; `dflash_mlx.cli.main.main` turns errors into one line."""
     args = build_parser().parse_args(argv)
     worker = load_worker(args)
-    print(f"dflash-mlx serve: {args.model} with draft {worker.draft_name}, block size {worker.options.block_size}, "
+    drafted = (f"with draft {worker.draft_name}" if worker.draft is not None
+               else "plain decoding" if worker.baseline else "without a draft (copies of the context)")
+    print(f"dflash-mlx serve: {args.model} {drafted}, block size {worker.options.block_size}, "
+
           f"{worker.scheduling}, on http://{args.host}:{args.port}/v1", file=sys.stderr)
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)

@@ -115,6 +115,14 @@ class ResponseFormat(Body):
     type: str
 
 
+class DFlashOptions(Body):
+    """This server's own request field, `dflash` (OpenAI's client: `extra_body={"dflash": {...}}`)."""
+
+    global_copies: Optional[bool] = Field(
+        None, description="false: this request neither copies from earlier requests' prompts and answers nor "
+        "adds its own to them (privacy between users of one server); default true")
+
+
 class Sampling(Body):
     """Fields chat and completions requests share."""
 
@@ -137,8 +145,10 @@ class Sampling(Body):
     metadata: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+    dflash: Optional[DFlashOptions] = None
 
     def stop_strings(self) -> List[str]:
+
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def common_refusals(self):

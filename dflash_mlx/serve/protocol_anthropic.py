@@ -10,7 +10,8 @@ from typing import Annotated, Any, Dict, List, Literal, Optional, Union
 
 from pydantic import Field
 
-from dflash_mlx.serve.protocol import Body, Out, Refusal
+from dflash_mlx.serve.protocol import Body, DFlashOptions, Out, Refusal
+
 
 # -- Anthropic requests ------------------------------------------------------------------
 
@@ -92,6 +93,7 @@ class MessagesRequest(AnthropicPrompt):
     top_k: Optional[int] = Field(None, ge=0)
     metadata: Optional[Dict[str, Any]] = None
     service_tier: Optional[str] = None
+    dflash: Optional[DFlashOptions] = None
 
     def refusals(self):
         yield from super().refusals()

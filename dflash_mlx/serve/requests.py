@@ -53,6 +53,7 @@ class GenerationRequest:
     include_usage: bool = False
     tools: Optional[List[dict]] = None  # in the chat template's form; None: no tool calls are looked for
     parallel_tool_calls: bool = True
+    global_copies: bool = True  # copies from earlier requests, and this one kept for later ones
 
 
 def _refuse(body):
@@ -153,7 +154,13 @@ def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> Gener
         raise RequestError(str(e)) from None
 
 
+def global_copies(body) -> bool:
+    """The request's `dflash.global_copies` (default true)."""
+    return not (body.dflash is not None and body.dflash.global_copies is False)
+
+
 def _check_model(worker: "Worker", model: Optional[str]):
+
     if model is not None and model not in worker.model_ids:
         raise RequestError(f"model '{model}' is not served here: use '{worker.model_name}' (GET /v1/models)",
                            param="model", status=404, code="model_not_found", type="not_found_error")
@@ -193,7 +200,7 @@ def openai_chat_request(worker: "Worker", body: P.ChatCompletionRequest) -> Gene
         "chat", ids, sampling_options(worker, body, body.max_completion_tokens or body.max_tokens),
         stop=body.stop_strings(), logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         stream=body.stream, include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        tools=tools, parallel_tool_calls=body.parallel_tool_calls is not False,
+        tools=tools, parallel_tool_calls=body.parallel_tool_calls is not False, global_copies=global_copies(body),
     )
 
 
@@ -217,6 +224,7 @@ def completion_request(worker: "Worker", body: P.CompletionRequest) -> Generatio
         "completion", ids, sampling_options(worker, body, body.max_tokens), stop=body.stop_strings(),
         logprobs=body.logprobs, stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        global_copies=global_copies(body),
     )
 
 
@@ -233,7 +241,7 @@ def messages_request(worker: "Worker", body: PA.MessagesRequest) -> GenerationRe
     parallel = not (body.tool_choice and body.tool_choice.disable_parallel_tool_use)
     return GenerationRequest("chat", ids, sampling_options(worker, body, body.max_tokens),
                              stop=list(body.stop_sequences or []), stream=body.stream, tools=tools,
-                             parallel_tool_calls=parallel)
+                             parallel_tool_calls=parallel, global_copies=global_copies(body))
 
 
 # -- stop strings ---------------------------------------------------------------

@@ -34,6 +34,8 @@ from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
+from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES, SuffixIndex
+
 from dflash_mlx.serve.jobs import Job, JobAnswer, shutting_down
 from dflash_mlx.serve.requests import GenerationRequest, RequestError
 from dflash_mlx.tool_calls import with_tool_calling
@@ -53,17 +55,21 @@ class Worker:
 
     def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
                  options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4,
-                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, max_batch: Optional[int] = None):
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, max_batch: Optional[int] = None,
+                 baseline: bool = False, global_copies_bytes: int = DEFAULT_SUFFIX_INDEX_BYTES):
         """`options`: the server's block size and draft sampling, and the defaults of the
         request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
         the bounds of the cached conversations (by count and by bytes; batched, the rows'
         live caches count toward the bytes too). `max_batch`: rows decoding at once
-        (None: `default_max_batch()`; 1: one job at a time)."""
+        (None: `default_max_batch()`; 1: one job at a time). `baseline`: plain decoding, nothing
+        else (with `draft` None and no `baseline`, copies of the context where they pay).
+        `global_copies_bytes`: the bound of the index of earlier requests' prompts and answers
+        that every request not opting out copies from and adds to (0: none)."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
-        self.model, self.draft = model, draft
+        self.model, self.draft, self.baseline = model, (None if baseline else draft), baseline
         self.tokenizer = with_tool_calling(
             tokenizer if isinstance(tokenizer, TokenizerWrapper) else TokenizerWrapper(tokenizer))
         self.model_name, self.draft_name = model_name, draft_name
@@ -72,6 +78,9 @@ class Worker:
         self.queue_size = queue_size
         self.max_snapshots = max_snapshots
         self.max_bytes = prompt_cache_bytes
+        # earlier requests' prompts and answers, shared by all requests (used on the engine thread)
+        self.suffix_index = (SuffixIndex(global_copies_bytes, model=model)
+                             if global_copies_bytes > 0 and not baseline else None)
         # MLX streams belong to the thread that made them: an array still lazy here
         # (weights loaded lazily, a draft's vocabulary ids) could not be evaluated
         # by the worker thread, so everything is evaluated now.
@@ -90,7 +99,8 @@ class Worker:
         if self.batch_refused is None:
             self.engine = self._new_engine()
         # cached conversations: one PromptCache (with snapshots) one at a time; batched, a pool
-        self.cache = (make_prompt_cache(model, draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
+        self.cache = (make_prompt_cache(model, self.draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
+
                       if self.engine is None else None)
         self.pool = CachePool(max_snapshots, prompt_cache_bytes)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
@@ -156,6 +166,7 @@ class Worker:
             "queue_size": self.queue_size,
             **self.counts,
         }
+        out["global_copies"] = self.suffix_index.stats() if self.suffix_index is not None else None
         if self.engine is not None:
             out["batch"] = self.engine.stats()  # read from another thread: a moment's view
             out["prompt_cache"] = self.pool.stats(self.engine)
@@ -226,7 +237,8 @@ class Worker:
         try:
             stream = stream_generate(
                 self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
-                baseline=self.draft is None, logprobs=req.logprobs, **self._options(req).generate_kwargs(),
+                baseline=self.baseline, logprobs=req.logprobs, **self._options(req).generate_kwargs(),
+                suffix_index=self.suffix_index if req.global_copies else None,
             )
             for r in stream:
                 if answer.first and self.recurrent:
@@ -242,7 +254,8 @@ class Worker:
 
     def _new_engine(self) -> BatchEngine:
         return BatchEngine(self.model, self.draft, self.tokenizer, max_batch=self.max_batch,
-                           block_size=self.options.block_size)
+                           block_size=1 if self.baseline else self.options.block_size,
+                           copy_proposals=not self.baseline, suffix_index=self.suffix_index)
 
     def _run_batched(self):
         engine = self.engine
@@ -294,7 +307,8 @@ class Worker:
             req = job.request
             try:
                 row = engine.add(BatchRequest(req.prompt_ids, self._options(req), logprobs=req.logprobs,
-                                              prompt_cache=self.pool.take(req.prompt_ids)))
+                                              prompt_cache=self.pool.take(req.prompt_ids),
+                                              global_copies=req.global_copies))
             except ValueError as e:
                 job.emit("error", RequestError(str(e)))
                 continue

@@ -26,11 +26,13 @@ MAX_NGRAM = 8
 @dataclass
 class CopyMatch:
     """The context's last `length` tokens occurred before, ending just before `start`:
-    what followed them, `continuation`, is the proposal."""
+    what followed them, `continuation`, is the proposal. `shared`: found in earlier
+    requests (`suffix_index.SuffixIndex`; `start` is then a position there), not in the context."""
 
     length: int
     start: int
     continuation: List[int]
+    shared: bool = False
 
 
 class ContextIndex:

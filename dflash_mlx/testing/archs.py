@@ -328,13 +328,7 @@ TWEAKS: Dict[str, Dict[str, Callable]] = {
     "starcoder2": {"q_proj.weight": _x3, "k_proj.weight": _x3},
 }
 
-# Architectures left out, with the reason (none of the requested ones failed; these were not
-# attempted because they are not plain text models in mlx-lm 0.32.2):
-REFUSED: Dict[str, str] = {
-    "gemma3n": "audio/vision wrapper with AltUp/laurel per-layer inputs; not a plain text LM entry",
-    "qwen3_vl / qwen3_vl_moe / kimi_vl / lfm2-vl / pixtral / minimax_m3_vl": "need image inputs / vision wrapper",
-    "mistral3": "text_config wrapper around ministral3/llama/mistral4: covered by ministral3",
-}
+# The rest of mlx-lm's architectures, and the multimodal wrappers: testing/more_archs.py.
 
 ALL_ARCHS: Dict[str, Tuple[str, dict]] = {**FAMILY_ARCHS, **MORE_ARCHS}
 

@@ -22,6 +22,8 @@ from dflash_mlx.models.draft.dflash2 import (DFlash2DraftModel, dflash2_defaults
 from dflash_mlx.models.draft.config import (DraftConfig, DraftMismatchError, default_target_layer_ids,
                                      validate_for_target)
 from dflash_mlx.models.draft.foreign.formats import zlab_layout
+from dflash_mlx.models.draft.quantize import (check_bits, quantization_entry, quantize_draft, quantize_stored,
+                                              quantized_shapes, stored_entry)
 from dflash_mlx.models.layout import relayout_for_cpu
 from dflash_mlx.models.loading import ModelLoadError, hub_snapshot, resolve_source
 from dflash_mlx.models.target.adapter import Target
@@ -94,13 +96,16 @@ def load_draft_folder(path: Path, dtype: Optional[mx.Dtype] = None, target=None)
     weights = {}
     for f in files:
         weights.update(_read_safetensors(f))
+    quantization = stored_entry(cfg, weights, f"draft {path}")
     # other engines' layouts (speculators, vLLM's reduced vocabulary) as z-lab's
     cfg, weights, foreign_ids = zlab_layout(cfg, weights, target, source=str(path))
     config = DraftConfig.from_dict(cfg)
-    check_weights(weights, config)
     model = draft_class(config)(config)
-    if dtype is not None:
-        weights = {k: v.astype(dtype) for k, v in weights.items()}
+    if quantization is not None:  # as mlx-lm loads a quantized model: the stored modules, before the weights
+        quantize_stored(model, quantization, weights, f"draft {path}")
+    check_weights(weights, config, quantized_shapes(model))
+    if dtype is not None:  # packed integers stay as stored
+        weights = {k: v.astype(dtype) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
     model.load_weights(list(weights.items()))
     ids = _read_draft_vocab(path)
     if foreign_ids is not None:
@@ -133,8 +138,9 @@ def _read_draft_vocab(path: Path) -> Optional[mx.array]:
     return ids.astype(mx.int32)
 
 
-def check_weights(weights: Dict[str, mx.array], config: DraftConfig):
-    expected = expected_shapes(config)
+def check_weights(weights: Dict[str, mx.array], config: DraftConfig, quantized: Optional[Dict[str, tuple]] = None):
+    """`quantized`: the stored shapes of quantized modules' tensors (`quantize.quantized_shapes`)."""
+    expected = {**expected_shapes(config), **(quantized or {})}
     hints = {}
     if config.version == 2:
         hints = dflash2_hints(config)
@@ -154,13 +160,22 @@ def check_weights(weights: Dict[str, mx.array], config: DraftConfig):
         raise DraftMismatchError(f"draft weights have unexpected tensors: {extra[:5]}")
 
 
+def config_dict(model: DFlashDraftModel) -> dict:
+    """A draft's config.json: z-lab's layout, and mlx-lm's quantization entry when quantized."""
+    cfg = model.config.to_dict()
+    quantization = quantization_entry(model)
+    if quantization is not None:  # as mlx-lm writes it (both keys)
+        cfg["quantization"] = cfg["quantization_config"] = quantization
+    return cfg
+
+
 def save_draft(model: DFlashDraftModel, path, metadata: Optional[Dict[str, str]] = None):
     """Write z-lab's layout atomically (a temporary folder renamed into place)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-draft-", dir=path.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+        (tmp / "config.json").write_text(json.dumps(config_dict(model), indent=2) + "\n")
         flat = dict(nn.utils.tree_flatten(model.parameters()))
         mx.save_safetensors(str(tmp / "model.safetensors"), flat, metadata=metadata or {})
         if model.vocab_ids is not None:
@@ -249,11 +264,16 @@ def draft_folder(name_or_path: str) -> Optional[Path]:
     return path
 
 
-def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet: bool = False) -> DFlashDraftModel:
+def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet: bool = False,
+               bits: Optional[int] = None, group_size: int = 64) -> DFlashDraftModel:
     """Load a draft (folder, packaged name or hub id), check it fits `model`, bind it.
 
-    The draft takes the target's dtype unless `dtype` is given.
+    The draft takes the target's dtype unless `dtype` is given. A checkpoint quantized
+    by MLX (`quantization` in its config) loads quantized; `bits` (4 or 8) quantizes a
+    float draft's projections on load (`dflash_mlx.models.draft.quantize`).
     """
+    if bits is not None:
+        check_bits(bits, group_size)  # before anything loads
     target = None
     if model is not None:
         target = model if isinstance(model, Target) else Target(model, name=str(getattr(model, "name", "")) or None)
@@ -271,8 +291,11 @@ def load_draft(name_or_path, model=None, dtype: Optional[mx.Dtype] = None, quiet
                 "draft (output is still exactly the target's, only slower)",
                 file=sys.stderr,
             )
-        return random_draft(target, seed=0, dtype=dtype or mx.float32, num_layers=1)
+        draft = random_draft(target, seed=0, dtype=dtype or mx.float32, num_layers=1)
+        return draft if bits is None else quantize_draft(draft, bits, group_size)
     draft = load_draft_folder(folder, dtype=dtype, target=target)
+    if bits is not None:
+        quantize_draft(draft, bits, group_size)
     relayout_for_cpu(draft)
     if target is not None:
         validate_for_target(draft.config, target)

@@ -17,14 +17,18 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from dflash_mlx.models.draft.config import validate_for_target
 from dflash_mlx.models.target.tree_attention import rope_slots, tree_caches
 from dflash_mlx.models.target.head import TargetHead, find_lm_head
+from dflash_mlx.models.target.probe import check_forward
 from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
     rollback_cache, rollback_kind,
 )
+from dflash_mlx.models.target.sharding import gather_features, sharding_of
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 
-# Where mlx-lm's text models keep their token embedding.
-EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings")
+# Where mlx-lm's text models keep their token embedding, and their decoder layers.
+EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings", "embed_in", "embedding",
+                   "token_embeddings", "embed")
+LAYER_LIST_NAMES = ("layers", "h", "blocks")
 
 
 def _find_text_model(model) -> Tuple[Any, Optional[Tuple[Any, str]]]:
@@ -35,7 +39,7 @@ def _find_text_model(model) -> Tuple[Any, Optional[Tuple[Any, str]]]:
         child = model.get(key) if isinstance(model, nn.Module) else None
         if isinstance(child, nn.Module):
             candidates.append((child, (model, key)))
-            for inner_key in ("model", "backbone", "transformer"):
+            for inner_key in ("model", "backbone", "transformer", "language_model"):
                 inner = child.get(inner_key)
                 if isinstance(inner, nn.Module):
                     candidates.append((inner, (child, inner_key)))
@@ -44,13 +48,14 @@ def _find_text_model(model) -> Tuple[Any, Optional[Tuple[Any, str]]]:
             return holder, parent
     raise UnsupportedTargetError(
         f"cannot find the decoder layers and token embedding of {type(model).__module__}.{type(model).__name__}: "
-        f"DFlash taps a `layers` list next to one of {', '.join(EMBEDDING_NAMES)}"
+        f"DFlash taps a list named {' or '.join(LAYER_LIST_NAMES)} next to one of {', '.join(EMBEDDING_NAMES)}"
     )
 
 
 def _layer_list(holder) -> Optional[list]:
-    """The decoder layers: `holder.layers`, or the list inside a decoder module there (PLaMo 2)."""
-    layers = holder.get("layers")
+    """The decoder layers: `holder.layers` (GPT-2 style: `h`, DBRX: `blocks`), or the list inside
+    a decoder module there (PLaMo 2)."""
+    layers = next((holder[n] for n in LAYER_LIST_NAMES if n in holder), None)
     if isinstance(layers, nn.Module):
         layers = layers.get("layers")
     return layers if isinstance(layers, list) else None
@@ -86,21 +91,29 @@ class Target:
         self.embed_tokens = next(self.text_model[n] for n in EMBEDDING_NAMES if n in self.text_model)
         self.hidden_size = getattr(self.args, "hidden_size", None) or self.embed_tokens.weight.shape[1]
         self.vocab_size = getattr(self.args, "vocab_size", None) or self.embed_tokens.weight.shape[0]
-        self.num_layers = len(self.layers)
+        # split over processes (mlx.launch): pipeline ranks hold a run of the layers, None elsewhere
+        self.sharding = sharding_of(model, self.text_model, self.args)
+        self.layer_offset = self.sharding.layer_offset if self.sharding is not None else 0
+        self.num_layers = (self.sharding.num_layers if self.sharding is not None and self.sharding.num_layers
+                           else len(self.layers))
         self.rms_norm_eps = getattr(self.args, "rms_norm_eps", 1e-6)
         self.max_context = getattr(self.args, "max_position_embeddings", None)
         self._lm_head = find_lm_head(model)
         self._gdn_layers = [
             i for i, layer in enumerate(self.layers)  # (qwen3_5 is imported only for a model with linear layers)
-            if "linear_attn" in layer and isinstance(layer["linear_attn"], gdn_class())
+            if layer is not None and "linear_attn" in layer and isinstance(layer["linear_attn"], gdn_class())
         ]
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
-        self._quantized = [x for layer in self.layers for x in quantized_linears(layer)]
+        self._quantized = [x for layer in self.layers if layer is not None for x in quantized_linears(layer)]
         self._replay_kinds = self._check_caches()
         # The embedding and LM head: `embed`, `head` and `logits` are its.
         self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
                                 self.arch, self.hidden_size)
         self._rope_slots = None
+        # whether a rollback re-runs the module a layer hands its recurrent state to, not the
+        # layer (set by check_forward for layers whose calls a replay cannot cut, e.g. Kimi K3's)
+        self.replay_mixers = False
+        check_forward(self)  # once per model: what only a forward shows is refused here, in one line
 
     def _check_caches(self) -> List[Optional[str]]:
         """Each cache entry's rollback ("trim" | "gdn" | "replay"); refuses what has none."""
@@ -114,7 +127,7 @@ class Target:
                     "trim (attention KV) and is not a recurrent state (mlx-lm's ArraysCache) that can be "
                     "restored and replayed; it needs a rollback path in dflash_mlx/models/target/rollback.py"
                 )
-            if kind == "replay" and i in self._gdn_layers and isinstance(c, ArraysCache):
+            if kind == "replay" and i + self.layer_offset in self._gdn_layers and isinstance(c, ArraysCache):
                 kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
             kinds.append(kind)
         return kinds
@@ -151,7 +164,7 @@ class Target:
     def rope_slots(self) -> List[Tuple[Any, Any]]:
         """(parent, key) of every rotary embedding in the decoder layers (for tree verifies)."""
         if self._rope_slots is None:
-            self._rope_slots = rope_slots(self.layers)
+            self._rope_slots = rope_slots([layer for layer in self.layers if layer is not None])
         return self._rope_slots
 
     def rollback_kinds(self) -> List[str]:
@@ -178,11 +191,21 @@ class Target:
         (the caches' masks and the rotary embeddings are swapped for the call).
         """
         features = [None] * len(layer_ids)
+        pipeline = self.sharding is not None and self.sharding.kind == "pipeline"
         rec = VerifyRecord() if (record and self.recurrent) else None
         width = tokens.shape[0] * tokens.shape[1]
         with taps(self, layer_ids, features, rec, use_small_m(self, width), cache, tree):
             h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
-        feats = mx.concatenate(features, axis=-1) if layer_ids else None
+        if not layer_ids:
+            feats = None
+        elif pipeline:
+            feats = gather_features(features, h, self.sharding)  # each rank tapped its own layers
+        else:
+            feats = mx.concatenate(features, axis=-1)
+        if pipeline:
+            # each rank's graph differs (its own layers, hops and gathers): queued now, every
+            # rank runs this forward's collectives in call order, never interleaved with the next
+            mx.async_eval(h if feats is None else [h, feats])
         return h, feats, rec
 
     # -- rollback ---------------------------------------------------------------

@@ -17,6 +17,7 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.kernels import qmm
 from dflash_mlx.models.layout import transposed
 from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError
+from dflash_mlx.models.target.sharding import gather_vocab, head_group
 
 # Where mlx-lm's text models keep their LM head when untied.
 HEAD_NAMES = ("lm_head", "output", "embed_out")
@@ -66,6 +67,8 @@ class TargetHead:
         self.arch = arch
         self.hidden_size = hidden_size
         self.softcap = getattr(model, "final_logit_softcapping", None)
+        # tensor parallel: a head split by vocabulary rows is gathered (`sharding.head_group`)
+        self._vocab_group = head_group(lm_head) if lm_head is not None else None
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None
         self._own_head = self._needs_own_head()
@@ -91,6 +94,9 @@ class TargetHead:
         reference path is exactly the layer's own `mx.quantized_matmul`.
         """
         layer = self._lm_head if self._lm_head is not None else self.embed_tokens
+        if self._vocab_group is not None:  # each rank's rows, gathered; then the draft's vocabulary
+            out = gather_vocab(layer(h), self._vocab_group)
+            return out if vocab_ids is None else mx.take(out, vocab_ids, axis=-1)
         if vocab_ids is not None:
             w, scales, biases, bias = self._head_rows(layer, vocab_ids)
         else:
@@ -182,6 +188,10 @@ class TargetHead:
         probe = probe.astype(self.embed_tokens_dtype)
         ours = self.logits(probe, own_head=False).astype(mx.float32)
         theirs = self._model_logits(probe).astype(mx.float32) if self._text_parent is not None else ours
+        if ours.shape != theirs.shape and theirs.shape == probe.shape:
+            raise UnsupportedTargetError(f"{self.arch}: its text model applies the LM head itself (the model "
+                                         "returns its output unchanged), so DFlash gets no final hidden states "
+                                         "to apply the head to")
         if ours.shape != theirs.shape:
             raise UnsupportedTargetError(f"{self.arch}: the model's logits have shape {theirs.shape}, "
                                          f"its LM head gives {ours.shape}")

@@ -67,7 +67,7 @@ class LayerReplay:
     args: tuple
     kwargs: dict
     cache: Any  # the cache the layer got (an ArraysCache, or a CacheList holding one)
-    start: List[Any]  # per (sub-)cache: its ArraysCache contents before verify, None for one that trims
+    start: List[Any]  # per (sub-)cache before verify: ArraysCache contents, a window's state, None: trims
 
 
 @dataclass
@@ -128,7 +128,7 @@ class ReplayTap(StandIn):
     def __call__(self, *args, **kwargs):
         c = _cache_argument(args, kwargs)
         if c is not None and id(c) in self._watched:
-            start = [list(s.cache) if isinstance(s, ArraysCache) else None for s in sub_caches(c)]
+            start = [_before_verify(s) for s in sub_caches(c)]
             self._sink(LayerReplay(self._wrapped, args, kwargs, c, start))
         return self._wrapped(*args, **kwargs)
 
@@ -177,8 +177,10 @@ class TapedGatedDeltaNet(StandIn):
         out, cache[1], deltas = gdn.gdn_verify(q, k, v, g, beta, state)
         cache.advance(S)
         self._sink(GDNTape(conv_input, state, q, k, v, g, beta, deltas))
-        out = m.norm(out, z)
-        return m.out_proj(out.reshape(B, S, -1))
+        out = m.out_proj(m.norm(out, z).reshape(B, S, -1))
+        if getattr(m, "sharding_group", None) is not None:  # tensor parallel: each rank's heads, summed
+            out = mx.distributed.all_sum(out, group=m.sharding_group)
+        return out
 
 
 def gdn_class():
@@ -348,14 +350,26 @@ def _kept_input(value, name: str, num_tokens: int, keep: int):
     return value
 
 
+def _before_verify(sub):
+    """What `replay_layer` restores a part of a recorded layer's cache to. A sliding window
+    (Baichuan-M1's, beside its conv state) keeps its own state: trimmed by the whole verify it
+    would hold fewer entries than its window past it, which mlx-lm's one-token update
+    cannot take when the layer runs again on one kept token."""
+    if isinstance(sub, ArraysCache):
+        return list(sub.cache)
+    return sub.state if isinstance(sub, RotatingKVCache) else None
+
+
 def replay_layer(entry: LayerReplay, num_tokens: int, keep: int):
     """Set a layer's cache to what feeding only the first `keep` of the `num_tokens` verify
-    tokens gives: every part goes back to its pre-verify state (recurrent arrays restored,
-    attention entries trimmed) and the layer runs again on the kept positions' inputs,
-    which a causal model computed exactly as a forward of the kept tokens alone would."""
+    tokens gives: every part goes back to its pre-verify state (recurrent arrays and windows
+    restored, other attention entries trimmed) and the layer runs again on the kept positions'
+    inputs, which a causal model computed exactly as a forward of the kept tokens alone would."""
     for sub, start in zip(sub_caches(entry.cache), entry.start):
-        if start is not None:
+        if isinstance(sub, ArraysCache):
             sub.cache = list(start)
+        elif start is not None:
+            sub.state = start
         else:
             rollback_cache(sub, num_tokens)
     names = _parameter_names(entry.layer)

@@ -81,7 +81,8 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
     layers = target.layers
     slot: Dict[int, List[int]] = {}
     for i, lid in enumerate(layer_ids):  # an id may repeat (small targets)
-        slot.setdefault(lid, []).append(i)
+        if lid < len(layers) and layers[lid] is not None:  # a pipeline rank taps the layers it holds
+            slot.setdefault(lid, []).append(i)
 
     def make_tap(idx, layer):
         def after(out):
@@ -106,19 +107,23 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
             for idx in target._gdn_layers:
                 layer = layers[idx]
                 swapped.append((layer, "linear_attn", layer["linear_attn"]))
-                layer["linear_attn"] = TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx))
+                # the tape is kept by cache index (a pipeline rank's caches start at its first layer)
+                layer["linear_attn"] = TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx - target.layer_offset))
             replayed = [c for c, kind in zip(cache, target._replay_kinds) if kind == "replay"]
             watched = {id(c): c for c in replayed}
             # recurrent state beside attention in one CacheList (Falcon-H1): the module the
             # layer hands that state to is recorded too, so a rollback re-runs that module
-            # alone and the attention beside it is trimmed (per row in a batch)
-            inner = {id(s): s for c in replayed if isinstance(c, CacheList)
-                     for s in c.caches if isinstance(s, ArraysCache)}
+            # alone and the attention beside it is trimmed (per row in a batch); so is every
+            # recurrent state when the layers' own calls cannot be replayed (`replay_mixers`)
+            inner = {id(s): s for c in replayed if isinstance(c, CacheList) or target.replay_mixers
+                     for s in (c.caches if isinstance(c, CacheList) else [c]) if isinstance(s, ArraysCache)}
             if watched:
                 # which layer gets which cache is the model's business: every layer is
                 # watched, and one handed a watched cache records its call
                 for idx in range(len(layers)):
                     layer = layers[idx]
+                    if layer is None:  # a layer another pipeline rank holds
+                        continue
                     if inner:
                         for name, child in list(layer.children().items()):
                             if isinstance(child, nn.Module):

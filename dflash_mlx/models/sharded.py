@@ -1,0 +1,125 @@
+"""A target split over the processes of `mlx.launch` (tensor or pipeline parallel, as mlx-lm does).
+
+`split` splits a model in memory: tensor parallel (`Model.shard`) where the model has it,
+pipeline parallel (`model.model.pipeline`) where it has only that, or the one asked for.
+`load_split` loads an mlx-lm folder straight into its split (`mlx_lm.utils.sharded_load`:
+each rank reads only its own weights). Drafts are small: every rank loads the whole draft.
+The target adapter reads the split from the model (`models.target.sharding`).
+"""
+
+from pathlib import Path
+from typing import Optional, Tuple
+
+MODES = ("tensor", "pipeline", "auto")
+
+
+class ShardingError(ValueError):
+    pass
+
+
+def world():
+    """The group of every process `mlx.launch` started (size 1 when run alone)."""
+    import mlx.core as mx
+
+    return mx.distributed.init()
+
+
+def modes_of(model) -> Tuple[bool, bool]:
+    """(takes tensor parallelism, takes pipeline parallelism) for an mlx-lm model."""
+    inner = model.get("model") if "model" in model else None
+    if inner is None and "language_model" in model:
+        inner = model.language_model.get("model")
+    return hasattr(model, "shard"), inner is not None and hasattr(inner, "pipeline")
+
+
+def choose_mode(model, mode: str) -> str:
+    """The parallelism `mode` ("tensor" | "pipeline" | "auto") means for `model`; auto: tensor
+    where the model has `shard` (each rank works on every token), else pipeline."""
+    if mode not in MODES:
+        raise ShardingError(f"unknown distributed mode {mode!r}; choose one of {', '.join(MODES)}")
+    tensor, pipeline = modes_of(model)
+    name = type(model).__module__.rsplit(".", 1)[-1]
+    if mode == "auto":
+        if not (tensor or pipeline):
+            raise ShardingError(f"{name}: mlx-lm cannot split this model (no shard or pipeline); "
+                                "run it in one process")
+        return "tensor" if tensor else "pipeline"
+    if mode == "tensor" and not tensor:
+        raise ShardingError(f"{name}: mlx-lm has no tensor parallelism for this model"
+                            + ("; use --distributed pipeline" if pipeline else "; run it in one process"))
+    if mode == "pipeline" and not pipeline:
+        raise ShardingError(f"{name}: mlx-lm has no pipeline parallelism for this model"
+                            + ("; use --distributed tensor" if tensor else "; run it in one process"))
+    return mode
+
+
+def _launched(group):
+    group = group or world()
+    if group.size() < 2:
+        raise ShardingError("distributed decoding needs two or more processes: start it with mlx.launch "
+                            "(e.g. mlx.launch -n 2 --backend ring ...)")
+    return group
+
+
+def _pipeline_holder(model):
+    return model.language_model.model if "language_model" in model and "model" not in model else model.model
+
+
+def split(model, mode: str = "auto", group=None) -> str:
+    """Split the in-memory `model` over `group` (default: every launched process) in place;
+    returns the parallelism used. Refuses a group of one process (nothing to split)."""
+    import mlx.core as mx
+
+    group = _launched(group)
+    mode = choose_mode(model, mode)
+    try:
+        if mode == "tensor":
+            model.shard(group)
+        else:
+            _pipeline_holder(model).pipeline(group)
+    except (AssertionError, ValueError) as e:  # heads or layers that do not divide over the ranks
+        raise ShardingError(f"mlx-lm cannot split this model {mode} parallel over {group.size()} processes"
+                            f"{': ' + str(e) if str(e) else ''}; try another --distributed mode or process count") from None
+    mx.eval(model.parameters())
+    return mode
+
+
+def load_split(path: Path, mode: str = "auto", group=None, source: Optional[str] = None):
+    """(model, tokenizer, mode) of the mlx-lm folder `path` (or of hub repo `source`, whose config
+    is in `path`), each rank reading (and fetching) only its part."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, sharded_load
+
+    group = _launched(group)
+    model, _ = load_model(path, lazy=True, strict=False)
+    mode = choose_mode(model, mode)
+    del model
+    model, tokenizer = sharded_load(source or str(path), pipeline_group=group if mode == "pipeline" else None,
+                                    tensor_group=group if mode == "tensor" else None)
+    mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    return model, tokenizer, mode
+
+
+def is_rank0(group=None) -> bool:
+    """Whether this process speaks for the group (reads input, writes output)."""
+    return (group or world()).rank() == 0
+
+
+
+def share(obj, group=None):
+    """Rank 0's `obj` on every rank (`obj` elsewhere is ignored): pickled, and summed over the
+    ranks with zeros from the others, as mlx-lm's server shares its requests."""
+    import pickle
+
+    import mlx.core as mx
+    import numpy as np
+
+    group = group or world()
+    if group.size() < 2:
+        return obj
+    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if group.rank() == 0 else np.zeros(0, np.uint8)
+    size = mx.distributed.all_sum(mx.array([data.size]), group=group, stream=mx.cpu).item()
+    buf = np.zeros(size, np.uint8)
+    buf[: data.size] = data
+    out = mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu)
+    return pickle.loads(bytes(np.array(out)))

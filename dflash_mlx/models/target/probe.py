@@ -1,0 +1,130 @@
+"""The forward a target runs once when it is built, so that a model DFlash cannot run exactly
+is refused with one line before anything decodes, not found out in the middle of a verify.
+
+`Target` already refuses a model whose decoder layers or token embedding it cannot find, a
+cache kind with no rollback, and a model whose output is not its LM head on hidden states.
+What only running it shows (`check_forward`: two tokens, every decoder layer tapped, the
+recurrent layers recorded as a verify records them) is refused here:
+
+  - a text model that does not run on token ids and caches alone (it needs arguments its
+    `Model` makes, or inputs a text-only forward cannot give);
+  - decoder layers the model never calls whole (it runs their parts: no tap sees their output),
+    or whose output is not one hidden state per token;
+  - recurrent state a partial accept cannot re-run: not handed to a decoder layer, or handed
+    along with an argument that a replay cannot cut to the kept tokens, when the module the
+    layer hands the state to cannot be re-run alone either. (Where it can, e.g. Kimi K3,
+    whose layers pass each other a running list of block residuals, `target.replay_mixers`
+    is set: a rollback re-runs that module, `taps` records it, checked here on one rollback.)
+
+Checked once per model; a model split over processes is not probed (every rank would have
+to run the forward together).
+"""
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import CacheList, _BaseCache
+
+from dflash_mlx.identity import IdentityMap
+from dflash_mlx.models.target.rollback import UnsupportedTargetError, VerifyRecord, recorded_apart, sub_caches
+from dflash_mlx.models.target.taps import taps
+
+_CHECKED = IdentityMap()
+
+
+def check_forward(target) -> None:
+    """Raises `UnsupportedTargetError` naming why, when `target` cannot run exactly; sets
+    `target.replay_mixers` where a rollback must re-run the modules the layers hand their
+    recurrent state to (their own calls take something a replay cannot cut)."""
+    if getattr(target, "sharding", None) is not None:
+        return
+    known = _CHECKED.get((target.model,))
+    if known is None:
+        reason = _reason(target)
+        if reason is None and target.replay_mixers:
+            reason = _mixers_replay(target)
+        known = (reason, target.replay_mixers)
+        _CHECKED.put((target.model,), known)
+    reason, target.replay_mixers = known
+    if reason is not None:
+        raise UnsupportedTargetError(f"{target.arch}: {reason}")
+
+
+def _cuttable(value) -> bool:
+    """An argument `rollback.replay_layer` can hand a layer again, cut to the kept tokens."""
+    if isinstance(value, (tuple, list)):
+        return all(_cuttable(v) for v in value)
+    return value is None or isinstance(value, (mx.array, _BaseCache, int, float, bool, str))
+
+
+def _forward(target, tokens, cache, features=None, record=None):
+    ids = list(range(len(features))) if features is not None else []
+    with taps(target, ids, features, record, False, cache):
+        h = target.text_model(mx.array([tokens]), cache=cache)
+    mx.eval(h, [f for f in features or [] if f is not None])
+    return h
+
+
+def _reason(target) -> Optional[str]:
+    layers = target.layers
+    features = [None] * len(layers)
+    record = VerifyRecord() if target.recurrent else None
+    cache = target.make_cache()
+    try:
+        _forward(target, [1 % target.vocab_size, 2 % target.vocab_size], cache, features, record)
+    except Exception as e:  # the model's own code, handed what a text-only verify gives it
+        return (f"its text model does not run on token ids and caches alone ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}); DFlash runs it without the arguments "
+                "its Model makes for it")
+    missing = [i for i, f in enumerate(features) if f is None]
+    if missing:
+        return (f"decoder layer {missing[0]} of {len(layers)} is never called whole (the model runs the "
+                "layers' parts itself), so DFlash cannot tap the layers' outputs")
+    odd = next((i for i, f in enumerate(features) if f.shape != (1, 2, target.hidden_size)), None)
+    if odd is not None:
+        return (f"decoder layer {odd}'s output has shape {tuple(features[odd].shape)}, not one hidden "
+                f"state per token (1, 2, {target.hidden_size}), so it cannot feed a draft")
+    if record is None:
+        return None
+    for i, (c, kind) in enumerate(zip(cache, target.rollback_kinds())):
+        if kind != "replay":
+            continue
+        name = "/".join(type(s).__name__ for s in sub_caches(c))
+        entry = record.replay.get(id(c))
+        if entry is None and not recorded_apart(c, record):
+            return (f"cache {i} ({name}) holds recurrent state that no decoder layer is handed (e.g. an "
+                    "embedding's own cache), so a partial accept cannot re-run what fed it")
+        entries = [entry] if entry is not None else [record.replay[id(s)] for s in sub_caches(c)
+                                                     if id(s) in record.replay]
+        odd = next((v for e in entries for v in list(e.args) + list(e.kwargs.values()) if not _cuttable(v)), None)
+        if odd is not None:
+            if target.replay_mixers or isinstance(c, CacheList):
+                return (f"cache {i} ({name}) holds recurrent state whose layer also takes a "
+                        f"{type(odd).__name__} that a replay cannot cut to the accepted tokens")
+            target.replay_mixers = True  # the layer's call cannot be replayed: its mixer's may
+            return _reason(target)
+    return None
+
+
+def _mixers_replay(target) -> Optional[str]:
+    """With `replay_mixers`: a rollback of one of two tokens leaves every recurrent state as a
+    forward of the first token alone does (a layer that hands one state to two modules fails it)."""
+    a, b = 1 % target.vocab_size, 2 % target.vocab_size
+    rolled, alone = target.make_cache(), target.make_cache()
+    record = VerifyRecord()
+    _forward(target, [a, b], rolled, record=record)
+    target.rollback(rolled, 2, 1, record)
+    _forward(target, [a], alone)
+    tight = 1e-4 if target.embed_tokens_dtype == mx.float32 else 3e-2  # (a wrong state is off by O(1))
+
+    def close(u, v):
+        if u is None or v is None:
+            return u is None and v is None
+        u, v = u.astype(mx.float32), v.astype(mx.float32)
+        return u.shape == v.shape and (mx.abs(u - v).max() <= tight * (1.0 + mx.abs(v).max())).item()
+
+    for i, (x, y, kind) in enumerate(zip(rolled, alone, target.rollback_kinds())):
+        if kind == "replay" and not all(close(u, v) for u, v in zip(x.cache, y.cache)):
+            return (f"cache {i} ({type(x).__name__}) holds recurrent state whose layer takes an argument a "
+                    "replay cannot cut, and the module it hands the state to cannot be re-run alone")
+    return None

@@ -1,0 +1,84 @@
+"""A target split over several processes (`mlx.launch`): how it is split, as mlx-lm split it.
+
+mlx-lm splits a model two ways (`mlx_lm.utils.sharded_load`):
+
+  tensor parallel     `Model.shard(group)`: every rank holds every layer, each a slice of the
+                      heads and experts; a layer's output is summed over the ranks, so every
+                      rank sees the whole hidden state (the draft's features need nothing);
+                      some models split the LM head by vocabulary (`head_group`: gathered)
+  pipeline parallel   `model.model.pipeline(group)`: rank r holds a run of the layers (rank 0
+                      the last), the others are None; the hidden state hops rank to rank and
+                      is gathered at the end, so every rank computes the same logits. A rank
+                      taps only the layers it holds (`gather_features` sums what each tapped)
+
+`sharding_of` reads which from the model itself, so a model sharded by mlx-lm's own loader
+works as one sharded by `dflash_mlx.models.sharded`.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+@dataclass
+class Sharding:
+    """kind: "tensor" | "pipeline"; group: the collective group; layer_offset: the global id of
+    the rank's first layer (its cache 0); num_layers: the whole model's layer count."""
+
+    kind: str
+    group: object
+    layer_offset: int = 0
+    num_layers: Optional[int] = None
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+
+def _tensor_group(model) -> Optional[object]:
+    """The group of the first module `Model.shard` left a group on, or None."""
+    for _, module in model.named_modules():
+        for name in ("group", "sharding_group"):
+            g = getattr(module, name, None)
+            if isinstance(g, mx.distributed.Group) and g.size() > 1:
+                return g
+    return None
+
+
+def sharding_of(model, text_model, args) -> Optional[Sharding]:
+    """How `model` is split over processes, or None for a model whole in this process."""
+    if getattr(text_model, "pipeline_size", 1) > 1:
+        total = getattr(args, "num_hidden_layers", None) or getattr(text_model, "num_hidden_layers", None)
+        return Sharding("pipeline", mx.distributed.init(), int(text_model.start_idx), total)
+    group = _tensor_group(model)
+    return Sharding("tensor", group) if group is not None else None
+
+
+def head_group(lm_head) -> Optional[object]:
+    """The group an LM head split by vocabulary rows is split over (mlx-lm's
+    `shard_linear(..., "all-to-sharded")`), or None for a whole head."""
+    split = (nn.layers.distributed.AllToShardedLinear, nn.layers.distributed.QuantizedAllToShardedLinear)
+    return lm_head.group if isinstance(lm_head, split) else None
+
+
+def gather_vocab(out: mx.array, group) -> mx.array:
+    """The whole vocabulary's logits from each rank's slice (rank order along the last axis)."""
+    n, size = group.size(), out.shape[-1]
+    parts = mx.distributed.all_gather(out.reshape(-1, size), group=group)
+    return parts.reshape(n, -1, size).transpose(1, 0, 2).reshape(*out.shape[:-1], n * size)
+
+
+def gather_features(features: List[Optional[mx.array]], h: mx.array, sharding: Sharding) -> mx.array:
+    """The draft's features [B, S, n*H] on every pipeline rank: each rank fills the taps of the
+    layers it holds and zeros elsewhere, and the sum over ranks is exact (one rank holds each
+    layer). The sum waits on `h` (whose gather ends the forward) so every rank runs its
+    collectives in the same order."""
+    parts = [f if f is not None else mx.zeros_like(h) for f in features]
+    local = mx.depends(mx.concatenate(parts, axis=-1), h)
+    return mx.distributed.all_sum(local, group=sharding.group)

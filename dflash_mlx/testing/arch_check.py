@@ -1,0 +1,189 @@
+"""Every architecture mlx-lm ships, as a tiny random float32 model, and the quick check that DFlash
+runs it exactly (or refuses it, in one line, when the target is built).
+
+`ARCHITECTURES` names each of mlx-lm's model modules (and the wrappers' variants) with the
+config it is built from, as a checkpoint's `config.json` would give it: mlx-lm's own
+`_get_classes` picks the module from `model_type`, and `ModelArgs.from_dict` builds a
+wrapper's language model from its `text_config`. `quick_check` decodes one prompt greedily
+with DFlash (a random draft at width 1 and `auto`, a scripted draft right for a random number
+of tokens each cycle) against mlx-lm's own greedy decode. The families z-lab drafts for, and
+the other architectures of `testing.archs`, keep their deeper checks (`tests/test_families.py`).
+"""
+
+import copy
+import os
+import random
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
+import mlx.core as mx
+
+from dflash_mlx.testing import archs, more_archs
+from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokenizer, clean_case
+
+VOCAB = more_archs.V
+PROMPT_LEN = 20  # past every sliding window of the tiny configs (8)
+MAX_TOKENS = 12
+BLOCK = 8  # the drafts' block size: verifies of up to 8 tokens
+
+# key -> (kind, config): kind "deep" (tests/test_families.py checks it in depth) or "quick"
+ARCHITECTURES: Dict[str, dict] = {}
+DEEP = set()
+for _key in archs.ALL_ARCHS:
+    ARCHITECTURES[_key] = archs.config(_key)[1]
+    DEEP.add(_key)
+for _key, _cfg in TINY_CONFIGS.items():
+    ARCHITECTURES[_key] = _cfg
+    DEEP.add(_key)
+ARCHITECTURES.update(more_archs.TEXT_CONFIGS)
+ARCHITECTURES.update(more_archs.WRAPPER_CONFIGS)
+QUICK = [k for k in ARCHITECTURES if k not in DEEP]
+
+
+def module_of(key: str) -> str:
+    """The mlx-lm module (file under mlx_lm/models) the config of `key` builds."""
+    from mlx_lm.utils import _get_classes
+
+    with _importable(key):
+        _, args_class = _get_classes(ARCHITECTURES[key])
+    return args_class.__module__.rsplit(".", 1)[-1]  # (solar_open's Model is glm4_moe's)
+
+
+def mlx_lm_modules() -> List[str]:
+    """Every module under mlx_lm/models that defines a model (a `Model` and its `ModelArgs`)."""
+    import mlx_lm.models as models
+
+    folder = os.path.dirname(models.__file__)
+    out = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py") or name.startswith("_"):
+            continue
+        with open(os.path.join(folder, name)) as f:
+            text = f.read()
+        if "class ModelArgs" in text and ("class Model(" in text or "import Model" in text):
+            out.append(name[:-3])
+    return out
+
+
+@contextmanager
+def _importable(key: str):
+    """mlx-lm's olmo module exits at import unless `hf_olmo` (the ai2-olmo package) imports,
+    which it only probes for: an empty stand-in for the duration of the import."""
+    if key != "olmo" or "hf_olmo" in sys.modules:
+        yield
+        return
+    import types
+
+    sys.modules["hf_olmo"] = types.ModuleType("hf_olmo")
+    try:
+        yield
+    finally:
+        del sys.modules["hf_olmo"]
+
+
+def build(key: str, seed: int = 0):
+    """The float32 eval-mode model of `key`: mlx-lm's classes for its config, random weights
+    (mx.random.seed(seed + SEEDS[key])), token embedding x EMBED_SCALE (default 4), TWEAKS."""
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.utils import _get_classes
+
+    if key in archs.ALL_ARCHS:
+        return archs.build(key, seed)
+    cfg = copy.deepcopy(ARCHITECTURES[key])
+    with _importable(key):
+        model_class, args_class = _get_classes(cfg)
+    mx.random.seed(seed + more_archs.SEEDS.get(key, 0))
+    model = model_class(args_class.from_dict(cfg))
+    scale = more_archs.EMBED_SCALE.get(key, 4.0)
+    tweaks = more_archs.TWEAKS.get(key, {})
+
+    def fix(path, p):
+        if path.endswith(more_archs.EMBEDDINGS) and p.ndim == 2 and p.shape[0] == VOCAB:
+            p = p * scale
+        for suffix, fn in tweaks.items():
+            if path.endswith(suffix):
+                p = fn(p)
+        return p
+
+    model.update(tree_map_with_path(fix, model.parameters()))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+@dataclass
+class Outcome:
+    """What the quick check found: "exact", "refused" (reason: the one line) or "mismatch"."""
+
+    status: str
+    reason: str = ""
+    accepts: List[int] = field(default_factory=list)  # the scripted draft's accept lengths
+
+
+def case(model, seed: int = 0, length: int = PROMPT_LEN):
+    """(prompt, greedy reference): a random byte prompt whose greedy continuation has no EOS
+    and is varied (at least 5 distinct tokens), so that a wrong token shows."""
+    for s in range(seed, seed + 20):
+        prompt, ref = clean_case(model, length, MAX_TOKENS, seed=s)
+        if len(set(ref)) >= 5:
+            return prompt, ref
+    raise AssertionError("the tiny model's greedy continuations are near-constant runs: they test nothing")
+
+
+def refusal(model) -> Optional[str]:
+    """The one line `Target` refuses `model` with, or None when it takes it."""
+    from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
+
+    try:
+        Target(model)
+    except UnsupportedTargetError as e:
+        return str(e)
+    return None
+
+
+def quick_check(model, prompt, ref) -> Outcome:
+    """DFlash greedy against `ref` (mlx-lm's own greedy decode of `prompt`): a random draft at
+    width 1 and `auto`, then a scripted draft right for a random number of tokens each cycle."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.models.target.adapter import Target
+
+    reason = refusal(model)
+    if reason is not None:
+        return Outcome("refused", reason)
+    tok = byte_tokenizer()
+
+    def decode(draft, width):
+        out, accepts = [], []
+        for r in stream_generate(model, draft, tok, prompt, max_tokens=MAX_TOKENS, block_size=width,
+                                 stop_token_ids=[]):
+            out += r.tokens
+            accepts = r.accept_lengths
+        return out, accepts
+
+    for width in (1, "auto"):
+        out, _ = decode(random_draft(model, num_layers=1, block_size=BLOCK, seed=3), width)
+        if out != ref:
+            return Outcome("mismatch", f"width {width}: {out} != mlx-lm's {ref}")
+    rng = random.Random(len(prompt))
+    right = [rng.randrange(0, BLOCK) for _ in range(100)]
+    scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=BLOCK)
+    out, accepts = decode(scripted, "draft")
+    if out != ref:
+        return Outcome("mismatch", f"scripted draft: {out} != mlx-lm's {ref}")
+    return Outcome("exact", accepts=list(accepts))
+
+
+def distributed(model) -> str:
+    """How mlx-lm splits `model` over processes: "tensor" (`Model.shard`), "pipeline" (a
+    `pipeline` method on the text model), both, or "–"."""
+    modes = []
+    if callable(getattr(model, "shard", None)):
+        modes.append("tensor")
+    if any(callable(getattr(m, "pipeline", None)) for _, m in model.named_modules()):
+        modes.append("pipeline")
+    return " + ".join(modes) or "–"

@@ -1,0 +1,110 @@
+"""Run by tests/test_distributed.py under `mlx.launch -n 2`: every case on a target split over the
+ranks, each rank writing what it decoded to OUT/rank<r>.json (argv: OUT, then arch keys).
+
+Per architecture and per parallelism mlx-lm gives it: the single-process greedy reference
+(computed on each rank from the whole model, no collectives), then DFlash on the split model at
+widths 1, 4, 16 and auto (copies and trees on) with a random draft, a scripted draft that is right
+for a varying number of tokens (partial accepts: every rollback path), and a sampled answer.
+"""
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+
+import dflash_mlx  # noqa: F401  (before mlx.core)
+import mlx.core as mx
+
+from dflash_mlx import stream_generate
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.sharded import modes_of, split
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing import archs
+from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokenizer, clean_case, tiny_target
+
+PROMPT_LEN, MAX_TOKENS = 9, 14
+
+
+def build(key: str):
+    if key in TINY_CONFIGS:
+        return tiny_target(key, seed=1)[0]
+    return archs.build(key)
+
+
+def run(model, draft, tok, prompt, **kw):
+    if os.environ.get("DRIVER_VERBOSE"):
+        print(f"rank {mx.distributed.init().rank()}: {type(model).__module__} {kw}", file=sys.stderr, flush=True)
+    tokens, last = [], None
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=MAX_TOKENS, stop_token_ids=[], **kw):
+        tokens += r.tokens
+        last = r
+    return {"tokens": tokens, "accepts": list(last.accept_lengths)}
+
+
+# Widths beyond 4 and auto where they add a path: 1 (plain steps), 16 and the scripted draft's own
+# width on one model (tensor parallel).
+MORE_WIDTHS = {"qwen3_5": (1, 16)}
+
+
+def cases(key: str, tok):
+    whole = build(key)
+    prompt, ref = clean_case(whole, PROMPT_LEN, MAX_TOKENS, seed=5)
+    tensor, pipeline = modes_of(whole)
+    del whole
+    out = {}
+    for mode in [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]:
+        model = build(key)
+        split(model, mode)
+        name = f"{key}/{mode}"
+        draft = random_draft(model, num_layers=1, block_size=16, seed=3)
+        for width in (4, "auto") + (MORE_WIDTHS.get(key, ()) if mode == "tensor" else ()):
+            out[f"{name}/random/{width}"] = dict(run(model, draft, tok, prompt, block_size=width), ref=ref)
+        # right for a varying number of tokens: partial accepts, every rollback path
+        rng = random.Random(key)
+        wrong = [rng.randrange(0, 9) for _ in range(100)]
+        scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=8)
+        for width in ("draft", "auto") if key in MORE_WIDTHS else ("auto",):
+            out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
+        out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
+    return out
+
+
+def run_cli(model: str, draft: str, out_path: str) -> int:
+    """`dflash-mlx --distributed tensor ... --json` in this process; its standard output to `out_path`."""
+    import contextlib
+
+    from dflash_mlx.cli.main import main as cli_main
+
+    stdout = sys.stdout
+    with open(out_path, "w") as f, contextlib.redirect_stdout(f):
+        code = cli_main(["--distributed", "tensor", "--model", model, "--draft", draft, "--json", "--max-tokens", "12",
+                         "--temperature", "0", "hello there"])
+    sys.stdout = stdout  # (rank 1's CLI sent its standard output to devnull)
+    return code
+
+
+def main():
+    folder, keys = sys.argv[1], sys.argv[2:]
+    rank = mx.distributed.init().rank()
+    tok = byte_tokenizer()
+    result = {"cases": {}, "errors": {}, "seconds": {}}
+    for key in keys:
+        t0 = time.perf_counter()
+        try:
+            result["cases"].update(cases(key, tok))
+        except Exception:  # reported per architecture; the other ranks fail alike or hang (the test's timeout)
+            result["errors"][key] = traceback.format_exc()
+        result["seconds"][key] = time.perf_counter() - t0
+    cli = os.environ.get("DRIVER_CLI")  # "model.gguf draft-folder": the one-shot CLI under --distributed
+    if cli:
+        result["cli"] = run_cli(*cli.split(), os.path.join(folder, f"cli{rank}.out"))
+    path = os.path.join(folder, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Every architecture mlx-lm ships, and the multimodal wrappers real checkpoints load through
+(`gemma4`, `qwen3_vl`, `mistral3`, `llama4`, ...): on a tiny random float32 model, DFlash greedy
+equals mlx-lm's own greedy decode (a random draft at width 1 and `auto`, a scripted draft right
+for a random number of tokens each cycle), or the target is refused with one line when it is
+built, before anything decodes. Each model is built once (`dflash_mlx.testing.arch_check`);
+the families z-lab drafts for keep their deeper checks in tests/test_families.py.
+"""
+
+import re
+from functools import lru_cache
+
+import pytest
+
+import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
+import mlx.core as mx
+
+from dflash_mlx.testing import arch_check, more_archs
+
+RUN = [k for k in arch_check.QUICK if k not in more_archs.NOT_RUN]
+
+
+@lru_cache(maxsize=None)
+def model_for(key):
+    return arch_check.build(key)
+
+
+def test_every_model_module_of_mlx_lm_is_covered():
+    covered = {arch_check.module_of(k) for k in arch_check.ARCHITECTURES}
+    modules = set(arch_check.mlx_lm_modules())
+    assert len(modules) >= 120
+    assert modules - covered == set()
+    wrappers = {"gemma3", "gemma4", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "mistral3", "pixtral", "lfm2-vl",
+                "kimi_vl", "kimi_k3", "llama4", "minimax_m3_vl", "muse_spark", "gemma3n"}
+    assert wrappers <= {arch_check.module_of(k) for k in more_archs.WRAPPER_CONFIGS}
+    assert all("text_config" in more_archs.WRAPPER_CONFIGS[k] for k in more_archs.WRAPPER_CONFIGS)
+
+
+@pytest.mark.parametrize("key", RUN)
+def test_exact_or_refused_in_one_line(key):
+    from dflash_mlx.models.target.adapter import Target
+
+    model = model_for(key)
+    if key in more_archs.REFUSED:
+        reason = arch_check.refusal(model)
+        assert reason is not None and re.search(more_archs.REFUSED[key], reason), reason
+        assert "\n" not in reason
+        return
+    prompt, ref = arch_check.case(model)
+    outcome = arch_check.quick_check(model, prompt, ref)
+    assert outcome.status == "exact", outcome.reason
+    assert len(set(outcome.accepts)) >= 2  # partial accepts of different lengths: rollbacks ran
+    assert Target(model).rollback_kinds()
+
+
+def test_a_refused_target_fails_before_anything_decodes():
+    from dflash_mlx import stream_generate
+    from dflash_mlx.models.target.adapter import UnsupportedTargetError
+    from dflash_mlx.testing.targets import byte_tokenizer
+
+    model = model_for("iquestloopcoder")
+    stream = stream_generate(model, None, byte_tokenizer(), [1, 2, 3], max_tokens=4, baseline=False)
+    with pytest.raises(UnsupportedTargetError, match="never called whole"):
+        next(stream)
+
+
+@pytest.mark.parametrize("key", sorted(k for k in more_archs.NOT_RUN if k != "phi3small"))
+def test_what_is_not_run_here_is_what_mlx_lm_cannot_run_on_this_cpu(key):
+    """Metal-only kernels: mlx-lm's own forward fails here (Phi-3-small's corrupts the heap,
+    so it is not run at all); when it runs, the key belongs in the checks above."""
+    if mx.default_device() == mx.gpu:
+        pytest.skip("a GPU may run them")
+    with pytest.raises(RuntimeError, match="Metal"):
+        mx.eval(model_for(key)(mx.array([[1, 2, 3]])))
+
+
+def test_recurrent_state_no_layer_is_handed_is_refused_in_one_line():
+    from mlx_lm.models.cache import ArraysCache
+
+    from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
+
+    model = arch_check.build("mamba")  # a fresh model: the probe runs once per model
+    own = model.make_cache
+    model.make_cache = lambda: own() + [ArraysCache(size=1)]  # e.g. an embedding's own cache
+    with pytest.raises(UnsupportedTargetError, match=r"cache 2 \(ArraysCache\) holds recurrent state that no "
+                                                     "decoder layer is handed"):
+        Target(model)
+
+
+def test_a_mixer_replayed_alone_must_rebuild_the_state():
+    """Where a layer's call cannot be replayed (Kimi K3's running block residuals), the module
+    it hands its state to is re-run instead, checked on one rollback: RWKV-7 hands one state to
+    two modules, so re-running either alone is caught."""
+    from dflash_mlx.models.target import probe
+    from dflash_mlx.models.target.adapter import Target
+
+    target = Target(model_for("kimi_k3"))
+    assert target.replay_mixers and probe._mixers_replay(target) is None
+    rwkv = Target(arch_check.build("rwkv7"))
+    assert not rwkv.replay_mixers
+    rwkv.replay_mixers = True
+    assert "cannot be re-run alone" in probe._mixers_replay(rwkv)

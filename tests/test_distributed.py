@@ -1,0 +1,150 @@
+"""A target split over two processes (`mlx.launch -n 2`, ring backend on localhost): DFlash's
+greedy tokens equal the single-process mlx-lm greedy decode under every parallelism mlx-lm gives
+each family, every rank commits the same accept lengths, and a sampled answer is the same on
+every rank. One launch runs every case (tests/distributed_driver.py); skips cleanly where
+mlx.launch or the ring backend is missing."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, split
+from dflash_mlx.testing import archs
+from dflash_mlx.testing.targets import tiny_target
+
+# Gated DeltaNet + a vocabulary-split head (tensor and pipeline), Qwen3-Next (pipeline only),
+# sinks, windows and split experts (gpt-oss); with DFLASH_TEST_DISTRIBUTED=all also latent
+# attention (Kimi K2.5, both), dense llama and qwen3_moe (both): ~30 s more on 2 cores.
+ARCHS = ["qwen3_5", "qwen3_next", "gpt_oss"]
+if os.environ.get("DFLASH_TEST_DISTRIBUTED") == "all":
+    ARCHS += ["kimi_k25", "llama", "qwen3_moe"]
+DRIVER = Path(__file__).with_name("distributed_driver.py")
+
+
+def _launcher():
+    found = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
+    return found if Path(found).exists() else None
+
+
+def _free_ports():
+    """A port P with P and P+1 free (mlx.launch gives rank r port P+r)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    pytest.skip("no two free consecutive ports")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """What each of the two ranks decoded: [rank0, rank1], each {"cases", "errors"}."""
+    launcher = _launcher()
+    if launcher is None or not mx.distributed.is_available("ring"):
+        pytest.skip("mlx.launch or MLX's ring backend is not available")
+    out = tmp_path_factory.mktemp("ranks")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gguf_helpers import write_tiny_gguf
+    from dflash_mlx.models.draft.checkpoints import random_draft, save_draft
+
+    model = write_tiny_gguf(out / "tiny.gguf", "llama")
+    save_draft(random_draft(model, num_layers=1, block_size=4), out / "draft")
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports()),
+           "--python", sys.executable, str(DRIVER), str(out), *ARCHS]
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1", DRIVER_CLI=f"{out / 'tiny.gguf'} {out / 'draft'}",
+               XDG_CACHE_HOME=str(out / "cache"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    files = [out / f"rank{r}.json" for r in range(2)]
+    assert proc.returncode == 0 and all(f.exists() for f in files), proc.stderr[-3000:]
+    return [dict(json.loads(f.read_text()), folder=out) for f in files]
+
+
+def _expected_splits():
+    found = []
+    for key in ARCHS:
+        model = tiny_target(key, seed=1)[0] if key in ("qwen3_5", "llama") else archs.build(key)
+        tensor, pipeline = modes_of(model)
+        found += [f"{key}/{m}" for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
+    return found
+
+
+def test_every_parallelism_mlx_lm_gives_ran_without_errors(ranks):
+    assert [r["errors"] for r in ranks] == [{}, {}]
+    ran = sorted({k.rsplit("/", 2)[0] for k in ranks[0]["cases"]})
+    assert ran == sorted(_expected_splits())
+    assert "qwen3_next/pipeline" in ran and "qwen3_next/tensor" not in ran  # mlx-lm pipelines it only
+    assert ranks[0]["cases"].keys() == ranks[1]["cases"].keys()
+
+
+def test_greedy_tokens_equal_single_process_greedy(ranks):
+    greedy = {k: v for k, v in ranks[0]["cases"].items() if "ref" in v}
+    assert len(greedy) >= 3 * len(ARCHS)
+    for rank in ranks:
+        wrong = [k for k in greedy if rank["cases"][k]["tokens"] != rank["cases"][k]["ref"]]
+        assert wrong == []
+
+
+def test_every_rank_accepts_the_same_lengths(ranks):
+    cases = ranks[0]["cases"]
+    assert [k for k in cases if cases[k]["accepts"] != ranks[1]["cases"][k]["accepts"]] == []
+    # the scripted drafts made partial accepts (rollback of every cache kind ran)
+    scripted = [v["accepts"] for k, v in cases.items() if "/scripted/" in k]
+    assert scripted and all(len(set(a)) >= 2 and max(a) > 0 for a in scripted)
+
+
+def test_sampled_answer_is_the_same_on_every_rank(ranks):
+    sampled = [k for k in ranks[0]["cases"] if "/sampled/" in k]
+    assert sampled
+    for k in sampled:
+        assert ranks[0]["cases"][k]["tokens"] == ranks[1]["cases"][k]["tokens"]
+        assert len(ranks[0]["cases"][k]["tokens"]) > 5
+
+
+def test_modes_follow_mlx_lm():
+    model = archs.build("qwen3_next")
+    assert modes_of(model) == (False, True)
+    assert choose_mode(model, "auto") == "pipeline"
+    with pytest.raises(ShardingError, match="no tensor parallelism.*--distributed pipeline"):
+        choose_mode(model, "tensor")
+    with pytest.raises(ShardingError, match="unknown distributed mode"):
+        choose_mode(model, "data")
+    assert choose_mode(tiny_target("qwen3_5", seed=1)[0], "auto") == "tensor"
+
+
+def test_split_refuses_one_process():
+    with pytest.raises(ShardingError, match="two or more processes.*mlx.launch"):
+        split(tiny_target("qwen3_5", seed=1)[0], "tensor", group=mx.distributed.init())
+
+
+def test_cli_under_mlx_launch_prints_on_rank0_only_and_matches_one_process(ranks, capsys):
+    from dflash_mlx.cli.main import main
+
+    assert [r["cli"] for r in ranks] == [0, 0]
+    folder = ranks[0]["folder"]
+    assert (folder / "cli1.out").read_text() == ""
+    split_run = json.loads((folder / "cli0.out").read_text())
+    assert main(["--model", str(folder / "tiny.gguf"), "--baseline", "--json", "--max-tokens", "12",
+                 "--temperature", "0", "hello there"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert split_run["tokens"] == alone["tokens"] and len(alone["tokens"]) == 12
+    assert split_run["draft"] is not None
+
+
+def test_cli_distributed_without_mlx_launch_is_one_line(capsys):
+    from dflash_mlx.cli.main import main
+
+    assert main(["--distributed", "tensor", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "two or more processes" in err and "mlx.launch" in err
