@@ -87,7 +87,6 @@ def _importable(key: str):
 def build(key: str, seed: int = 0):
     """The float32 eval-mode model of `key`: mlx-lm's classes for its config, random weights
     (mx.random.seed(seed + SEEDS[key])), token embedding x EMBED_SCALE (default 4), TWEAKS."""
-    from mlx.utils import tree_map_with_path
     from mlx_lm.utils import _get_classes
 
     if key in archs.ALL_ARCHS:
@@ -97,22 +96,8 @@ def build(key: str, seed: int = 0):
         model_class, args_class = _get_classes(cfg)
     mx.random.seed(seed + more_archs.SEEDS.get(key, 0))
     model = model_class(args_class.from_dict(cfg))
-    scale = more_archs.EMBED_SCALE.get(key, 4.0)
-    tweaks = more_archs.TWEAKS.get(key, {})
-
-    def fix(path, p):
-        if path.endswith(more_archs.EMBEDDINGS) and p.ndim == 2 and p.shape[0] == VOCAB:
-            p = p * scale
-        for suffix, fn in tweaks.items():
-            if path.endswith(suffix):
-                p = fn(p)
-        return p
-
-    model.update(tree_map_with_path(fix, model.parameters()))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    model.eval()
-    return model
+    return archs.finish(model, more_archs.EMBED_SCALE.get(key, 4.0), more_archs.TWEAKS.get(key, {}),
+                        more_archs.EMBEDDINGS, matrices_only=True)
 
 
 @dataclass

@@ -352,17 +352,22 @@ def config(key: str, **overrides) -> Tuple[str, dict]:
 def build(key: str, seed: int = 0, **overrides):
     """The float32 eval-mode model of FAMILY_ARCHS/MORE_ARCHS[key], weights from
     mx.random.seed(SEEDS.get(key, 0) + seed), token embedding x EMBED_SCALE.get(key, 4.0)."""
-    from mlx.utils import tree_map_with_path
 
     module_name, cfg = config(key, **overrides)
     module = importlib.import_module(f"mlx_lm.models.{module_name}")
     mx.random.seed(SEEDS.get(key, 0) + seed)
     model = module.Model(module.ModelArgs.from_dict(cfg))
-    scale = EMBED_SCALE.get(key, 4.0)
-    tweaks = TWEAKS.get(key, {})
+    return finish(model, EMBED_SCALE.get(key, 4.0), TWEAKS.get(key, {}), _EMBED_SUFFIXES)
+
+
+def finish(model, scale: float, tweaks: Dict[str, Callable], embed_suffixes: Tuple[str, ...],
+           matrices_only: bool = False):
+    """`model` with its token embedding x `scale` (varied greedy output) and `tweaks` applied
+    (parameter-path suffix -> function), float32, in eval mode."""
+    from mlx.utils import tree_map_with_path
 
     def fix(path, p):
-        if path.endswith(_EMBED_SUFFIXES) and p.shape[0] == VOCAB:
+        if path.endswith(embed_suffixes) and p.shape[0] == VOCAB and (p.ndim == 2 or not matrices_only):
             p = p * scale
         for suffix, fn in tweaks.items():
             if path.endswith(suffix):

@@ -13,7 +13,7 @@ from typing import Callable, Dict
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 import mlx.core as mx
 
-from dflash_mlx.testing.archs import ALL_ARCHS
+from dflash_mlx.testing.archs import ALL_ARCHS, _c
 from dflash_mlx.testing.targets import TINY_CONFIGS
 
 V = 300
@@ -29,12 +29,6 @@ _DSV3 = dict(_A, **_MLA, moe_intermediate_size=16, n_shared_experts=1, n_routed_
 SW = 8  # sliding windows
 
 
-def _c(*bases, **kw):
-    out = {}
-    for b in bases:
-        out.update(b)
-    out.update(kw)
-    return out
 
 
 # key (mlx-lm module name) -> config
