@@ -238,7 +238,7 @@ def session(requests, name):
 
 
 def report(requests, health, args, load_start, load_end, seconds):
-    from dflash_mlx.cli.doctor import machine
+    from dflash_mlx.cli.doctor import load_line, machine, machine_line
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +264,6 @@ def report(requests, health, args, load_start, load_end, seconds):
     lines = [f"# An agent session through the server ({time.strftime('%Y-%m-%d')})", "",
              f"{len(requests)} requests of a coding agent applying one change to {args.files} similar modules "
              f"(benchmarks/agent_trace.py: {where}, resent whole at every request), "
-
              "SmolLM2-135M-Instruct, greedy, streamed with the OpenAI client to five servers, the order "
              f"rotating per request. Same text from every server on every request: {identical}. "
              f"{lengths} of {len(requests)} answers ended at their token limit.", "",
@@ -284,8 +283,8 @@ def report(requests, health, args, load_start, load_end, seconds):
                + (" --one-conversation" if args.one_conversation else ""))
 
     lines += ["", f"Command: `{command}`", "",
-              f"Machine: {machine()}", "", f"Load average (1, 5, 15 min) at start {load_start}, at end {load_end}: "
-              "the 2-core machine was shared with other jobs.", ""]
+              f"Machine: {machine_line()}", "", load_line(load_start, load_end) + " The machine may have been "
+              "shared with other jobs.", ""]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(requests, names, out / "tok_s.png")

@@ -22,7 +22,7 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import load, stream_generate
 from dflash_mlx.bench.suites import Prompt, format_prompt, load_suite
-from dflash_mlx.cli.doctor import machine
+from dflash_mlx.cli.doctor import load_line, machine, machine_line
 from dflash_mlx.policy.sizer import forget_sizers
 from dflash_mlx.progress import Progress
 
@@ -147,8 +147,8 @@ def main():
                          f"{s['copy_tokens']} / {s['plain_tokens']} |")
 
         lines.append("")
-    lines += [f"Machine: {machine()}", "", f"Load average (1, 5, 15 min) at start {load_start}, at end {load_end}: "
-              "the 2-core machine was shared with other jobs.", ""]
+    lines += [f"Machine: {machine_line()}", "", load_line(load_start, load_end) + " The machine may have been "
+              "shared with other jobs.", ""]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(results, out / "speedup.png")
@@ -167,7 +167,6 @@ def plot(results, path):
         ax.bar(range(len(recs)), [r["speedup"] for r in recs], color=colours, label="wall clock")
         ax.plot(range(len(recs)), [r["cpu_speedup"] for r in recs], "k.", label="CPU time")
         ax.legend(fontsize=7)
-
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.axhline(0.97, color="red", lw=0.6, ls="--")
         ax.set_xticks(range(len(recs)), [r["id"].split("/", 1)[-1] for r in recs], rotation=90, fontsize=6)

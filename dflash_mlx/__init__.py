@@ -18,7 +18,6 @@ from dflash_mlx.generate import (  # noqa: E402
     make_suffix_index,
     stream_generate,
 )
-
 from dflash_mlx.models.target.adapter import Target  # noqa: E402
 
 

@@ -24,7 +24,6 @@ from dflash_mlx.speculation.accept import make_acceptor
 from dflash_mlx.speculation.suffix_index import SuffixIndex, make_suffix_index  # noqa: F401 (public path)
 
 
-
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
     if isinstance(prompt, mx.array):
         return prompt.reshape(-1).tolist()

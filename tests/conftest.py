@@ -6,7 +6,11 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     """Tests that load a real model first: under pytest-xdist (`--dist worksteal`) the long
     ones then start at once and the short ones fill the other workers around them."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+    # The two-rank launch (tests/test_distributed.py's `ranks`) goes first of all: its tests then
+    # share one worker (work stealing takes from the tail), which launches once, and no other
+    # worker waits on its lock.
+    items.sort(key=lambda item: ("ranks" not in getattr(item, "fixturenames", ()),
+                                 item.get_closest_marker("slow") is None))  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session")

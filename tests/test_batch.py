@@ -65,7 +65,7 @@ def request(prompt, max_tokens, **kw):
     return BatchRequest(prompt, GenerationOptions(max_tokens=max_tokens, **kw))
 
 
-@pytest.mark.parametrize("max_batch", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("max_batch", [1, 3, 8])  # alone, rows queued for a slot, all at once
 @pytest.mark.parametrize("block_size", [2, 4, 8, "auto"])
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_5"])
 def test_every_row_is_the_targets_own_greedy_with_ragged_accepts(max_batch, block_size, arch):
@@ -138,7 +138,7 @@ def test_sliding_windows_and_recurrent_states_batch_exactly(arch):
     greedy output, with widths 1-5 mixed cycle by cycle and rows joining and leaving."""
     model = build(arch)
     assert batch_support(Target(model)) is None
-    cs = [clean_case(model, 6 + 11 * i, 40, seed=i) for i in range(5)]
+    cs = [clean_case(model, 6 + 11 * i, 28, seed=i) for i in range(4)]  # 4 rows through 3 slots
     draft = RowScriptedDrafts(Target(model), cs, lambda c: (c * 3) % 5, block_size=8)
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
     engine.fixed = Schedule([1, 1, 1, 4, 1, 3, 2, 1, 1, 5])

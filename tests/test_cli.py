@@ -128,7 +128,6 @@ def test_bench_without_a_draft_needs_one(tiny, capsys):
     """The one-shot CLI, the chat and the server decode with copies of the context when a model
     has no draft (tests/test_copies_without_draft.py); the benchmark compares a draft."""
     for sub in ("bench",):
-
         code, _, err = cli(capsys, sub, "--model", str(tiny / "tiny.gguf"))
         assert code == 1 and err.strip() == (
             f"dflash-mlx {sub}: error: no DFlash draft for '{tiny / 'tiny.gguf'}': "

@@ -117,7 +117,6 @@ def test_plain_decoding_runs_no_draft():
     draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9)
     for d, kw in ((draft, dict(baseline=True)), (None, dict(baseline=True)), (None, dict(copy_proposals=False))):
         rs = list(stream_generate(model, d, tok, prompt, max_tokens=8, stop_token_ids=[], **kw))
-
         assert [t for r in rs for t in r.tokens] == ref
         assert [r.verify_width for r in rs[1:]] == [1] * 7 and rs[-1].accept_lengths == [0] * 7
     assert draft.cycle == 0

@@ -60,7 +60,6 @@ def test_a_conversation_resent_whole_is_indexed_once():
     assert index.match([6, 20], 3).continuation == [21, 22]
     assert index.match([10], 3).continuation == [20, 21, 22]  # the latest
     assert index.match([10, 11], 3).continuation == [12, 13, 14]
-
     assert index.match([12, 13], 3).continuation == [14]
 
 
@@ -130,7 +129,6 @@ def steady_costs(monkeypatch):
 
 @pytest.mark.parametrize("with_draft", [False, True])
 def test_a_second_request_copies_the_first_answer_from_the_index(chain, with_draft, steady_costs):
-
     model, tok = chain
     draft = random_draft(model, num_layers=1, block_size=16, seed=0) if with_draft else None
     prompt = tok.encode("Q", add_special_tokens=False)
@@ -146,7 +144,6 @@ def test_a_second_request_copies_the_first_answer_from_the_index(chain, with_dra
     assert counts["global_copy"][1] >= N - 3 and "copy" not in counts  # counted apart from the context's
     policy = copy_policy_for(sizer_for(model, draft))
     assert sum(map(sum, policy.shared_record.trials)) > 0 and sum(map(sum, policy.record.trials)) == 0
-
     # without the index the context holds nothing to copy
     _, responses = decode(model, draft, tok, prompt, max_tokens=N)
     assert not {"copy", "global_copy"} & set(responses[-1].proposal_counts)
@@ -178,7 +175,6 @@ def test_an_index_that_keeps_failing_stops_being_proposed(chain, monkeypatch, st
 
 @pytest.mark.parametrize("max_batch", [1, 4])
 def test_server_shares_the_index_and_a_request_can_opt_out(chain, max_batch, steady_costs):
-
     from test_server import serving
 
     model, tok = chain

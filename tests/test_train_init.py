@@ -1,6 +1,7 @@
 """Target initialisation, feature preconditioning and the overfit check of the
 training recipe (dflash_mlx/train/init.py, trainer.py), on tiny targets."""
 
+import os
 import random
 
 import mlx.core as mx
@@ -251,12 +252,17 @@ def smollm2_overfit_setup(smollm2, tmp_path_factory):
 
 def _smollm2_overfit(setup, init, feature_scale, steps=40):
     """The overfit check on the real embedded target: 4 committed GSM8K responses,
-    `steps` steps of 256 block tokens (each sequence seen 10 times), top-1 on them."""
+    `steps` steps of 256 block tokens (each sequence seen 10 times), top-1 on them. The draft
+    vocabulary is the recipe's default (8192 tokens, built from the records trained on, as
+    `dflash-mlx train --overfit` builds it)."""
+    from dflash_mlx.train.vocab import build_vocab
+
     tok, target, recs, feats = setup
     mask = None if init == "target" else target.vocab_size - 1  # the old recipe's mask token
     cfg = I.make_draft_config(target, tok, recs, 2, 16, init, feats.layer_ids, None, mask)
+    vocab = build_vocab(recs, 8192, target.vocab_size, always=list(tok.eos_token_ids))
     mx.random.seed(0)
-    draft, scale, _ = I.make_draft(cfg, target, recs, feats, init=init, feature_scale=feature_scale)
+    draft, scale, _ = I.make_draft(cfg, target, recs, feats, init=init, feature_scale=feature_scale, vocab=vocab)
     tc = TrainConfig(steps=steps, batch_tokens=256, blocks_per_seq=16, lr=1e-3, eval_every=0, log_every=10**9,
                      checkpoint_every=10**9)
     import tempfile
@@ -267,8 +273,16 @@ def _smollm2_overfit(setup, init, feature_scale, steps=40):
         return tr.evaluate()
 
 
+# The negative control (the old recipe fails the bar) costs ~50 s here and repeats on a real
+# target what test_overfit_check_fails_raw_badly_conditioned_features shows on a tiny one in 4 s:
+# it runs with DFLASH_TEST_CONTROLS=1.
+_CONTROL = pytest.mark.skipif(os.environ.get("DFLASH_TEST_CONTROLS") != "1",
+                              reason="the real-model negative control runs with DFLASH_TEST_CONTROLS=1")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["target init, preconditioned", "random layers, raw features"])
+@pytest.mark.parametrize("recipe", ["target init, preconditioned",
+                                    pytest.param("random layers, raw features", marks=_CONTROL)])
 def test_overfit_check_on_smollm2_separates_the_recipes(smollm2_overfit_setup, recipe):
     """The recipe of session 2 (random layers, raw features) fits its own data far more
     slowly than the target-initialised one: the check must tell them apart. One recipe per
@@ -277,13 +291,13 @@ def test_overfit_check_on_smollm2_separates_the_recipes(smollm2_overfit_setup, r
     result = _smollm2_overfit(smollm2_overfit_setup, "target" if new else "random", new)
     print(f"\noverfit check, SmolLM2, 4 sequences, 40 steps, {recipe}: top-1 {result['val_acc']:.3f} "
           f"{result['val_pos_acc'][:3]}, loss {result['val_loss']:.2f}")
-    # Measured here: new 0.132 (loss 4.56), old 0.056 (loss 4.99). The check's bar, 10% top-1
-    # on the sequences trained on after 40 steps, passes the recipe and fails the old one; the
-    # losses sit on either side of 4.78, halfway between them.
+    # Measured here: new 0.125 (loss 4.07), old 0.069 (loss 4.81); new after 30 steps 0.065
+    # (5.31). The check's bar, 10% top-1 on the sequences trained on after 40 steps, passes
+    # the recipe and fails the old one; the losses sit on either side of 4.44, halfway between.
     if new:
-        assert result["val_acc"] >= 0.10 and result["val_loss"] < 4.78
+        assert result["val_acc"] >= 0.10 and result["val_loss"] < 4.44
     else:
-        assert result["val_acc"] < 0.10 and result["val_loss"] > 4.78
+        assert result["val_acc"] < 0.10 and result["val_loss"] > 4.44
 
 
 # -- self-distillation: the target's top-k distribution as soft labels ---------------

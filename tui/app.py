@@ -155,7 +155,6 @@ class ChatApp(App):
         from dflash_mlx.cli.common import load_model_and_draft, no_draft_note
         from dflash_mlx.models.packaged import untrained_draft
 
-
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True,
                                                               draft_bits=self.draft_bits, without_draft=True)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
@@ -357,7 +356,6 @@ def main(argv=None) -> int:
     settings = settings_from_args(args)
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
-
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0

@@ -105,7 +105,6 @@ class ChatSession:
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
             suffix_index=self.suffix_index, **s.generate_kwargs(),
-
         )
         try:
             for r in stream:

@@ -140,7 +140,6 @@ def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quie
     from dflash_mlx.models.packaged import draft_label
 
     draft_name = draft_for(model, draft, baseline, without_draft)
-
     target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed)
     if draft_name is None:
         return target, tokenizer, None, None

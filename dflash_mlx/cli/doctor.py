@@ -4,6 +4,7 @@ import json
 import os
 import platform
 import sys
+from typing import Optional
 
 
 def _cpu_model() -> str:
@@ -65,6 +66,20 @@ def machine() -> dict:
         "blas": str(state),
         "blas_fast": state.name != "reference",
     }
+
+
+def machine_line(m: Optional[dict] = None) -> str:
+    """`machine()` as one line for a results README."""
+    m = m or machine()
+    gpu = f", {m['gpu']}" if m.get("gpu") else ""
+    return (f"{m['cpu']} ({m['cpu_count']} cores{gpu}), {m['platform']}, Python {m['python']}, MLX {m['mlx']} "
+            f"({m['backend']} backend), mlx-lm {m['mlx_lm']}, BLAS {m['blas']}")
+
+
+def load_line(start, end) -> str:
+    """Load averages at a run's start and end, for a results README (shared machines)."""
+    fmt = lambda la: ", ".join(f"{x:.2f}" for x in la)  # noqa: E731
+    return f"Load average (1, 5, 15 min) at start {fmt(start)}, at end {fmt(end)}."
 
 
 def report() -> dict:

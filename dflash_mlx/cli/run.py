@@ -37,7 +37,6 @@ def build_parser():
     )
     add_draft_bits_arg(p)
     add_distributed_arg(p)
-
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
@@ -127,7 +126,6 @@ def run(args) -> int:
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
     for kind, label in (("tree", "trees"), ("copy", "copies"), ("global_copy", "earlier answers")):
-
         counts = last.proposal_counts.get(kind)
         if counts:
             tau_s += f", {counts[1]} from {label}"

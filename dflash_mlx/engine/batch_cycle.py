@@ -48,7 +48,6 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
     `matches[b]`, or (0) its draft's block (with no draft, its last token repeated: it commits
     one token, as a plain step). (each row's step, each row's accept length, the seconds to
     the cycle's one host sync.)"""
-
     t0 = time.perf_counter()
     for r in rows:
         r.state.valid = False

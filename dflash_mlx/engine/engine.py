@@ -38,7 +38,6 @@ from dflash_mlx.policy.sizer import FixedWidth, sizer_for
 from dflash_mlx.speculation.suffix_index import SuffixIndex
 
 
-
 class BatchEngine:
     """Rows decode together; requests join and leave between cycles. Single-threaded: the
     caller (the server's worker thread) calls `add`, `remove` and `step`."""
@@ -84,7 +83,6 @@ class BatchEngine:
         # copies in batched cycles (with `auto`, as a lone row's): their acceptance is the lone rows'
         self.batch_copies = (batch_copy_policy_for(self.widths.sizer(1))
                              if self.widths is not None and copy_proposals else None)
-
         self.timer = PhaseTimer() if profile else NoTimer()
         self.rows: List[Row] = []  # decoding, in the order of the batch caches' rows
         self.joining: Deque[Row] = deque()

@@ -101,7 +101,6 @@ class Row:
 
     # -- joining
 
-
     def start(self):
         """Its prompt's first chunk runs now: the row's clock starts (and its seed is set)."""
         if self.started is not None:
@@ -135,7 +134,6 @@ class Row:
         step, self.last = cycle(target, self.drafter, self.acceptor, widths, self.state, self.last, self.budget,
                                 self.stops, timer, self.head_rows, self.request.logprobs, self.copies, index,
                                 self.trees, self.shared)
-
         self.budget -= len(step.tokens)
         return step
 

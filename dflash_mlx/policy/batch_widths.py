@@ -38,7 +38,6 @@ class BatchWidths:
             self.sizers[bucket] = (sizer_for(self.model, self.draft) if bucket == 1
                                    else BlockSizer(self.draft.block_size if self.draft is not None else 1,
                                                    probe_every=8 * bucket, max_probe_every=32 * bucket))
-
         return self.sizers[bucket]
 
     def choose(self, rows: int, remaining: int, context: int) -> int:

@@ -271,4 +271,3 @@ def batch_copy_policy_for(sizer) -> BatchCopyPolicy:
         policy = sizer.batch_copies = BatchCopyPolicy(lone.record, lone.max_length,
                                                       shared_record=lone.shared_record, explore=not lone.drafted)
     return policy
-

@@ -286,7 +286,6 @@ def sizer_for(model, draft) -> BlockSizer:
         return sizer
 
 
-
 def forget_sizers():
     """Drop every learned width policy (the next "auto" call explores from scratch)."""
     with _SIZERS_LOCK:

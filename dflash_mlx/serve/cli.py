@@ -69,7 +69,6 @@ def build_parser():
                    help=f"packaged name, .gguf file, mlx-lm folder or hub id (default: {DEFAULT_MODEL})")
     p.add_argument("--draft", help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model; with none, copies of the context alone)")
-
     add_draft_bits_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
@@ -120,7 +119,6 @@ def main(argv=None) -> int:
     drafted = (f"with draft {worker.draft_name}" if worker.draft is not None
                else "plain decoding" if worker.baseline else "without a draft (copies of the context)")
     print(f"dflash-mlx serve: {args.model} {drafted}, block size {worker.options.block_size}, "
-
           f"{worker.scheduling}, on http://{args.host}:{args.port}/v1", file=sys.stderr)
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)

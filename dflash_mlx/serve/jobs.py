@@ -137,7 +137,6 @@ class JobAnswer:
                 "verify_widths": {str(k): v for k, v in sorted(self.widths.items())},
                 # what cycles verified ("draft", "tree", "copy", "global_copy", "plain"): [cycles, tokens]
                 "proposals": {k: list(v) for k, v in last.proposal_counts.items()},
-
                 "prompt_tokens_reused": reused,
                 "prefill_tokens": last.prefill_tokens,
                 "prompt_tokens_per_second": last.prompt_tps,

@@ -148,7 +148,6 @@ class Sampling(Body):
     dflash: Optional[DFlashOptions] = None
 
     def stop_strings(self) -> List[str]:
-
         return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def common_refusals(self):

@@ -12,7 +12,6 @@ from pydantic import Field
 
 from dflash_mlx.serve.protocol import Body, DFlashOptions, Out, Refusal
 
-
 # -- Anthropic requests ------------------------------------------------------------------
 
 

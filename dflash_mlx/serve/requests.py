@@ -160,7 +160,6 @@ def global_copies(body) -> bool:
 
 
 def _check_model(worker: "Worker", model: Optional[str]):
-
     if model is not None and model not in worker.model_ids:
         raise RequestError(f"model '{model}' is not served here: use '{worker.model_name}' (GET /v1/models)",
                            param="model", status=404, code="model_not_found", type="not_found_error")

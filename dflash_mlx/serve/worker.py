@@ -34,10 +34,9 @@ from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
-from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES, SuffixIndex
-
 from dflash_mlx.serve.jobs import Job, JobAnswer, shutting_down
 from dflash_mlx.serve.requests import GenerationRequest, RequestError
+from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES, SuffixIndex
 from dflash_mlx.tool_calls import with_tool_calling
 
 
@@ -100,7 +99,6 @@ class Worker:
             self.engine = self._new_engine()
         # cached conversations: one PromptCache (with snapshots) one at a time; batched, a pool
         self.cache = (make_prompt_cache(model, self.draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
-
                       if self.engine is None else None)
         self.pool = CachePool(max_snapshots, prompt_cache_bytes)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
