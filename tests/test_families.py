@@ -95,13 +95,13 @@ def test_stop_inside_a_block_and_a_second_turn(key):
     # two chat turns: the second prompt extends the first turn's prompt and answer
     draft = random_draft(model, num_layers=1, block_size=16, seed=4)
     cache = make_prompt_cache(model, draft)
-    first, _ = decode(model, draft, prompt[:40], max_tokens=8, block_size=4, stop_token_ids=[], prompt_cache=cache)
-    assert first == greedy_reference(model, prompt[:40], 8, stop_ids=(EOS_ID,))  # the engine stops on EOS
-    turn2 = prompt[:40] + first + prompt[40:50]
+    first, _ = decode(model, draft, prompt, max_tokens=8, block_size=4, stop_token_ids=[], prompt_cache=cache)
+    assert first == ref[:8]  # (the case's reference has no EOS)
+    turn2 = prompt + first + prompt[:10]
     second, responses = decode(model, draft, turn2, max_tokens=12, block_size=4, stop_token_ids=[],
                                prompt_cache=cache)
     assert second == greedy_reference(model, turn2, 12, stop_ids=(EOS_ID,))
-    assert responses[0].prefill_tokens <= len(turn2) - 40  # the first turn's caches were reused
+    assert responses[0].prefill_tokens <= len(turn2) - len(prompt)  # the first turn's caches were reused
 
 
 def test_a_cache_without_a_rollback_path_is_refused_naming_it():
