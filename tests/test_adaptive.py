@@ -291,7 +291,8 @@ def test_a_profiled_call_does_not_teach_the_shared_policy():
     for r in stream_generate(model, draft, tok, [1, 2, 3, 4], max_tokens=12, block_size="auto",
                              stop_token_ids=[]):
         pass
-    drafted = sum(n for kind, (n, _) in r.proposal_counts.items() if kind != "copy")  # copies: the copy record
+    # copies (chains and trees): the copy record
+    drafted = sum(n for kind, (n, _) in r.proposal_counts.items() if kind not in ("copy", "copy_tree"))
     assert sum(shared.samples.values()) == drafted - 1  # its first cycle untimed
 
 

@@ -10,6 +10,7 @@ import dflash_mlx  # noqa: F401
 from dflash_mlx import stream_generate
 from dflash_mlx.policy.sizer import BlockSizer, forget_sizers
 from dflash_mlx.policy.copies import CopyPolicy
+from dflash_mlx.policy.copy_trees import CopyTreePolicy
 from dflash_mlx.speculation.copies import MAX_NGRAM, ContextIndex, CopyRecord
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import make_prompt_cache
@@ -147,10 +148,12 @@ def test_copies_commit_repeated_text_exactly_and_many_tokens_per_forward():
 
 @pytest.fixture
 def always_copy(monkeypatch):
-    """Every cycle that has a match verifies as much of it as the budget allows."""
+    """Every cycle that has a match verifies as much of it as the budget allows, as a chain
+    (copy trees: tests/test_copy_trees.py)."""
     monkeypatch.setattr(CopyPolicy, "choose",
                         lambda self, match, remaining, draft_width:
                         0 if match is None else max(0, min(self.max_length, remaining - 1)))
+    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
 
 
 @pytest.mark.parametrize("max_tokens", [2, 9, 23, 40])
@@ -195,6 +198,7 @@ def test_copies_of_every_length_roll_every_cache_kind_back_exactly(monkeypatch, 
 
     monkeypatch.setattr(ContextIndex, "match", match)
     monkeypatch.setattr(CopyPolicy, "choose", lambda self, m, remaining, w: min(self.max_length, remaining - 1))
+    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
     draft = random_draft(model, num_layers=1, block_size=16, seed=3)
     out, responses = decode(model, draft, _tok(), prompt, max_tokens=30, stop_token_ids=[])
     assert out == ref
@@ -224,7 +228,8 @@ def test_a_chat_turn_copies_from_the_earlier_turn():
     second, responses = decode(model, draft, tok, turn2, max_tokens=30, stop_token_ids=[], prompt_cache=cache)
     assert second == greedy_reference(model, turn2, 30)
     assert cache.copy_index is index  # extended, not rebuilt
-    assert responses[-1].proposal_counts["copy"][1] >= 20
+    counts = responses[-1].proposal_counts  # copied as a chain, or as a tree where the index holds several
+    assert counts.get("copy", [0, 0])[1] + counts.get("copy_tree", [0, 0])[1] >= 20
 
 
 def test_scripted_draft_and_copies_together_stay_exact():

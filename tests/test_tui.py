@@ -33,8 +33,10 @@ def one_proposal_kind(monkeypatch):
     right (one token per cycle); the tiny target's answers repeat, which copy proposals would
     commit in long runs. The proposal policy is tested in test_copy_proposals.py."""
     from dflash_mlx.policy.copies import CopyPolicy
+    from dflash_mlx.policy.copy_trees import CopyTreePolicy
 
     monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width: 0)
+    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
 
 
 @pytest.fixture(scope="module")

@@ -125,7 +125,8 @@ def run(args) -> int:
         print(json.dumps(out, ensure_ascii=False))
         return 0
     tau_s = f", tau {tau:.2f}" if tau is not None else " (baseline)"
-    for kind, label in (("tree", "trees"), ("copy", "copies"), ("global_copy", "earlier answers")):
+    for kind, label in (("tree", "trees"), ("copy", "copies"), ("copy_tree", "copy trees"),
+                        ("global_copy", "earlier answers")):
         counts = last.proposal_counts.get(kind)
         if counts:
             tau_s += f", {counts[1]} from {label}"

@@ -19,11 +19,12 @@ from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.policy.copies import CopyPolicy
+from dflash_mlx.policy.copy_trees import CopyTreePolicy
 from dflash_mlx.policy.trees import TreePolicy
 from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
 from dflash_mlx.speculation.copies import ContextIndex, CopyMatch
 from dflash_mlx.speculation.suffix_index import SuffixIndex
-from dflash_mlx.speculation.tree_verify import verify_tree
+from dflash_mlx.speculation.tree_verify import verify_token_tree, verify_tree
 
 
 class HeadRows:
@@ -87,7 +88,8 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
 def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
           budget: int, stops, timer, head_rows: HeadRows, logprobs: Optional[int] = None,
           copies: Optional[CopyPolicy] = None, index: Optional[ContextIndex] = None,
-          trees: Optional[TreePolicy] = None, shared: Optional[SuffixIndex] = None) -> Tuple[Step, mx.array]:
+          trees: Optional[TreePolicy] = None, shared: Optional[SuffixIndex] = None,
+          copy_trees: Optional[CopyTreePolicy] = None) -> Tuple[Step, mx.array]:
     """One draft -> verify -> accept -> rollback cycle of one sequence on its own (unbatched)
     caches: (its Step, the new last committed token [1]).
 
@@ -101,19 +103,24 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     `trees` (on targets `tree_attention.tree_support` accepts; sampled exactly at T > 0): a drafted
     cycle may spend its rows on a token tree from the draft's top-k instead of its chain
     (`policy.trees.TreePolicy`, `speculation.tree_verify`; two host syncs in such a cycle).
+    `copy_trees` (same targets): where the indexes hold several continuations of the context's
+    suffix, the cycle may verify them as one copy tree (`policy.copy_trees.CopyTreePolicy`).
     `logprobs` (None: off) >= 0: the step carries its tokens' `TokenLogprob`s with that
     many alternatives, from the verify's own logits (one more sync when on).
     """
     cache = state.target_cache
     widths.at_context(len(state.tokens))
     width = widths.choose(budget)
-    match, copy_length = None, 0
+    match, copy_length, copy_tree = None, 0, None
     if copies is not None:
         match, copy_length = copies.best([index.match(copies.max_length),
                                           shared.match(index.tokens, copies.max_length) if shared else None],
                                          budget, width)
+        if copy_trees is not None:
+            copy_tree = copy_trees.plan(index.tokens[-1], copy_trees.gather(index, shared), match, copy_length,
+                                        budget, width)
     use_tree = False
-    if trees is not None and not copy_length:
+    if trees is not None and not copy_length and copy_tree is None:
         explore = trees.explore(width, min(budget, widths.max_block))
         if explore is not None:
             width, use_tree = explore, True
@@ -124,7 +131,11 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     state.valid = False
     tree_run = None
     with mx.stream(generation_stream):
-        if use_tree:
+        if copy_tree is not None:
+            width = len(copy_tree.tree)
+            tree_run = verify_token_tree(target, acceptor, cache, copy_tree.tree, drafter.layer_ids)
+            feats, record = tree_run.features, None
+        elif use_tree:
             tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
             feats, record = tree_run.features, None
         else:
@@ -157,8 +168,11 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         a = len(tokens) - 1
         rows = tree_run.path  # verify rows of the committed tokens' inputs, root first
         verified = [tree_run.tree.tokens[r] for r in rows]
-        trees.update(width, a)
-        widths.update(width, a, shared_seconds(target, time.perf_counter() - t0), chain=False)
+        if copy_tree is not None:
+            copy_trees.update(copy_tree, rows, shared_seconds(target, time.perf_counter() - t0))
+        else:
+            trees.update(width, a)
+            widths.update(width, a, shared_seconds(target, time.perf_counter() - t0), chain=False)
     else:
         mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
         a = accept_len.item()
@@ -199,8 +213,8 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     state.valid = True
     if index is not None:
         index.extend(tokens[:kept])
-    kind = ("tree" if tree_run is not None else copy_kind(match) if copy_length
-            else "draft" if width > 1 else None)
+    kind = ("copy_tree" if copy_tree is not None else "tree" if tree_run is not None
+            else copy_kind(match) if copy_length else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
     return step, mx.array([tokens[a]], dtype=mx.int32)

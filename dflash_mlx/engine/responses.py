@@ -41,7 +41,8 @@ class DFlashResponse:
     accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
     verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
-    proposal: Optional[str] = None  # what this cycle verified: "draft" | "tree" | "copy" | None (plain step, prefill)
+    # what this cycle verified: "draft" | "tree" | "copy" | "global_copy" | "copy_tree" | None (plain step, prefill)
+    proposal: Optional[str] = None
     proposal_counts: Dict[str, List[int]] = field(default_factory=dict)  # kind -> [cycles, tokens committed]
     logprobs: Optional[List["TokenLogprob"]] = None  # one per token of `tokens`, when asked for
 
@@ -91,7 +92,7 @@ class Step:
     width: int
     times: Optional[Dict[str, float]] = None
     logprobs: Optional[List[TokenLogprob]] = None
-    proposal: Optional[str] = None  # what was verified: "draft" | "tree" | "copy" | None (a plain step)
+    proposal: Optional[str] = None  # what was verified: "draft" | "tree" | "copy" | "copy_tree" | ... | None (plain)
 
 
 def wrap_tokenizer(tokenizer) -> TokenizerWrapper:

@@ -24,6 +24,7 @@ from dflash_mlx.engine.responses import (Answer, DFlashResponse, Step, committed
 from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.copies import copy_policy_for
+from dflash_mlx.policy.copy_trees import copy_tree_policy_for
 from dflash_mlx.policy.trees import tree_policy_for
 from dflash_mlx.speculation.accept import make_acceptor
 
@@ -65,6 +66,9 @@ class Row:
         self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
         self.trees = (tree_policy_for(sizer) if sizer is not None and engine.draft is not None and engine.token_trees
                       and tree_support(engine.target) is None else None)
+        # several continuations of a copy as one tree, on targets that take trees (with a draft or not)
+        self.copy_trees = (copy_tree_policy_for(sizer) if self.copies is not None and engine.token_trees
+                           and tree_support(engine.target) is None else None)
         # earlier requests' prompts and answers (`speculation.suffix_index`), unless this one opted out
         self.shared = engine.suffix_index if self.copies is not None and request.global_copies else None
         self.index = None  # the context's copy index (`context_index`), kept up to date by every cycle
@@ -133,7 +137,7 @@ class Row:
         index = self.context_index() if self.copies is not None else None
         step, self.last = cycle(target, self.drafter, self.acceptor, widths, self.state, self.last, self.budget,
                                 self.stops, timer, self.head_rows, self.request.logprobs, self.copies, index,
-                                self.trees, self.shared)
+                                self.trees, self.shared, self.copy_trees)
         self.budget -= len(step.tokens)
         return step
 

@@ -116,11 +116,15 @@ class CopyPolicy:
 
     def update(self, length: int, proposed: int, accepted: int, seconds: float, shared: bool = False):
         (self.shared_record if shared else self.record).update(length, proposed, accepted)
+        self.timed(proposed + 1, seconds)
+
+    def timed(self, width: int, seconds: float):
+        """A copy cycle (a chain or a copy tree) verified `width` rows in `seconds`."""
         if not self.drafted:  # the sizer's widths above 1 are copies' own
-            self.sizer.costs.record(proposed + 1, seconds)
+            self.sizer.costs.record(width, seconds)
             return
         here = self.ranges.of(self.sizer.context.bucket)
-        _keep_time(here.times, here.recent, proposed + 1, seconds / self.sizer.load, self.recent_cycles)
+        _keep_time(here.times, here.recent, width, seconds / self.sizer.load, self.recent_cycles)
 
 
 # With no draft a copy may be as long as the longest of `COPY_LENGTHS`.

@@ -6,7 +6,9 @@ already holds. `ContextIndex` keeps, for every n-gram of the context (n up to
 finds the longest n-gram the context ends with that occurred before, and proposes
 what followed it (past the end of the context, a repeat continues with its period).
 Appending a token costs `MAX_NGRAM` dictionary writes, so the index follows the
-committed tokens at amortized O(1) per token.
+committed tokens at amortized O(1) per token. Each n-gram's earlier ends are chained
+(`earlier`, one packed int per n-gram), so `matches` also finds what followed it in other
+places: several continuations for a copy tree (`copy_tree`).
 
 `CopyRecord` learns how often copies are right: per match length and per depth of
 the proposal, as decayed hit/trial counts (the same estimate `policy.acceptance.DraftAcceptance`
@@ -17,10 +19,13 @@ much of it. A copy is a deterministic proposal: greedy acceptance is exact, and 
 temperature > 0 it is a one-hot q, exact with the usual rejection step.
 """
 
+from array import array
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 MAX_NGRAM = 8
+# Earlier occurrences of one n-gram looked at for other continuations (most recent first).
+MAX_STEPS = 8
 
 
 @dataclass
@@ -42,17 +47,25 @@ class ContextIndex:
     def __init__(self, tokens: Sequence[int] = ()):
         self.tokens: List[int] = []
         self.latest: Dict[Tuple[int, ...], int] = {}
+        # earlier[n - 1][e]: the end before e of the n-gram ending at e, -1 for none
+        self.earlier: List[array] = [array("i") for _ in range(MAX_NGRAM)]
         self.extend(tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def extend(self, tokens: Sequence[int]):
-        seq, latest = self.tokens, self.latest
+        seq, latest, earlier = self.tokens, self.latest, self.earlier
         for t in tokens:
             i = len(seq)  # the new token's position: every n-gram ending at i-1 now has a next token
-            for n in range(1, min(MAX_NGRAM, i) + 1):
-                latest[tuple(seq[i - n : i])] = i - 1
+            if i:
+                for n in range(1, MAX_NGRAM + 1):
+                    if n <= i:
+                        key = tuple(seq[i - n : i])
+                        earlier[n - 1].append(latest.get(key, -1))
+                        latest[key] = i - 1
+                    else:
+                        earlier[n - 1].append(-1)
             seq.append(int(t))
 
     def follows(self, tokens: Sequence[int]) -> bool:
@@ -63,18 +76,31 @@ class ContextIndex:
     def match(self, max_tokens: int) -> Optional[CopyMatch]:
         """The longest earlier occurrence of the context's suffix and up to `max_tokens`
         tokens of what followed it; None when not even the last token occurred before."""
-        seq = self.tokens
-        end = len(seq)
+        found = self.matches(max_tokens, 1)
+        return found[0] if found else None
+
+    def matches(self, max_tokens: int, k: int) -> List[CopyMatch]:
+        """Up to `k` distinct continuations of the context's suffix: the longest match's
+        occurrences first, most recent first (up to `MAX_STEPS` of each), then shorter ones'."""
+        seq, end = self.tokens, len(self.tokens)
+        found: List[CopyMatch] = []
+        seen = set()
         for n in range(min(MAX_NGRAM, end - 1), 0, -1):
-            last = self.latest.get(tuple(seq[end - n :]))
-            if last is None or last >= end - 1:
-                continue
-            start = last + 1
-            period = end - start  # the match repeats every `period` tokens past the end
-            continuation = [seq[start + j] if start + j < end else seq[start + (j % period)]
-                            for j in range(max_tokens)]
-            return CopyMatch(n, start, continuation)
-        return None
+            last, chain = self.latest.get(tuple(seq[end - n :]), -1), self.earlier[n - 1]
+            for _ in range(MAX_STEPS):
+                if last < 0:
+                    break
+                start = last + 1
+                period = end - start  # the match repeats every `period` tokens past the end
+                continuation = [seq[start + j] if start + j < end else seq[start + (j % period)]
+                                for j in range(max_tokens)]
+                if tuple(continuation) not in seen:
+                    seen.add(tuple(continuation))
+                    found.append(CopyMatch(n, start, continuation))
+                    if len(found) >= k:
+                        return found
+                last = chain[last]
+        return found
 
 
 class CopyRecord:

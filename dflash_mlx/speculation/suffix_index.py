@@ -9,7 +9,8 @@ next token, as `ContextIndex` does over one context, and proposes what followed 
 longest n-gram the context ends with (cf. SuffixDecoding in Arctic Inference, which keeps
 a global suffix tree of earlier outputs beside each request's own). Its matches are
 `CopyMatch(shared=True)`; `policy.copies` weighs them by the same rule as the context's
-own, with a record of their own.
+own, with a record of their own. Each n-gram's earlier ends are chained, as the context
+index's are, so `matches` gives several continuations for a copy tree.
 
 A conversation is resent whole at every turn: a document that extends a kept one extends
 it (only the new tokens are indexed) and one that shares a prefix with a kept one indexes
@@ -23,24 +24,27 @@ import threading
 import weakref
 from array import array
 from collections import OrderedDict
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
-from dflash_mlx.speculation.copies import MAX_NGRAM, CopyMatch
+from dflash_mlx.speculation.copies import MAX_NGRAM, MAX_STEPS, CopyMatch
 
 # Python memory per indexed token: MAX_NGRAM dictionary entries (a hashed key, a packed
-# position) with the dictionary's slack; an upper bound measured with tracemalloc
-# (tests/test_global_copies.py checks it).
+# position) with the dictionary's slack, and MAX_NGRAM packed earlier ends; an upper bound
+# measured with tracemalloc (tests/test_global_copies.py checks it).
 BYTES_PER_TOKEN = 1100
 DEFAULT_SUFFIX_INDEX_BYTES = 256 << 20  # about 240k indexed tokens
 _POSITION_BITS = 32
 
 
 class _Document:
-    __slots__ = ("tokens", "start")
+    __slots__ = ("tokens", "start", "earlier")
 
     def __init__(self, tokens: array, start: int):
         self.tokens = tokens  # the whole sequence, so n-grams may reach before `start`
         self.start = start  # n-grams whose next token is at `start` or later are indexed here
+        # [(i - start) * MAX_NGRAM + n - 1]: where the n-gram before position i ended before
+        # (packed as `_latest`'s values), -1 for nowhere
+        self.earlier = array("q")
 
     @property
     def nbytes(self) -> int:
@@ -120,10 +124,15 @@ class SuffixIndex:
 
     def _index(self, serial: int, doc: _Document, start: int):
         """Index the n-grams whose next token is at position `start` or later."""
-        seq, latest, tag = doc.tokens, self._latest, serial << _POSITION_BITS
+        seq, latest, tag, earlier = doc.tokens, self._latest, serial << _POSITION_BITS, doc.earlier
         for i in range(max(1, start), len(seq)):
-            for n in range(1, min(MAX_NGRAM, i) + 1):
-                latest[hash(tuple(seq[i - n : i]))] = tag | (i - 1)
+            for n in range(1, MAX_NGRAM + 1):
+                if n <= i:
+                    key = hash(tuple(seq[i - n : i]))
+                    earlier.append(latest.get(key, -1))
+                    latest[key] = tag | (i - 1)
+                else:
+                    earlier.append(-1)
 
     def _drop(self, serial: int):
         doc = self._docs.pop(serial)
@@ -153,18 +162,32 @@ class SuffixIndex:
     def match(self, context: Sequence[int], max_tokens: int) -> Optional[CopyMatch]:
         """What followed the latest earlier occurrence of the longest n-gram (up to
         MAX_NGRAM) `context` ends with, up to `max_tokens` tokens; None when none occurred."""
+        found = self.matches(context, max_tokens, 1)
+        return found[0] if found else None
+
+    def matches(self, context: Sequence[int], max_tokens: int, k: int) -> List[CopyMatch]:
+        """Up to `k` distinct continuations of `context`'s suffix in earlier requests: the
+        longest n-gram's occurrences first, most recent first (up to `MAX_STEPS`), then shorter ones'."""
         tail = [int(t) for t in context[-MAX_NGRAM:]]
+        found: List[CopyMatch] = []
+        seen = set()
+        mask = (1 << _POSITION_BITS) - 1
         with self._lock:
             for n in range(len(tail), 0, -1):
-                found = self._latest.get(hash(tuple(tail[-n:])))
-                if found is None:
-                    continue
-                doc = self._docs.get(found >> _POSITION_BITS)
-                end = found & ((1 << _POSITION_BITS) - 1)
-                if doc is None or doc.tokens[end - n + 1 : end + 1].tolist() != tail[-n:]:
-                    continue  # a hash shared by another n-gram
-                return CopyMatch(n, end + 1, doc.tokens[end + 1 : end + 1 + max_tokens].tolist(), shared=True)
-        return None
+                at = self._latest.get(hash(tuple(tail[-n:])), -1)
+                for _ in range(MAX_STEPS):
+                    doc = self._docs.get(at >> _POSITION_BITS) if at >= 0 else None
+                    end = at & mask
+                    if doc is None or doc.tokens[end - n + 1 : end + 1].tolist() != tail[-n:]:
+                        break  # none, dropped, or a hash shared by another n-gram
+                    continuation = doc.tokens[end + 1 : end + 1 + max_tokens].tolist()
+                    if tuple(continuation) not in seen:
+                        seen.add(tuple(continuation))
+                        found.append(CopyMatch(n, end + 1, continuation, shared=True))
+                        if len(found) >= k:
+                            return found
+                    at = doc.earlier[(end + 1 - doc.start) * MAX_NGRAM + n - 1]
+        return found
 
 
 def _common_prefix(a: array, b: array) -> int:
