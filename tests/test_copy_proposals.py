@@ -214,9 +214,10 @@ def _tok():
     return byte_tokenizer()
 
 
-def test_a_chat_turn_copies_from_the_earlier_turn():
+def test_a_chat_turn_copies_from_the_earlier_turn(always_copy):
     """The index spans the conversation the prompt cache holds: the second turn's answer,
-    a repeat of the first's, is copied."""
+    a repeat of the first's, is copied. (Copies forced wherever a match exists: whether the
+    measured-cost policy picks them is timing, tested apart; here, that the matches are there.)"""
     model, tok = chain_target("Quick-brown,fx")
     draft = random_draft(model, num_layers=1, block_size=16, seed=0)
     cache = make_prompt_cache(model, draft)
@@ -228,8 +229,7 @@ def test_a_chat_turn_copies_from_the_earlier_turn():
     second, responses = decode(model, draft, tok, turn2, max_tokens=30, stop_token_ids=[], prompt_cache=cache)
     assert second == greedy_reference(model, turn2, 30)
     assert cache.copy_index is index  # extended, not rebuilt
-    counts = responses[-1].proposal_counts  # copied as a chain, or as a tree where the index holds several
-    assert counts.get("copy", [0, 0])[1] + counts.get("copy_tree", [0, 0])[1] >= 20
+    assert responses[-1].proposal_counts.get("copy", [0, 0])[1] >= 20
 
 
 def test_scripted_draft_and_copies_together_stay_exact():
