@@ -5,6 +5,7 @@ Per architecture and per parallelism mlx-lm gives it: the single-process greedy 
 (computed on each rank from the whole model, no collectives), then DFlash on the split model at
 widths 1, 4, 16 and auto (copies and trees on) with a random draft, a scripted draft that is right
 for a varying number of tokens (partial accepts: every rollback path), and a sampled answer.
+Then, with DRIVER_CLI, the one-shot CLI and `dflash-mlx serve` (tests/distributed_serve.py).
 """
 
 import json
@@ -23,6 +24,7 @@ from dflash_mlx.models.sharded import modes_of, split
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokenizer, clean_case, tiny_target
+from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
 PROMPT_LEN, MAX_TOKENS = 9, 14
 
@@ -97,9 +99,17 @@ def main():
         except Exception:  # reported per architecture; the other ranks fail alike or hang (the test's timeout)
             result["errors"][key] = traceback.format_exc()
         result["seconds"][key] = time.perf_counter() - t0
-    cli = os.environ.get("DRIVER_CLI")  # "model.gguf draft-folder": the one-shot CLI under --distributed
+    cli = os.environ.get("DRIVER_CLI")  # "model.gguf draft-folder": the CLI and the server under --distributed
     if cli:
         result["cli"] = run_cli(*cli.split(), os.path.join(folder, f"cli{rank}.out"))
+        result["serve"] = serve_and_interrupt(folder, rank, *cli.split())
+    write(folder, rank, result)
+    if cli:  # last: rank 1 ends in it (its file is written), rank 0 finds it gone
+        result["lost_rank"] = serve_and_lose_rank1(folder, rank, *cli.split())
+        write(folder, rank, result)
+
+
+def write(folder: str, rank: int, result: dict):
     path = os.path.join(folder, f"rank{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)

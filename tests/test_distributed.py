@@ -1,8 +1,9 @@
 """A target split over two processes (`mlx.launch -n 2`, ring backend on localhost): DFlash's
 greedy tokens equal the single-process mlx-lm greedy decode under every parallelism mlx-lm gives
 each family, every rank commits the same accept lengths, and a sampled answer is the same on
-every rank. One launch runs every case (tests/distributed_driver.py); skips cleanly where
-mlx.launch or the ring backend is missing."""
+every rank; the one-shot CLI and `dflash-mlx serve` under mlx.launch (two clients at once,
+Ctrl-C, a lost rank). One launch runs every case (tests/distributed_driver.py,
+tests/distributed_serve.py); skips cleanly where mlx.launch or the ring backend is missing."""
 
 import json
 import os
@@ -164,9 +165,54 @@ def test_cli_under_mlx_launch_prints_on_rank0_only_and_matches_one_process(ranks
     assert split_run["draft"] is not None
 
 
-def test_cli_distributed_without_mlx_launch_is_one_line(capsys):
+@pytest.mark.parametrize("command", [["hello"], ["serve"], ["bench", "--suite", "gsm8k"]])
+def test_cli_distributed_without_mlx_launch_is_one_line(capsys, command):
     from dflash_mlx.cli.main import main
 
-    assert main(["--distributed", "tensor", "hello"]) == 2
+    assert main(command[:1] + ["--distributed", "tensor"] + command[1:]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "two or more processes" in err and "mlx.launch" in err
+
+
+def _served_alone(folder, prompt: str, max_tokens: int):
+    """(text, tokens) a completion of `prompt` gets from the whole target in one process, its
+    tokens checked against mlx-lm's greedy decode."""
+    from dflash_mlx import load, load_draft, stream_generate
+    from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.serve.jobs import lost_leading_space
+    from dflash_mlx.testing.targets import greedy_reference
+
+    model, tok = load(str(folder / "tiny.gguf"))
+    ids = encode_prompt(tok, prompt)
+    tokens, text = [], []
+    for r in stream_generate(model, load_draft(str(folder / "draft"), model), tok, ids, max_tokens=max_tokens,
+                             block_size="draft"):
+        tokens += r.tokens
+        text.append(r.text)
+    assert tokens == greedy_reference(model, ids, max_tokens, stop_ids=list(tok.eos_token_ids))[: len(tokens)]
+    text = "".join(text)
+    lead = lost_leading_space(tok, tokens[0])  # a completion continues its prompt (jobs.JobAnswer)
+    return (text if text.startswith(lead) else lead + text), tokens
+
+
+def test_server_under_mlx_launch_answers_two_clients_at_once_as_one_process_does(ranks):
+    serve = ranks[0]["serve"]
+    answers = serve["together"] + [serve["follow_up"]]
+    assert [a["status"] for a in answers] == [200] * 3, answers
+    for a in answers:
+        text, tokens = _served_alone(ranks[0]["folder"], a["prompt"], a["max_tokens"])
+        assert (a["text"], a["usage"]["completion_tokens"]) == (text, len(tokens))
+    assert "2" in serve["health"]["batch"]["widths"]  # the two requests decoded as rows of one batch
+    assert serve["follow_up"]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # the same cache on each rank
+    # Ctrl-C reached both ranks: rank 0 stopped the run, every rank ended
+    assert serve["code"] in (0, 130) and ranks[1]["serve"]["code"] == 0 and serve["stop_seconds"] < 5
+
+
+def test_a_lost_rank_ends_the_server_with_one_line_within_seconds(ranks):
+    lost = ranks[0]["lost_rank"]
+    assert lost["answer"]["status"] == 200
+    assert lost["code"] == 1 and lost["seconds"] < 10
+    lines = [line for line in lost["stderr"] if line.strip()]  # uvicorn's INFO lines left out
+    said = [line for line in lines if line.startswith("dflash-mlx serve: error:")]
+    assert len(said) == 1 and "rank 0" in said[0] and "gone" in said[0], lines
+    assert len(lines) == 2 and "on http://" in lines[0], lines  # the start line, then that one line

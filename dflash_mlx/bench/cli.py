@@ -1,4 +1,8 @@
-"""`dflash-mlx bench`: DFlash against plain mlx-lm decoding on standard prompt suites."""
+"""`dflash-mlx bench`: DFlash against plain mlx-lm decoding on standard prompt suites.
+
+Under `mlx.launch` with `--distributed`, every rank runs the same measurements on the split
+target (each generation is a collective); rank 0 alone logs and writes the results.
+"""
 
 import argparse
 import re
@@ -7,8 +11,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_draft_bits_arg, checked_options, draft_for,
-                                   load_model_and_draft, usage_error)
+from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg,
+                                   checked_options, draft_for, launched, load_model_and_draft, usage_error)
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 
@@ -56,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model)")
     add_draft_bits_arg(p)
+    add_distributed_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")
     p.add_argument("--out", default=None,
@@ -114,7 +119,7 @@ def rerender(path: Path, with_plots: bool = True) -> int:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.from_json:
-        return rerender(Path(args.from_json), with_plots=not args.no_plots)
+        return rerender(Path(args.from_json), with_plots=not args.no_plots) if launched(args.distributed) else 0
     if args.suite.strip() == "depth":
         return depth_main(args, argv)
     if "depth" in args.suite.split(","):
@@ -135,9 +140,11 @@ def main(argv=None) -> int:
 
     from dflash_mlx.bench import report, runner
 
-    print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
+    speaks = launched(args.distributed)  # rank 0 (or the only process) logs and writes
+    log = runner._log if speaks else _quiet
+    log(f"loading {args.model} and draft {draft_name}")
     model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
-                                                          draft_bits=args.draft_bits)
+                                                          draft_bits=args.draft_bits, distributed=args.distributed)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
@@ -148,20 +155,27 @@ def main(argv=None) -> int:
         command=_command(argv),
     )
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if speaks:
+        out_dir.mkdir(parents=True, exist_ok=True)
     # The JSON is rewritten after every prompt, so a long run that is stopped
     # still leaves its measurements behind.
-    doc = runner.run(model, draft, tokenizer, cfg,
-                     on_prompt=lambda d: report.write_json(d, out_dir / "results.json"))
+    doc = runner.run(model, draft, tokenizer, cfg, log=log,
+                     on_prompt=(lambda d: report.write_json(d, out_dir / "results.json")) if speaks else None)
+    mismatches = sum(s["mismatches"] for per in doc["summary"].values() for k, s in per.items()
+                     if k == "all")
+    if not speaks:
+        return 1 if mismatches else 0
     errors = report.validate(doc)
     if errors:  # a bug in this package, but the measurements are still worth keeping
         print("result schema errors:\n  " + "\n  ".join(errors), file=sys.stderr)
     paths = report.write_all(doc, out_dir, with_plots=not args.no_plots)
     print(report.markdown(doc).split("## Per prompt")[0])
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
-    mismatches = sum(s["mismatches"] for per in doc["summary"].values() for k, s in per.items()
-                     if k == "all")
     return 1 if mismatches or errors else 0
+
+
+def _quiet(msg: str):
+    """The log of a rank other than 0: rank 0 reports."""
 
 
 def depth_main(args, argv) -> int:
@@ -191,14 +205,17 @@ def depth_main(args, argv) -> int:
     out = Path(args.out or Path("benchmarks") / "results" / (
         datetime.now(timezone.utc).strftime("%Y%m%d") + "-depth-"
         + re.sub(r"[^A-Za-z0-9._-]+", "_", Path(draft_name).name)))
-    print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
+    speaks = launched(args.distributed)  # rank 0 (or the only process) logs and writes
+    if speaks:
+        print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
     model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
-                                                      draft_bits=args.draft_bits)
+                                                      draft_bits=args.draft_bits, distributed=args.distributed)
     from dflash_mlx import load_draft
+    from dflash_mlx.models.sharded import share
 
     others = {label: load_draft(name, model, quiet=True) for label, name in cfg.compare.items()}
     previous = None
-    if args.resume:
+    if args.resume and speaks:
         import json
 
         path = out / "results.json"
@@ -207,11 +224,16 @@ def depth_main(args, argv) -> int:
         if previous and any(k in previous["config"] and previous["config"][k] != asdict(cfg).get(k) for k in keep):
             raise CLIError(f"--resume: {path} was measured with other settings ({', '.join(keep)}); "
                            "give the same ones or another --out", EXIT_USAGE)
+    if args.distributed:
+        previous = share(previous)  # every rank resumes where rank 0's file says
     try:
         doc = depth.run(model, draft, tokenizer, cfg, others=others, resume=previous,
-                        on_record=lambda d: depth_report.write_all(d, out, with_plot=False))
+                        on_record=(lambda d: depth_report.write_all(d, out, with_plot=False)) if speaks else None,
+                        log=depth._log if speaks else _quiet)
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None
+    if not speaks:
+        return 1 if depth_summary.mismatches(doc) else 0
     paths = depth_report.write_all(doc, out, with_plot=not args.no_plots)
     print(depth_report.markdown(doc).split("## Per document")[0])
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)

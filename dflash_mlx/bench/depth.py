@@ -115,9 +115,10 @@ def settled_width(widths: Sequence[int]) -> Optional[int]:
 
 
 def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optional[Dict[str, object]] = None,
-        resume: Optional[dict] = None) -> dict:
+        resume: Optional[dict] = None, log=_log) -> dict:
     """`others`: label -> a loaded draft, run at the default width beside `draft`;
-    `resume`: an interrupted run's results (its records are kept, the rest is measured)."""
+    `resume`: an interrupted run's results (its records are kept, the rest is measured);
+    `log`: where progress lines go."""
     from dflash_mlx.policy import sizer
     from dflash_mlx.bench.runner import environment
     from dflash_mlx.generate import make_prompt_cache, stream_generate
@@ -234,8 +235,8 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
             a, p = runs["auto"], runs["plain"]
             for k in others:
                 o = runs[f"auto {k}"]
-                _log(f"  {k}: {o['decode_tps']:.2f} tok/s tau {o['tau'] or 0:.2f} ttft {o['ttft_s']:.1f}s")
-            _log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {fmt(p['ttft_s'], '{:.1f}')}s | "
+                log(f"  {k}: {o['decode_tps']:.2f} tok/s tau {o['tau'] or 0:.2f} ttft {o['ttft_s']:.1f}s")
+            log(f"depth {depth} {d.name}: plain {p['decode_tps']:.2f} tok/s ttft {fmt(p['ttft_s'], '{:.1f}')}s | "
                  f"auto {a['decode_tps']:.2f} tok/s tau {a['tau'] or 0:.2f} ttft {a['ttft_s']:.1f}s "
                  f"width {rec['settled_width']} | "
                  + " ".join(f"{w}: {runs[f'block {w}']['decode_tps']:.2f}" for w in cfg.widths)

@@ -14,7 +14,8 @@ client that goes away cancels its generation at the next cycle. Tool calls are
 parsed by the tokenizer's mlx-lm tool parser (`dflash_mlx.tool_calls`).
 
 Here: the app's routes and how request validation errors read. The command line:
-`cli.py`; the worker (scheduling): `worker.py`, its jobs and their answers' events:
+`cli.py`; the worker (scheduling): `worker.py`, its batched steps: `steps.py`, on a
+target split over processes: `ranks.py`, its jobs and their answers' events:
 `jobs.py`, cached conversations: `cache_pool.py`; request bodies to
 `GenerationRequest`s and stop strings: `requests.py`; the worker's events as each
 API's answers, whole or streamed: `answers.py`.

@@ -4,7 +4,10 @@ request that shares a prefix with one of them.
 A finished row's `PromptCache` goes into the pool; a joining request takes out the one
 sharing the longest prefix with its prompt (a row owns its caches while it runs) and
 prefills only the rest. The pool is bounded in count and, together with the running
-rows' live caches, in bytes; the least recently kept conversation goes first. Served one
+rows' live caches, in bytes; the least recently kept conversation goes first. Each kept
+conversation has a key, the count of those kept before it, so on a target split over
+processes every rank names it alike: rank 0 bounds its pool and the others mirror its keys
+(`keys`, `mirror`), since their caches' bytes differ (each holds its own heads or layers). Served one
 at a time, the worker keeps a single `PromptCache` with snapshots instead
 (`dflash_mlx.engine.prompt_cache`), bounded by the same numbers.
 """
@@ -33,29 +36,43 @@ class CachePool:
 
     def __init__(self, max_snapshots: int, max_bytes: Optional[int]):
         self.max_snapshots, self.max_bytes = max_snapshots, max_bytes
-        self.kept: "OrderedDict[int, PromptCache]" = OrderedDict()  # least recently kept first
+        self.kept: "OrderedDict[int, PromptCache]" = OrderedDict()  # key -> conversation, least recently kept first
+        self.count = 0  # conversations kept so far: the next one's key
 
     def __len__(self) -> int:
         return len(self.kept)
 
-    def take(self, prompt_ids: List[int]) -> Optional[PromptCache]:
-        """The kept conversation sharing the longest prefix with `prompt_ids` (taken out of
-        the pool: a row owns its caches), or None for new ones."""
+    def best(self, prompt_ids: List[int]) -> Optional[int]:
+        """The key of the kept conversation sharing the longest prefix with `prompt_ids`, or None."""
         best, best_len = None, 0
         for key, state in self.kept.items():
             n = common_prefix(state.tokens, prompt_ids)
             if n > best_len:
                 best, best_len = key, n
-        return self.kept.pop(best) if best is not None else None
+        return best
 
-    def keep(self, state: PromptCache, engine: BatchEngine):
-        """Keep a finished row's conversation, dropping the oldest past the bounds."""
-        if self.max_snapshots < 1:
+    def take(self, key: Optional[int]) -> Optional[PromptCache]:
+        """The conversation kept under `key`, out of the pool (a row owns its caches); None for None."""
+        return self.kept.pop(key) if key is not None else None
+
+    def keep(self, state: PromptCache, engine: Optional[BatchEngine]):
+        """Keep a finished row's conversation, dropping the oldest past the bounds (`engine`
+        None: no bounds here, a mirror of rank 0's pool drops what `mirror` says)."""
+        self.kept[self.count] = state
+        self.count += 1
+        if engine is None:
             return
-        self.kept[id(state)] = state
         while len(self.kept) > self.max_snapshots:
             self.kept.popitem(last=False)
         self.evict(engine)
+
+    def keys(self) -> List[int]:
+        return list(self.kept)
+
+    def mirror(self, keys: List[int]):
+        """Keep only the conversations under `keys` (rank 0's pool, which this one mirrors)."""
+        for key in set(self.kept) - set(keys):
+            del self.kept[key]
 
     def nbytes(self) -> int:
         return sum(s.live_bytes + s.snapshot_bytes for s in list(self.kept.values()))

@@ -3,20 +3,24 @@
 
 The flags' defaults are the server's: `--max-tokens` and the sampling flags are the
 defaults of a request's own fields, `--max-batch` follows the machine's memory.
+Under `mlx.launch` with `--distributed`, rank 0 serves HTTP and every other rank runs the
+same engine steps without serving (`ranks.follow`); a rank that fails ends with one line.
 """
 
 import argparse
+import signal
 import sys
 import threading
 
 import uvicorn
 
-from dflash_mlx.cli.common import (ArgumentParser, add_draft_bits_arg, checked_options, load_model_and_draft,
-                                   no_draft_note)
+from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, checked_options,
+                                   launched, load_model_and_draft, no_draft_note)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.serve.app import create_app
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES
+from dflash_mlx.serve.ranks import STOP_S, end_within, exit_now, follow
 from dflash_mlx.serve.worker import Worker, default_max_batch
 from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES
 
@@ -70,6 +74,7 @@ def build_parser():
     p.add_argument("--draft", help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model; with none, copies of the context alone)")
     add_draft_bits_arg(p)
+    add_distributed_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     # --max-tokens and the sampling flags are the defaults of a request's own fields
@@ -99,12 +104,13 @@ def build_parser():
     return p
 
 
-def load_worker(args) -> Worker:
+def load_worker(args, speaks: bool = True) -> Worker:
     options = checked_options(args)
     model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
                                                                dtype=args.dtype, draft_bits=args.draft_bits,
-                                                               without_draft=True)
-    if draft is None and not args.baseline:
+                                                               without_draft=True,
+                                                               distributed=getattr(args, "distributed", None))
+    if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
@@ -115,7 +121,15 @@ def load_worker(args) -> Worker:
 def main(argv=None) -> int:
     """`dflash-mlx serve`; `dflash_mlx.cli.main.main` turns errors into one line."""
     args = build_parser().parse_args(argv)
-    worker = load_worker(args)
+    speaks = launched(args.distributed)  # False on ranks other than 0: they follow rank 0's steps
+    worker = load_worker(args, speaks)
+    if not speaks:
+        failed = follow(worker)
+        if failed and not worker.ended.is_set():
+            exit_now(f"dflash-mlx serve: {failed}")
+        if failed:
+            raise CLIError(failed)
+        return 0
     drafted = (f"with draft {worker.draft_name}" if worker.draft is not None
                else "plain decoding" if worker.baseline else "without a draft (copies of the context)")
     print(f"dflash-mlx serve: {args.model} {drafted}, block size {worker.options.block_size}, "
@@ -123,6 +137,12 @@ def main(argv=None) -> int:
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)
     _serve(config, worker)
+    failed = worker.failed or ("rank 0: the process that launched it is gone; stopping" if worker.ranks.orphaned()
+                               else None)
+    if worker.ranks.size > 1 and not worker.ended.is_set():  # stuck in a collective: a rank is gone
+        exit_now(f"dflash-mlx serve: {failed or 'rank 0: the other ranks did not stop'}")
+    if failed:
+        raise CLIError(failed)
     return 0
 
 
@@ -132,8 +152,16 @@ def _serve(config, worker: Worker):
         error event) at their next cycle instead of waiting out the grace period."""
 
         def handle_exit(self, sig, frame):
+            if worker.ranks.size > 1 and not self.should_exit:  # once: one line, and no waiting forever
+                said = f"dflash-mlx serve: rank 0: stopped by {signal.Signals(sig).name}"
+                end_within(worker, STOP_S, None if sig == signal.SIGINT else said,  # Ctrl-C: "interrupted"
+                           f"{said}; its engine thread did not end within {STOP_S:.0f} s (a rank is gone)")
             threading.Thread(target=worker.stop, daemon=True).start()  # it joins the worker: not on the loop
             super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            # the engine thread stopped on its own (a rank of a split target is gone): so does the server
+            return await super().on_tick(counter) or worker.failed is not None or worker.ranks.orphaned()
 
     Server(config).run()
 

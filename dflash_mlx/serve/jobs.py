@@ -70,6 +70,7 @@ class JobAnswer:
         self.matcher = StopMatcher(job.request.stop)
         self.started = time.perf_counter()
         self.first, self.last, self.finish, self.stop_matched = True, None, None, False
+        self.over = False  # a finish, a stop string, or the client ended or cancelled it
         self.widths: Dict[int, int] = {}
         self.lead = ""
 
@@ -101,7 +102,8 @@ class JobAnswer:
             self.finish = r.finish_reason
         elif job.ended.is_set():
             self.finish = "stop"
-        return self.finish is not None or job.cancelled.is_set()
+        self.over = self.finish is not None or job.cancelled.is_set()
+        return self.over
 
     def complete(self):
         """Emit the end: "done" with usage, or (cancelled) "done" without, or the shutdown error."""

@@ -3,17 +3,22 @@
 Two ways, chosen at start:
 
 - **batched** (`max_batch` > 1 on a target `batch_caches.batch_support` accepts): continuous
-  batching on `engine.BatchEngine`. Jobs join between cycles while there are free rows
-  (their prompts prefilled one chunk per cycle, so running streams keep flowing), each
-  from the longest cached prefix among the caches of earlier answers (`cache_pool.CachePool`,
-  bounded in count and, with every row's live caches, in bytes); a finished, cancelled or
-  ended job leaves at once and frees its row.
+  batching on `engine.BatchEngine`, a step at a time (`steps`): before each step, the rows
+  whose answer is over, cancelled or ended leave and waiting jobs join into the free rows
+  (their prompts prefilled one chunk per step, so running streams keep flowing), each from
+  the longest cached prefix among the caches of earlier answers (`cache_pool.CachePool`,
+  bounded in count and, with every row's live caches, in bytes).
 - **one at a time** (other targets, or `max_batch` 1): `stream_generate` per job with one
   `PromptCache` whose snapshots serve caches that cannot be trimmed (Gated DeltaNet state).
 
 Either way a full queue answers 429 with a Retry-After estimate; a stopping server 503.
 What each job's engine responses become (text pieces, stop strings, logprobs, usage)
 is `jobs.JobAnswer`, the same for both.
+
+On a target split over processes (`mlx.launch`) every rank runs a worker and the same
+engine steps; rank 0's worker decides each step's events and shares them with the others,
+which serve nothing (`ranks`). Such a target is always served batched, one row at a time
+where it does not batch.
 """
 
 import os
@@ -26,15 +31,17 @@ import mlx.core as mx
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.engine.engine import BatchEngine
-from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.engine.batch_caches import batch_support
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
 from dflash_mlx.serve.jobs import Job, JobAnswer, shutting_down
+from dflash_mlx.serve.ranks import Ranks
+from dflash_mlx.serve.steps import run_batched
 from dflash_mlx.serve.requests import GenerationRequest, RequestError
 from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES, SuffixIndex
 from dflash_mlx.tool_calls import with_tool_calling
@@ -94,13 +101,23 @@ class Worker:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {self.max_batch}")
         self.batch_refused = batch_support(target) if self.max_batch > 1 else "max_batch is 1"
+        self.ranks = Ranks(target)
+        self.failed: Optional[str] = None  # why the engine thread stopped (one line)
+        self.ended = threading.Event()  # the batched engine thread is done (`ranks.follow` waits on it)
         self.engine: Optional[BatchEngine] = None
-        if self.batch_refused is None:
+        if self.ranks.size > 1:
+            # every rank runs the engine's steps, so a target that does not batch runs its rows one
+            # at a time there; the tree probe (a forward) runs now, on every rank, not when rank 0
+            # admits a request (`steps.decide` runs no collective)
+            self.max_batch = self.max_batch if self.batch_refused is None else 1
+            tree_support(target)
+        if self.batch_refused is None or self.ranks.size > 1:
             self.engine = self._new_engine()
         # cached conversations: one PromptCache (with snapshots) one at a time; batched, a pool
         self.cache = (make_prompt_cache(model, self.draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
                       if self.engine is None else None)
         self.pool = CachePool(max_snapshots, prompt_cache_bytes)
+        self.shared_keys: List[int] = []  # the pool's keys the other ranks last heard of (`steps`)
         self.jobs: "queue.Queue[Optional[Job]]" = queue.Queue(maxsize=queue_size)
         self.current: Optional[Job] = None
         self.active: Dict[int, tuple] = {}  # batched: row uid -> (job, answer, row)
@@ -108,16 +125,17 @@ class Worker:
         self.counts = {"served": 0, "cancelled": 0, "rejected": 0, "failed": 0}
         self.cycles_after_cancel: List[int] = []  # per cancelled job: engine cycles run after the cancel
         self.served_seconds: List[float] = []  # the last answers' service times (for Retry-After)
-        self._thread = threading.Thread(target=self._run if self.engine is None else self._run_batched,
-                                        name="dflash-engine", daemon=True)
+        run, args = (self._run, ()) if self.engine is None else (run_batched, (self,))
+        self._thread = threading.Thread(target=run, args=args, name="dflash-engine", daemon=True)
         self._thread.start()
 
     @property
     def scheduling(self) -> str:
-        if self.engine is not None:
-            return (f"continuous batching: up to {self.max_batch} rows decode together, new requests join "
+        split = f", on {self.ranks.size} ranks" if self.ranks.size > 1 else ""
+        if self.engine is not None and self.max_batch > 1:
+            return (f"continuous batching: up to {self.max_batch} rows decode together{split}, new requests join "
                     "between cycles, from a bounded queue")
-        return f"one request at a time, first come first served, from a bounded queue ({self.batch_refused})"
+        return f"one request at a time{split}, first come first served, from a bounded queue ({self.batch_refused})"
 
     # -- prompts
 
@@ -248,70 +266,9 @@ class Worker:
             raise RequestError(str(e)) from None
         answer.complete()
 
-    # -- batched
+    # -- batched (`steps`)
 
     def _new_engine(self) -> BatchEngine:
         return BatchEngine(self.model, self.draft, self.tokenizer, max_batch=self.max_batch,
                            block_size=1 if self.baseline else self.options.block_size,
                            copy_proposals=not self.baseline, suffix_index=self.suffix_index)
-
-    def _run_batched(self):
-        engine = self.engine
-        while True:
-            if not self._admit():
-                return
-            if engine.idle:
-                continue
-            try:
-                # joined requests' first tokens go out before the cycle of the running rows
-                for step in (engine.prefill_step, engine.decode_step):
-                    for row, r in step():
-                        job, answer, _ = self.active[row.uid]
-                        if answer.feed(r) and not row.done:
-                            engine.remove(row)
-            except Exception as e:  # the batch is lost: fail its jobs, start a new engine
-                for job, _, _ in self.active.values():
-                    self._failed(job, e)
-                self.active.clear()
-                self.engine = engine = self._new_engine()
-                continue
-            for uid, (job, answer, row) in list(self.active.items()):
-                if not row.done and (job.cancelled.is_set() or job.ended.is_set()):
-                    engine.remove(row)
-                if row.done:
-                    del self.active[uid]
-                    answer.complete()
-                    if row.state.valid and row.state.tokens:
-                        self.pool.keep(row.state, engine)
-
-    def _admit(self) -> bool:
-        """Take waiting jobs into free rows (waiting for one when nothing runs); False: stop."""
-        engine = self.engine
-        while engine.room > 0 and self.pool.room(engine):
-            try:
-                job = self.jobs.get(block=engine.idle)
-            except queue.Empty:
-                return True
-            if job is None:
-                for j, _, _ in self.active.values():
-                    j.emit("error", shutting_down())
-                return False
-            if self.stopping:
-                job.emit("error", shutting_down())
-                continue
-            if job.cancelled.is_set():
-                self._cancelled_waiting(job)
-                continue
-            req = job.request
-            try:
-                row = engine.add(BatchRequest(req.prompt_ids, self._options(req), logprobs=req.logprobs,
-                                              prompt_cache=self.pool.take(req.prompt_ids),
-                                              global_copies=req.global_copies))
-            except ValueError as e:
-                job.emit("error", RequestError(str(e)))
-                continue
-            except Exception as e:
-                self._failed(job, e)
-                continue
-            self.active[row.uid] = (job, JobAnswer(self, job), row)
-        return True
