@@ -192,7 +192,8 @@ def test_server_without_a_draft_copies_and_baseline_stays_plain(chain, max_batch
             if baseline:
                 assert set(proposals) == {"plain"} and s.worker.health()["global_copies"] is None
             else:
-                assert proposals["copy"][1] >= 30
+                copied = sum(proposals.get(kind, [0, 0])[1] for kind in ("copy", "copy_tree", "global_copy"))
+                assert copied >= 30, proposals  # a lone row may copy as a chain or a copy tree
 
 
 @pytest.fixture
