@@ -177,7 +177,9 @@ def test_batched_rows_without_a_draft_copy_and_stay_exact(chain):
 
 
 @pytest.mark.parametrize("max_batch", [1, 4])
-def test_server_without_a_draft_copies_and_baseline_stays_plain(chain, max_batch):
+def test_server_without_a_draft_copies_and_baseline_stays_plain(chain, max_batch, always_copy):
+    """The server's wiring: without a draft it copies (forced wherever a match exists: whether
+    measured costs pick copies is timing, tested above with set costs); `baseline` never does."""
     from test_server import serving
 
     model, tok = chain
@@ -192,8 +194,7 @@ def test_server_without_a_draft_copies_and_baseline_stays_plain(chain, max_batch
             if baseline:
                 assert set(proposals) == {"plain"} and s.worker.health()["global_copies"] is None
             else:
-                copied = sum(proposals.get(kind, [0, 0])[1] for kind in ("copy", "copy_tree", "global_copy"))
-                assert copied >= 30, proposals  # a lone row may copy as a chain or a copy tree
+                assert proposals["copy"][1] >= 30, proposals
 
 
 @pytest.fixture
