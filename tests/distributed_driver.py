@@ -26,7 +26,7 @@ from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokenizer, clean_case, tiny_target
 from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
-PROMPT_LEN, MAX_TOKENS = 9, 14
+PROMPT_LEN, MAX_TOKENS = 9, 11
 
 
 def build(key: str):

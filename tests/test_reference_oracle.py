@@ -231,12 +231,12 @@ def test_engines_accept_the_same_lengths_on_smollm2(smollm2_prompts, reference_l
     compared = 0
     for prompt in prompts:
         our_tokens, our_accepts = [], []
-        for r in stream_generate(model, ours, tokenizer, prompt, max_tokens=32, block_size=16):
+        for r in stream_generate(model, ours, tokenizer, prompt, max_tokens=24, block_size=16):
             our_tokens += r.tokens
             if r.accept_length is not None and r.verify_width == 16:
                 our_accepts.append(r.accept_length)
         their_tokens, their_accepts = [], []
-        for r in ref.stream_generate(their_model, theirs, tokenizer, prompt, block_size=16, max_tokens=32):
+        for r in ref.stream_generate(their_model, theirs, tokenizer, prompt, block_size=16, max_tokens=24):
             their_tokens += r.tokens
             if r.accepted is not None:
                 their_accepts.append(r.accepted - 1)  # it reports committed tokens: accepted + bonus
