@@ -14,15 +14,15 @@ commit the same tokens. Writes `results.json`, `README.md` and `ratios.png` to `
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
-from dflash_mlx import load, stream_generate
+from dflash_mlx import load
 from dflash_mlx.cli.doctor import load_line, machine, machine_line
 from dflash_mlx.policy.sizer import forget_sizers
+from no_draft_copies import geomean, run  # (benchmarks/ is the script's own folder on sys.path)
 
 CONFIGS = {"plain": dict(baseline=True), "chain copies": dict(token_trees=False), "copy trees": dict()}
 
@@ -43,21 +43,6 @@ PROMPTS = {
                       "Oslo Norway Europe\nLagos Nigeria Africa\nBogota Colombia America\nMadrid Spain Europe\n"
                       "Nairobi Kenya Africa",
 }
-
-
-def run(model, tok, prompt, max_tokens, **kw):
-    """(tokens, last response, tokens after the first per second of this process's CPU time)."""
-    tokens, last, cpu0 = [], None, None
-    for last in stream_generate(model, None, tok, prompt, max_tokens=max_tokens, **kw):
-        tokens += last.tokens
-        if cpu0 is None:
-            cpu0 = time.process_time()  # the first response ends the prefill
-    cpu = time.process_time() - cpu0
-    return tokens, last, (len(tokens) - 1) / cpu if cpu > 0 and len(tokens) > 1 else 0.0
-
-
-def geomean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
 def render(tok, text):
