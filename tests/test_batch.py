@@ -138,7 +138,7 @@ def test_sliding_windows_and_recurrent_states_batch_exactly(arch):
     greedy output, with widths 1-5 mixed cycle by cycle and rows joining and leaving."""
     model = build(arch)
     assert batch_support(Target(model)) is None
-    cs = [clean_case(model, 6 + 11 * i, 28, seed=i) for i in range(4)]  # 4 rows through 3 slots
+    cs = [clean_case(model, 6 + 11 * i, 22, seed=i) for i in range(4)]  # 4 rows through 3 slots, past the windows
     draft = RowScriptedDrafts(Target(model), cs, lambda c: (c * 3) % 5, block_size=8)
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
     engine.fixed = Schedule([1, 1, 1, 4, 1, 3, 2, 1, 1, 5])
@@ -395,7 +395,7 @@ def test_copies_in_batched_cycles_stay_exact_on_every_cache_kind(batch_always_co
 
     forget_sizers()
     model = target(arch) if arch in ("qwen3", "qwen3_5") else build(arch)
-    cs = [clean_case(model, 6 + 11 * i, 30 + 7 * i, seed=40 + i) for i in range(5)]
+    cs = [clean_case(model, 6 + 11 * i, 24 + 6 * i, seed=40 + i) for i in range(4)]  # 4 rows, 3 slots
     rng = random.Random(arch)
 
     def match(index, max_tokens):

@@ -396,7 +396,9 @@ def _rss_mb():
                 return int(line.split()[1]) / 1024
 
 
-def test_two_hundred_short_requests_keep_memory_flat(attn):
+def test_a_hundred_short_requests_keep_memory_flat(attn):
+    """After a warm-up, 100 requests grow RSS by under 20 MB (200 KB a request; measured 0.3 MB
+    for 200 requests)."""
     http = httpx.Client(base_url=attn.url, timeout=30)
 
     def one(i):
@@ -406,11 +408,11 @@ def test_two_hundred_short_requests_keep_memory_flat(attn):
     for i in range(20):  # warm-up: allocator pools, caches, snapshots at their bound
         one(i)
     before = _rss_mb()
-    for i in range(200):
+    for i in range(100):
         one(i)
     after = _rss_mb()
-    print(f"RSS before {before:.1f} MB, after 200 requests {after:.1f} MB")
-    assert after - before < 40
+    print(f"RSS before {before:.1f} MB, after 100 requests {after:.1f} MB")
+    assert after - before < 20
     assert len(attn.worker.pool) <= attn.worker.max_snapshots
 
 
