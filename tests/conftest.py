@@ -3,16 +3,6 @@ import dflash_mlx  # noqa: F401
 import pytest
 
 
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker more than cores on small machines. Many tests wait on sockets,
-    subprocesses and the two-rank launch; a third worker on 2 cores fills that time (the suite
-    here: 3 min 45 s with 3 workers, ~4 min with 2)."""
-    import os
-
-    cores = os.cpu_count() or 1
-    return cores + 1 if cores <= 4 else cores
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests that load a real model first: under pytest-xdist (`--dist worksteal`) the long
     ones then start at once and the short ones fill the other workers around them."""
