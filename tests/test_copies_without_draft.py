@@ -45,7 +45,9 @@ def always_copy(monkeypatch):
 # -- the library --------------------------------------------------------------------------
 
 
-def test_copies_are_used_without_a_draft_and_never_with_baseline(chain):
+def test_copies_are_used_without_a_draft_and_never_with_baseline(chain, always_copy):
+    """The library's wiring (copies forced wherever a match exists: whether measured costs pick
+    them is timing, tested below with set costs); `baseline` never copies, even then."""
     model, tok = chain
     prompt = tok.encode("Quick", add_special_tokens=False)
     ref = greedy_reference(model, prompt, 100)
