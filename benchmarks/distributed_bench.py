@@ -557,7 +557,7 @@ def run_ranks(plan: dict, folder: Path, how: str, relay: DelayRelay = None, time
 
 
 def machine() -> dict:
-    from dflash_mlx.bench.runner import environment
+    from dflash_mlx.bench.environment import environment
 
     return environment()
 

@@ -1,5 +1,5 @@
 """Is a trained draft limited by its depth or by its data? Continue a run's checkpoint
-as it is, or grown to more layers (`init.grow_draft`), from the same weights for the
+as it is, or grown to more layers (`grow.grow_draft`), from the same weights for the
 same steps, and score held-out records the run never trained on.
 
     python benchmarks/train_continue_grow.py --run-dir runs/v5 --steps 400 --layers 2,4 \
@@ -39,7 +39,7 @@ def main(argv=None):
     from dflash_mlx.models.draft.config import DraftConfig
     from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.train import data as D
-    from dflash_mlx.train.init import grow_draft
+    from dflash_mlx.train.grow import grow_draft
     from dflash_mlx.train.features import FeatureSource
     from dflash_mlx.train.checkpoint import CHECKPOINT, load_run_draft
     from dflash_mlx.train.config import TrainConfig

@@ -7,6 +7,7 @@ import pytest
 
 from dflash_mlx.bench import metrics, report, runner
 from dflash_mlx.bench.metrics import Trace
+from dflash_mlx.bench.environment import environment
 
 BLOCKS = [4, 8]
 
@@ -39,7 +40,7 @@ def _doc(mismatch=False):
     from dataclasses import asdict
     return {
         "schema": runner.SCHEMA,
-        "environment": runner.environment(None),
+        "environment": environment(None),
         "config": {**asdict(cfg), "block_sizes": BLOCKS, "greedy": True},
         "forward_times_s": {"1": 0.01, "4": 0.015, "8": 0.02},
         "forward_context_tokens": 20,

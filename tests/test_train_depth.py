@@ -13,7 +13,8 @@ from dflash_mlx.models.draft.checkpoints import load_draft
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train import cli, options
-from dflash_mlx.train.depth_data import agreement, chain, label, label_shared
+from dflash_mlx.train.depth_data import chain
+from dflash_mlx.train.depth_labels import agreement, label, label_shared
 from dflash_mlx.train.features import FeatureSource, labels_file, target_pass
 from dflash_mlx.train.batch import make_batch
 

@@ -15,6 +15,7 @@ from dflash_mlx.testing.targets import greedy_reference, tiny_target
 from dflash_mlx.train import data as D
 from dflash_mlx.train import init as I
 from dflash_mlx.train.export import export_draft
+from dflash_mlx.train.grow import grow_draft
 from dflash_mlx.train.forward import training_logits
 from dflash_mlx.train.features import FeatureSource
 from dflash_mlx.train.batch import make_batch
@@ -418,7 +419,7 @@ def trained(setup, tmp_path_factory):
 def test_grown_draft_computes_what_the_trained_draft_does(setup, trained, tmp_path, layers):
     _, tok, target, recs = setup
     draft, feats, scale, _ = trained
-    grown = I.grow_draft(draft, layers)
+    grown = grow_draft(draft, layers)
     assert grown.config.num_hidden_layers == layers and len(grown.layers) == layers
     assert grown.config.target_layer_ids == draft.config.target_layer_ids
     batch = make_batch(recs[:3], feats, np.random.default_rng(1), 8, 4, draft.config.mask_token_id,
@@ -443,7 +444,7 @@ def test_grown_draft_computes_what_the_trained_draft_does(setup, trained, tmp_pa
 def test_grow_refuses_fewer_layers(setup, tmp_path):
     draft, _, _ = _trained_draft(setup, tmp_path, steps=1)
     with pytest.raises(ValueError, match="--layers"):
-        I.grow_draft(draft, 1)
+        grow_draft(draft, 1)
 
 
 def test_dropout_is_training_only_and_random(setup, tmp_path):
@@ -466,7 +467,7 @@ def test_grown_draft_adopts_the_trained_runs_adam_moments(setup, trained, tmp_pa
 
     _, tok, target, recs = setup
     draft, feats, scale, run = trained  # its checkpoint: run/small/checkpoint
-    grown = I.grow_draft(draft, 4)
+    grown = grow_draft(draft, 4)
     tc = TrainConfig(steps=1, batch_tokens=256, blocks_per_seq=8, lr=1e-3, eval_every=0, log_every=10**6)
     tr = Trainer(grown, recs, [], feats, tc, tmp_path / "grown", log=lambda s: None, feature_scale=scale)
     n = tr.adopt_moments(run / "small" / "checkpoint")

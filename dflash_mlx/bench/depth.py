@@ -120,7 +120,7 @@ def run(model, draft, tokenizer, cfg: DepthConfig, on_record=None, others: Optio
     `resume`: an interrupted run's results (its records are kept, the rest is measured);
     `log`: where progress lines go."""
     from dflash_mlx.policy import sizer
-    from dflash_mlx.bench.runner import environment
+    from dflash_mlx.bench.environment import environment
     from dflash_mlx.generate import make_prompt_cache, stream_generate
     from dflash_mlx.models.target.adapter import target_for
 

@@ -14,13 +14,10 @@ must produce the same tokens; that is checked too.
 """
 
 import functools
-import os
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
 from typing import Callable, Dict, Iterable, List, Optional, Union
 
 import mlx.core as mx
@@ -30,6 +27,7 @@ from dflash_mlx.options import AUTO, DRAFT_WIDTH, parse_block_size
 from dflash_mlx.progress import eta_seconds, format_duration
 
 from dflash_mlx.bench import metrics
+from dflash_mlx.bench.environment import environment, loadavg
 from dflash_mlx.bench.suites import Prompt, format_prompt, load_suite
 
 SCHEMA = "dflash-mlx-bench/1"
@@ -172,50 +170,6 @@ def measure_forward_times(model, context: List[int], sizes: Iterable[int],
             if i >= skip:
                 out[n].append(dt)
     return out
-
-
-# -- environment ---------------------------------------------------------------
-
-
-def _loadavg() -> Optional[float]:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
-
-
-def _model_dtype(model) -> str:
-    from mlx.utils import tree_flatten
-
-    for _, v in tree_flatten(model.parameters()):
-        return str(v.dtype).replace("mlx.core.", "")
-    return "?"
-
-
-def environment(model=None) -> dict:
-    """`doctor.machine()` under the result schema's names, plus what explains timings."""
-    from dflash_mlx.cli.doctor import machine
-
-    m = machine()
-    return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "mlx_version": m["mlx"],
-        "mlx_lm_version": m["mlx_lm"],
-        "backend": m["backend"],
-        "device": m["device"],
-        "platform": platform.platform(),
-        "python": m["python"],
-        "cpu": m["cpu"],
-        "cpu_count": m["cpu_count"],
-        "gpu": m["gpu"],
-        "blas": m["blas"],
-        "dtype": _model_dtype(model) if model is not None else None,
-        # BLAS threads and machine load explain most run-to-run spread on shared
-        # CPUs (OpenBLAS with more threads than free cores thrashes).
-        "thread_env": {k: os.environ.get(k) for k in
-                       ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
-        "loadavg": _loadavg(),
-    }
 
 
 # -- the run -------------------------------------------------------------------
@@ -392,7 +346,7 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
             f"({first['speedup']:.2f}x){flag}  elapsed {format_duration(elapsed)}  "
             f"ETA {format_duration(eta_seconds(i + 1, len(prompts), elapsed))}")
     doc["wall_s"] = time.perf_counter() - start
-    doc["loadavg_end"] = _loadavg()
+    doc["loadavg_end"] = loadavg()
     return doc
 
 

@@ -62,7 +62,7 @@ def build_parser():
     g.add_argument("--grow-from", default=None, metavar="RUN_DIR",
                    help="start from another run folder's checkpoint (its taps, feature scale and vocabulary), "
                         "grown to --layers: new layers copy its last ones with zeroed output matrices, so "
-                        "training starts at its loss (train/init.py grow_draft)")
+                        "training starts at its loss (train/grow.py)")
     g.add_argument("--sliding-window", type=int, default=None, metavar="N",
                    help="sliding-window attention over the context, N tokens (z-lab's sliding_window); "
                    "every layer unless --layer-types says which")

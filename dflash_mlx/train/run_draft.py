@@ -27,7 +27,8 @@ from dflash_mlx.models.draft.dflash import DFlashDraftModel
 from dflash_mlx.train import init as I
 from dflash_mlx.train.checkpoint import CHECKPOINT, load_run_draft
 from dflash_mlx.train.features import FeatureSource
-from dflash_mlx.train.init import grow_draft, measure_feature_scale
+from dflash_mlx.train.grow import grow_draft
+from dflash_mlx.train.init import measure_feature_scale
 from dflash_mlx.train.options import attention_overrides
 from dflash_mlx.train.vocab import build_vocab, coverage
 
