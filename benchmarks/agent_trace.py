@@ -238,7 +238,7 @@ def session(requests, name):
 
 
 def report(requests, health, args, load_start, load_end, seconds):
-    from dflash_mlx.cli.doctor import load_line, machine, machine_line
+    from dflash_mlx.cli.doctor import machine, results_footer
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,8 +283,7 @@ def report(requests, health, args, load_start, load_end, seconds):
                + (" --one-conversation" if args.one_conversation else ""))
 
     lines += ["", f"Command: `{command}`", "",
-              f"Machine: {machine_line()}", "", load_line(load_start, load_end) + " The machine may have been "
-              "shared with other jobs.", ""]
+              *results_footer(load_start, load_end)]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(requests, names, out / "tok_s.png")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import load
-from dflash_mlx.cli.doctor import load_line, machine, machine_line
+from dflash_mlx.cli.doctor import machine, results_footer
 from dflash_mlx.policy.sizer import forget_sizers
 from no_draft_copies import geomean, run  # (benchmarks/ is the script's own folder on sys.path)
 
@@ -125,8 +125,7 @@ def main():
                  f"{summary['copy_tree_tokens']} | | {summary['vs chain copies']:.2f}x / "
                  f"{summary['vs chain copies, cpu']:.2f}x | {summary['vs plain']:.2f}x / "
                  f"{summary['vs plain, cpu']:.2f}x |")
-    lines += ["", f"Machine: {machine_line()}", "", load_line(load_start, load_end) + " The machine may have been "
-              "shared with other jobs.", ""]
+    lines += ["", *results_footer(load_start, load_end)]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(records, out / "ratios.png")

@@ -22,7 +22,7 @@ from pathlib import Path
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx import load, stream_generate
 from dflash_mlx.bench.suites import Prompt, format_prompt, load_suite
-from dflash_mlx.cli.doctor import load_line, machine, machine_line
+from dflash_mlx.cli.doctor import machine, results_footer
 from dflash_mlx.policy.sizer import forget_sizers
 from dflash_mlx.progress import Progress
 
@@ -147,8 +147,7 @@ def main():
                          f"{s['copy_tokens']} / {s['plain_tokens']} |")
 
         lines.append("")
-    lines += [f"Machine: {machine_line()}", "", load_line(load_start, load_end) + " The machine may have been "
-              "shared with other jobs.", ""]
+    lines += results_footer(load_start, load_end)
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     plot(results, out / "speedup.png")

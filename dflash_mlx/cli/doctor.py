@@ -82,6 +82,12 @@ def load_line(start, end) -> str:
     return f"Load average (1, 5, 15 min) at start {fmt(start)}, at end {fmt(end)}."
 
 
+def results_footer(load_start, load_end) -> list:
+    """The closing lines of a results README: the machine, and its load at the run's ends."""
+    return [f"Machine: {machine_line()}", "", load_line(load_start, load_end) + " The machine may have been "
+            "shared with other jobs.", ""]
+
+
 def report() -> dict:
     """`machine()` plus the default dtype and where each packaged model and draft is."""
     from dflash_mlx.models.loading import DTYPE_ENV, default_dtype
