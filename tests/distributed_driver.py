@@ -4,7 +4,8 @@ ranks, each rank writing what it decoded to OUT/rank<r>.json (argv: OUT, then ar
 Per architecture and per parallelism mlx-lm gives it: the single-process greedy reference
 (computed on each rank from the whole model, no collectives), then DFlash on the split model at
 widths 1, 4, 16 and auto (copies and trees on) with a random draft, a scripted draft that is right
-for a varying number of tokens (partial accepts: every rollback path), and a sampled answer.
+for a varying number of tokens (partial accepts: every rollback path), and a sampled answer; on a
+pipeline, the collectives the model's own forward builds and those of a DFlash answer (COLLECTIVES).
 Then, with DRIVER_CLI, the one-shot CLI and `dflash-mlx serve` (tests/distributed_serve.py).
 """
 
@@ -27,6 +28,7 @@ from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokeniz
 from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
 PROMPT_LEN, MAX_TOKENS = 9, 11
+COLLECTIVES = {}  # "arch/pipeline" -> what pipeline_collectives counted
 
 
 def build(key: str):
@@ -50,6 +52,42 @@ def run(model, draft, tok, prompt, **kw):
 MORE_WIDTHS = {"qwen3_5": (1, 16)}
 
 
+class Collectives:
+    """Counts the `mx.distributed` ops built while it is on (mlx-lm's pipelines and the engine look
+    them up on the module at call time)."""
+
+    OPS = ("all_sum", "all_gather", "send", "recv", "recv_like", "all_max", "all_min", "sum_scatter")
+
+    def __enter__(self):
+        self.calls, self.originals = {}, {n: getattr(mx.distributed, n) for n in self.OPS if hasattr(mx.distributed, n)}
+        for name, fn in self.originals.items():
+            setattr(mx.distributed, name, self._counted(name, fn))
+        return self
+
+    def _counted(self, name, fn):
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self.originals.items():
+            setattr(mx.distributed, name, fn)
+
+
+def pipeline_collectives(model, draft, tok, prompt) -> dict:
+    """The collectives of the model's own forward (built, never run), and of a DFlash answer at width
+    4 with their cycles: on a pipeline a cycle must build exactly the model's own."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with Collectives() as own:
+        model(mx.array(prompt)[None], cache=make_prompt_cache(model))
+    with Collectives() as dflash:
+        answer = run(model, draft, tok, prompt, block_size=4)
+    return {"forward": own.calls, "answer": dflash.calls, "cycles": len(answer["accepts"]),
+            "carries": draft.target._carries}
+
+
 def cases(key: str, tok):
     whole = build(key)
     prompt, ref = clean_case(whole, PROMPT_LEN, MAX_TOKENS, seed=5)
@@ -70,6 +108,8 @@ def cases(key: str, tok):
         for width in ("draft", "auto") if key in MORE_WIDTHS else ("auto",):
             out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
         out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
+        if mode == "pipeline":
+            COLLECTIVES[name] = pipeline_collectives(model, draft, tok, prompt)
     return out
 
 
@@ -99,6 +139,7 @@ def main():
         except Exception:  # reported per architecture; the other ranks fail alike or hang (the test's timeout)
             result["errors"][key] = traceback.format_exc()
         result["seconds"][key] = time.perf_counter() - t0
+    result["collectives"] = COLLECTIVES
     cli = os.environ.get("DRIVER_CLI")  # "model.gguf draft-folder": the CLI and the server under --distributed
     if cli:
         result["cli"] = run_cli(*cli.split(), os.path.join(folder, f"cli{rank}.out"))

@@ -125,6 +125,18 @@ def test_every_rank_accepts_the_same_lengths(ranks):
     assert scripted and all(len(set(a)) >= 2 and max(a) > 0 for a in scripted)
 
 
+def test_a_pipeline_cycle_builds_exactly_the_models_own_collectives(ranks):
+    """The taps and rank 0's cycle times ride on the model's own hop and gather (two collectives a
+    forward): an answer builds them once for its prefill and once a cycle, and one all_sum for the
+    request (its shared seed), nothing else."""
+    counted = [(r, k, v) for r in (0, 1) for k, v in ranks[r]["collectives"].items()]
+    assert {k.split("/")[0] for _, k, _ in counted} >= {"qwen3_5", "qwen3_next"}
+    for rank, key, c in counted:
+        assert c["carries"] and sum(c["forward"].values()) == 2, (rank, key, c)
+        hops = {op: n * (c["cycles"] + 1) for op, n in c["forward"].items()}
+        assert c["answer"] == dict(hops, all_sum=1), (rank, key, c)
+
+
 def test_sampled_answer_is_the_same_on_every_rank(ranks):
     sampled = [k for k in ranks[0]["cases"] if "/sampled/" in k]
     assert sampled

@@ -25,7 +25,6 @@ from mlx_lm.generate import generation_stream
 from dflash_mlx.engine.batch_caches import for_forward, rollback_rows
 from dflash_mlx.engine.cycle import copy_kind
 from dflash_mlx.engine.drafter import propose_rows
-from dflash_mlx.engine.distributed import shared_seconds
 from dflash_mlx.engine.responses import Step
 from dflash_mlx.engine.rows import Row
 from dflash_mlx.models.target.adapter import Target
@@ -83,7 +82,7 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
             accept_len = mx.concatenate([a for a, _ in each])
             committed = mx.concatenate([c[:, :width] for _, c in each])
     mx.eval(verify_in, accept_len, committed)  # the cycle's host sync
-    seconds = shared_seconds(target, time.perf_counter() - t0)  # every rank of a split target alike
+    seconds = time.perf_counter() - t0  # (a split target's ranks learn rank 0's: engine.distributed)
     fed, accepts, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
                       copy_kind(matches[b]) if copied[b] else "draft" if width > 1 and draft is not None else None,

@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_mlx.engine.distributed import shared_seconds
+from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
@@ -168,22 +168,24 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         a = len(tokens) - 1
         rows = tree_run.path  # verify rows of the committed tokens' inputs, root first
         verified = [tree_run.tree.tokens[r] for r in rows]
+        seconds = time.perf_counter() - t0
         if copy_tree is not None:
-            copy_trees.update(copy_tree, rows, shared_seconds(target, time.perf_counter() - t0))
+            share_seconds(target, seconds, lambda s, plan=copy_tree, path=rows: copy_trees.update(plan, path, s))
         else:
             trees.update(width, a)
-            widths.update(width, a, shared_seconds(target, time.perf_counter() - t0), chain=False)
+            share_seconds(target, seconds, lambda s, w=width, n=a: widths.update(w, n, s, chain=False))
     else:
         mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
         a = accept_len.item()
         tokens = committed[0, : a + 1].tolist()
         rows = list(range(a + 1))
         verified = verify_in[0, : a + 1].tolist()
+        seconds = time.perf_counter() - t0
         if copy_length:
-            copies.update(match.length, copy_length, a, shared_seconds(target, time.perf_counter() - t0),
-                          shared=match.shared)
+            share_seconds(target, seconds, lambda s, m=match, c=copy_length, n=a:
+                          copies.update(m.length, c, n, s, shared=m.shared))
         else:
-            widths.update(width, a, shared_seconds(target, time.perf_counter() - t0))
+            share_seconds(target, seconds, lambda s, w=width, n=a: widths.update(w, n, s))
     head_rows.update(a)
     timer.mark("verify")
 

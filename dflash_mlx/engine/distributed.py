@@ -6,19 +6,32 @@ matching and the run hangs or goes wrong. The proposals and accept lengths alrea
 (every rank computes the same logits, and the draft is loaded whole on every rank); what
 does not is what each rank measures. So the engine's two sources of difference pass here:
 
-  cycle times    `shared_seconds`: rank 0's measured time, given to every rank, so every
-                 policy (`policy/`: width, copy or draft, tree or chain, a batch's width)
-                 learns the same numbers and makes the same choice
+  cycle times    `share_seconds`: every policy (`policy/`: width, copy or draft, tree or
+                 chain, a batch's width) learns rank 0's measured times, so every rank makes
+                 the same choice. They cost no collective of their own: on a pipeline they
+                 ride on the next forward's own hops (`models.target.pipeline_carry`), so a
+                 policy learns a cycle's time one cycle late; on a tensor split (whose
+                 forward has nothing to carry them) one all_sum sends `EVERY` at a time, so
+                 a policy learns them up to `EVERY` cycles late. Every rank hands each time
+                 to its policy at the same point of its run, so the choices stay identical
   the random stream   `shared_seed`: a sampled answer with no seed gets rank 0's, so every
-                 rank draws the same acceptance coins
+                 rank draws the same acceptance coins (one small all_sum a request)
 
-Both are one small all-sum, and nothing at all for a target whole in one process.
+Nothing changes for a target whole in one process: a time is handed over at once.
 """
 
 import random
-from typing import Optional
+from collections import deque
+from typing import Callable, Optional
 
 import mlx.core as mx
+
+from dflash_mlx.identity import IdentityMap
+
+# Cycle times a tensor split sends in one all_sum: one collective per EVERY cycles on top of the
+# verify forwards' own (60 a forward on a 30-layer llama), and a policy that learns EVERY late.
+EVERY = 8
+_WAITING = IdentityMap()  # sharding -> the policies' updates waiting for rank 0's times, in order
 
 
 def _group(target) -> Optional[object]:
@@ -31,12 +44,30 @@ def _from_rank0(group, value: float, dtype) -> mx.array:
     return mx.distributed.all_sum(local, group=group, stream=mx.cpu)
 
 
-def shared_seconds(target, seconds: float) -> float:
-    """`seconds` as rank 0 measured it, on every rank of a split target (itself otherwise)."""
-    group = _group(target)
-    if group is None:
-        return seconds
-    return _from_rank0(group, seconds, mx.float32).item()
+def share_seconds(target, seconds: float, learn: Callable[[float], None]) -> None:
+    """`learn(rank 0's seconds)` on every rank of a split target, at the same point of every
+    rank's run (`learn(seconds)` at once for a target whole in one process). Called after a
+    cycle's host sync, when the forward that carried the earlier times has run."""
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        learn(seconds)
+        return
+    waiting = _WAITING.get((sharding,))
+    if waiting is None:
+        waiting = deque()
+        _WAITING.put((sharding,), waiting)
+    waiting.append(learn)
+    rider = sharding.rider
+    rider.outbox.append(seconds if sharding.rank == 0 else 0.0)
+    for arrived in rider.inbox:  # rode on forwards since the last call (pipeline_carry)
+        for value in arrived.tolist():
+            waiting.popleft()(value)
+    rider.inbox.clear()
+    if len(rider.outbox) >= EVERY:  # nothing carried them: one all_sum sends them all
+        local = mx.array(rider.outbox if sharding.rank == 0 else [0.0] * len(rider.outbox), dtype=mx.float32)
+        rider.outbox.clear()
+        for value in mx.distributed.all_sum(local, group=sharding.group, stream=mx.cpu).tolist():
+            waiting.popleft()(value)
 
 
 def shared_seed(target, seed: Optional[int]) -> Optional[int]:

@@ -26,6 +26,7 @@ from typing import Deque, List, Optional, Tuple
 
 from dflash_mlx.engine.batch_caches import batch_support, extend_rows, mask_head_axis, merge_rows
 from dflash_mlx.engine.batch_cycle import batch_cycle
+from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
 from dflash_mlx.engine.rows import BatchRequest, Row
 from dflash_mlx.engine.timing import NoTimer, PhaseTimer
@@ -259,9 +260,17 @@ class BatchEngine:
         self.cycles += 1
         if self.widths is not None:
             # (a cycle's rollback runs lazily in the next cycle's graph, and is timed there)
-            self.widths.update(width, [a for a, c in zip(accepts, copied) if not c], None if any(copied) else seconds)
-            if self.batch_copies is not None:
-                self.batch_copies.update(len(rows) * width, seconds)
+            chained, timed = [a for a, c in zip(accepts, copied) if not c], not any(copied)
+            if not timed:  # a cycle of copies prices no drafted width
+                self.widths.update(width, chained, None)
+            widths, sizer, copies, verified = self.widths, self.widths.current, self.batch_copies, len(rows) * width
+
+            def learn(seconds: float):  # (on a split target, rank 0's time, a few cycles later)
+                if timed:
+                    widths.update(width, chained, seconds, sizer)
+                if copies is not None:
+                    copies.update(verified, seconds)
+            share_seconds(self.target, seconds, learn)
         events = [r.respond(s) for r, s in zip(rows, steps)]
         ended = [r for r, s in zip(rows, steps) if s.finish is not None]
         if ended:

@@ -62,14 +62,18 @@ class BatchWidths:
         counts = self.chosen.setdefault(bucket, {})
         counts[width] = counts.get(width, 0) + 1
 
-    def update(self, width: int, accept_lengths: Sequence[int], seconds: Optional[float]):
+    def update(self, width: int, accept_lengths: Sequence[int], seconds: Optional[float],
+               sizer: Optional[BlockSizer] = None):
         """`accept_lengths`: of the rows that verified the draft's chain; `seconds`: the
         cycle's time, None when rows verified copies instead (a cycle cheaper than a drafted
-        one of its width: it must not price the width)."""
+        one of its width: it must not price the width). `sizer`: the batch size's sizer that
+        chose the width (the current one when None; a split target's ranks learn times late,
+        when the batch may have another size)."""
+        sizer = sizer or self.current
         if seconds is None:
             for a in accept_lengths:
-                self.current.observe(width, a)
+                sizer.observe(width, a)
             return
         for a in accept_lengths[1:]:
-            self.current.observe(width, a)
-        self.current.update(width, accept_lengths[0] if accept_lengths else 0, seconds, chain=bool(accept_lengths))
+            sizer.observe(width, a)
+        sizer.update(width, accept_lengths[0] if accept_lengths else 0, seconds, chain=bool(accept_lengths))

@@ -8,6 +8,7 @@ patches mlx-lm classes). The embedding and LM head are `head.TargetHead`; the
 rollback of each cache kind is `dflash_mlx/models/target/rollback.py`.
 """
 
+from contextlib import nullcontext
 from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
     rollback_cache, rollback_kind,
 )
+from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
 from dflash_mlx.models.target.sharding import gather_features, sharding_of
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 
@@ -88,7 +90,8 @@ class Target:
         self.name = name or f"{self.arch} target"
         self.text_model, text_parent = _find_text_model(model)
         self.layers = _layer_list(self.text_model)  # the model's own list: taps swap its entries
-        self.embed_tokens = next(self.text_model[n] for n in EMBEDDING_NAMES if n in self.text_model)
+        self._embedding_name = next(n for n in EMBEDDING_NAMES if n in self.text_model)
+        self.embed_tokens = self.text_model[self._embedding_name]
         self.hidden_size = getattr(self.args, "hidden_size", None) or self.embed_tokens.weight.shape[1]
         self.vocab_size = getattr(self.args, "vocab_size", None) or self.embed_tokens.weight.shape[0]
         # split over processes (mlx.launch): pipeline ranks hold a run of the layers, None elsewhere
@@ -96,6 +99,8 @@ class Target:
         self.layer_offset = self.sharding.layer_offset if self.sharding is not None else 0
         self.num_layers = (self.sharding.num_layers if self.sharding is not None and self.sharding.num_layers
                            else len(self.layers))
+        # a pipeline rank's taps ride on the model's own hops (`pipeline_carry`) until refused
+        self._carries = can_carry(self.text_model, self._embedding_name)
         self.rms_norm_eps = getattr(self.args, "rms_norm_eps", 1e-6)
         self.max_context = getattr(self.args, "max_position_embeddings", None)
         self._lm_head = find_lm_head(model)
@@ -190,22 +195,44 @@ class Target:
         the tokens are its nodes, each seeing its ancestors at the position of its depth
         (the caches' masks and the rotary embeddings are swapped for the call).
         """
+        if self.sharding is not None and self.sharding.kind == "pipeline":
+            return self._pipeline_forward(tokens, cache, layer_ids, record, tree)
         features = [None] * len(layer_ids)
-        pipeline = self.sharding is not None and self.sharding.kind == "pipeline"
         rec = VerifyRecord() if (record and self.recurrent) else None
-        width = tokens.shape[0] * tokens.shape[1]
-        with taps(self, layer_ids, features, rec, use_small_m(self, width), cache, tree):
+        with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree):
             h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
-        if not layer_ids:
-            feats = None
-        elif pipeline:
-            feats = gather_features(features, h, self.sharding)  # each rank tapped its own layers
+        return h, (mx.concatenate(features, axis=-1) if layer_ids else None), rec
+
+    def _pipeline_forward(self, tokens, cache, layer_ids, record, tree):
+        """`forward` on a pipeline rank: the taps, and the rider values rank 0 has waiting, ride
+        on the model's own hop and gather (`pipeline_carry`); where the model's pipeline cannot
+        carry them (refused before anything ran), an all_sum gathers the taps and the rider
+        waits for `engine.distributed` to send it."""
+        rider = self.sharding.rider
+        while True:
+            features = [None] * len(layer_ids)
+            rec = VerifyRecord() if (record and self.recurrent) else None
+            carrying = self._carries and (layer_ids or rider.outbox)
+            ride = rider.outbox[: tokens.shape[1] * self.hidden_size] if carrying else []
+            carry = Carry(tokens.shape[0], features, ride, self.sharding.rank)
+            try:
+                with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
+                        (carried(self.text_model, self._embedding_name, self.layers, carry) if carrying
+                         else nullcontext()):
+                    h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
+                break
+            except CarryRefused:  # its layers take more than one hidden state: gather the taps
+                self._carries = False
+        if carrying:
+            feats = carry.tap_features()
+            del rider.outbox[: len(ride)]
+            if ride:
+                rider.inbox.append(carry.rider_values())
         else:
-            feats = mx.concatenate(features, axis=-1)
-        if pipeline:
-            # each rank's graph differs (its own layers, hops and gathers): queued now, every
-            # rank runs this forward's collectives in call order, never interleaved with the next
-            mx.async_eval(h if feats is None else [h, feats])
+            feats = gather_features(features, h, self.sharding) if layer_ids else None
+        # each rank's graph differs (its own layers, hops and gathers): queued now, every rank runs
+        # this forward's collectives in call order, never interleaved with the next
+        mx.async_eval([x for x in (h, feats, rider.inbox[-1] if ride else None) if x is not None])
         return h, feats, rec
 
     # -- rollback ---------------------------------------------------------------

@@ -9,28 +9,43 @@ mlx-lm splits a model two ways (`mlx_lm.utils.sharded_load`):
   pipeline parallel   `model.model.pipeline(group)`: rank r holds a run of the layers (rank 0
                       the last), the others are None; the hidden state hops rank to rank and
                       is gathered at the end, so every rank computes the same logits. A rank
-                      taps only the layers it holds (`gather_features` sums what each tapped)
+                      taps only the layers it holds; the taps ride on the model's own hop and
+                      gather (`pipeline_carry`), or, where its pipeline cannot carry them, an
+                      all_sum adds what each rank tapped (`gather_features`)
 
 `sharding_of` reads which from the model itself, so a model sharded by mlx-lm's own loader
 works as one sharded by `dflash_mlx.models.sharded`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 
-@dataclass
+@dataclass(eq=False)
+class Rider:
+    """Numbers rank 0 sends every rank on a pipeline forward's own hops (`pipeline_carry`):
+    `outbox`, the values waiting to go (rank 0's; zeros on the others, the same count on every
+    rank); `inbox`, what each carried forward brought, rank 0's values [n], in order."""
+
+    outbox: List[float] = field(default_factory=list)
+    inbox: List[mx.array] = field(default_factory=list)
+
+
+@dataclass(eq=False)
 class Sharding:
     """kind: "tensor" | "pipeline"; group: the collective group; layer_offset: the global id of
-    the rank's first layer (its cache 0); num_layers: the whole model's layer count."""
+    the rank's first layer (its cache 0); num_layers: the whole model's layer count; rider:
+    what rank 0 sends on the pipeline's own hops (a tensor split never carries: its outbox waits
+    for `engine.distributed` to send it)."""
 
     kind: str
     group: object
     layer_offset: int = 0
     num_layers: Optional[int] = None
+    rider: Rider = field(default_factory=Rider)
 
     @property
     def rank(self) -> int:
