@@ -107,8 +107,10 @@ def is_rank0(group=None) -> bool:
 
 
 def share(obj, group=None):
-    """Rank 0's `obj` on every rank (`obj` elsewhere is ignored): pickled, and summed over the
-    ranks with zeros from the others, as mlx-lm's server shares its requests."""
+    """Rank 0's `obj` on every rank (`obj` elsewhere is ignored), as mlx-lm's server shares its
+    requests: one all-sum of its pickled size, then one of its bytes, summed with zeros from the
+    other ranks. None on rank 0 costs the first alone and is None everywhere; rank 0 keeps its
+    own `obj`."""
     import pickle
 
     import mlx.core as mx
@@ -117,9 +119,13 @@ def share(obj, group=None):
     group = group or world()
     if group.size() < 2:
         return obj
-    data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if group.rank() == 0 else np.zeros(0, np.uint8)
-    size = mx.distributed.all_sum(mx.array([data.size]), group=group, stream=mx.cpu).item()
+    speaks = group.rank() == 0
+    data = pickle.dumps(obj) if speaks and obj is not None else b""
+    size = mx.distributed.all_sum(mx.array([len(data)]), group=group, stream=mx.cpu).item()
+    if size == 0:
+        return None
     buf = np.zeros(size, np.uint8)
-    buf[: data.size] = data
-    out = mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu)
-    return pickle.loads(bytes(np.array(out)))
+    if speaks:
+        buf[:] = np.frombuffer(data, np.uint8)
+    out = np.array(mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu))  # evaluated on every rank
+    return obj if speaks else pickle.loads(out.tobytes())

@@ -20,7 +20,6 @@ Python's own exit would abort on that thread.
 """
 
 import os
-import pickle
 import random
 import signal
 import sys
@@ -29,9 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
-import mlx.core as mx
-import numpy as np
-
+from dflash_mlx.models.sharded import share
 from dflash_mlx.options import GenerationOptions
 
 HEARTBEAT_S = 1.0  # rank 0's empty step while it has nothing to run
@@ -63,18 +60,12 @@ class Ranks:
 
     def share(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank (`obj` elsewhere is ignored): one all-sum of its pickled
-        size, then, unless `obj` is empty (falsy: None on the others), one of its bytes."""
+        size, then, unless `obj` is empty (falsy: None on the others), one of its bytes
+        (`models.sharded.share`)."""
         if self.size < 2:
             return obj
-        data = pickle.dumps(obj) if self.speaks and obj else b""
-        size = mx.distributed.all_sum(mx.array([len(data)]), group=self.group, stream=mx.cpu).item()
-        if size == 0:
-            return obj if self.speaks else None
-        buf = np.zeros(size, np.uint8)
-        if self.speaks:
-            buf[:] = np.frombuffer(data, np.uint8)
-        out = np.array(mx.distributed.all_sum(mx.array(buf), group=self.group, stream=mx.cpu))  # on every rank
-        return obj if self.speaks else pickle.loads(out.tobytes())
+        shared = share(obj if obj else None, self.group)
+        return obj if self.speaks else shared
 
     def orphaned(self) -> bool:
         """Whether the process that started this one (mlx.launch) is gone."""
