@@ -29,6 +29,8 @@ Tokens are checked identical between DFlash and plain decoding in every run (exi
     python benchmarks/distributed_bench.py --quick --out /tmp/dist-quick   # ~6 min: 16 tokens, 0 and 2 ms
     python benchmarks/distributed_bench.py --parts 3 --out DIR   # the sweep again, on part 1's data in DIR
     python benchmarks/distributed_bench.py --report-only --out DIR          # README + plot again
+    # part 2 alone, each prompt 3 times (plain and DFlash interleaved), on part 1's data in DIR:
+    python benchmarks/distributed_bench.py --parts 2 --repeats 3 --max-tokens 32 --out DIR
 """
 
 import argparse
@@ -48,6 +50,7 @@ import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from distributed_carry_report import write_carry_report  # noqa: E402
 from distributed_report import write_report  # noqa: E402
 
 DENSE = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
@@ -575,6 +578,9 @@ def main():
     ap.add_argument("--op-reps", type=int, default=30)
     ap.add_argument("--parts", default="1,2,3", help="1: SmolLM2 in one process, 2: split targets 1 vs 2 "
                     "processes, 3: the delay sweep (2-3 alone reuse part 1 from --out's results.json)")
+    ap.add_argument("--repeats", type=int, default=1, help="part 2 runs every prompt this many times, plain and "
+                    "DFlash interleaved (the order flips each time); more than 1 writes the repeats' report "
+                    "(medians and spreads, distributed_carry_report.py)")
     ap.add_argument("--quick", action="store_true", help="1 prompt, 16 tokens, delays 0 and 2 ms")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -583,7 +589,8 @@ def main():
         sys.exit(worker(args.worker))
     out = Path(args.out)
     if args.report_only:
-        write_report(out)
+        repeated = json.loads((out / "results.json").read_text())["config"].get("repeats", 1) > 1
+        (write_carry_report if repeated else write_report)(out)
         return
     if args.quick:
         args.max_tokens, args.sweep_tokens, args.delays, args.op_reps = 16, 16, "0,2", 10
@@ -636,9 +643,11 @@ def main():
     failed = any(not r[k]["check"]["identical"] for r in results["smollm2"] for k in ("16", "auto"))
     results.setdefault("split", {})
     for kind in targets if 2 in parts else []:
+        tag = (lambda k: f" #{k + 1}") if args.repeats > 1 else (lambda k: "")
         one = dict(base, label=f"{kind}-1", target=kind, prompts=ids, max_tokens=args.max_tokens,
-                   settings=[{"label": "1 process", "delay_ms": None}])
-        two = dict(one, label=f"{kind}-2", settings=[{"label": "2 ranks", "delay_ms": None}])
+                   settings=[{"label": "1 process" + tag(k), "delay_ms": None} for k in range(args.repeats)])
+        two = dict(one, label=f"{kind}-2",
+                   settings=[{"label": "2 ranks" + tag(k), "delay_ms": None} for k in range(args.repeats)])
         stage(f"part 2: {kind}, 1 process")
         r1 = run_ranks(one, work, "one")
         stage(f"part 2: {kind}, 2 ranks (mlx.launch)")
@@ -659,7 +668,7 @@ def main():
     results["machine_end"] = machine()
     results["seconds"] = time.perf_counter() - t0
     save()
-    write_report(out)
+    (write_carry_report if args.repeats > 1 else write_report)(out)
     print(f"\nwrote {out} in {results['seconds']:.0f} s", file=sys.stderr)
     sys.exit(1 if failed else 0)
 

@@ -279,9 +279,11 @@ def write_report(out: Path):
         fwd = two["per_forward"]["1"]["ops"]
         L.append(f"- **{kind} ({two['mode']})**: a plain step makes {pl['ops']:.0f} collectives ({pl['hops']:.0f} trips); "
                  f"a DFlash cycle {df['ops_per_cycle']:.1f} ({df['hops_per_cycle']:.1f} trips): the verify forward's "
-                 f"{fwd}, plus one all_sum of rank 0's cycle time (`engine.distributed.shared_seconds`)"
-                 + (" and one all_sum of the draft's features (each rank's taps of its own layers)"
-                    if two["mode"] == "pipeline" else "") + ". "
+                 f"{fwd}, plus {df['ops_per_cycle'] - fwd:.2f} more (in the first round, 2026-12-03, one all_sum of "
+                 "rank 0's cycle time"
+                 + (" and one of the draft's features (each rank's taps of its own layers)"
+                    if two["mode"] == "pipeline" else "")
+                 + "; since then they ride on the forward's own collectives on a pipeline, and a tensor split sends 8 cycle times to an all_sum). "
                  + (f"So collectives per token fall by tau x {fwd}/{fwd + 1}, and DFlash's advantage grows with the "
                     f"link's latency towards tau (limit {pl['hops'] / df['hops']:.2f}x at this tau)."
                     if two["mode"] == "tensor" else
