@@ -105,7 +105,7 @@ def test_a_kind_that_keeps_failing_stops_being_proposed_and_chain_copies_go_on()
     assert plan is not None and plan.branches() and plan.primary.continuation[0] == 9
     for _ in range(40):
         policy.rescue.update([(0, False)])
-        copies.update(chosen, 8, 8, 1.0 + 0.02 * 9)  # the latest continuation is right
+        copies.update(chosen.length, 8, 8, 1.0 + 0.02 * 9)  # the latest continuation is right
     assert policy.plan(2, matches, chosen, n, 100, 1) is None
     assert copies.best([index.match(15)], 100, 1)[1] >= 8
 

@@ -109,7 +109,7 @@ def test_a_failing_shared_source_stops_being_proposed_and_the_contexts_own_copie
     shared = CopyMatch(local.length, 0, local.continuation, shared=True)
     assert policy.choose(shared, 100, 1) > 0 and policy.choose(local, 100, 1) > 0
     for _ in range(20):
-        policy.update(shared, 8, 0, 1.2)
+        policy.update(shared.length, 8, 0, 1.2, shared=True)
     assert policy.choose(shared, 100, 1) == 0 and policy.choose(local, 100, 1) > 0
     assert policy.best([local, shared], 100, 1)[0] is local
 

@@ -183,7 +183,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         seconds = time.perf_counter() - t0
         if copy_length:
             share_seconds(target, seconds, lambda s, m=match, c=copy_length, n=a:
-                          copies.update(m, c, n, s))
+                          copies.update(m.length, c, n, s, shared=m.shared))
         else:
             share_seconds(target, seconds, lambda s, w=width, n=a: widths.update(w, n, s))
     head_rows.update(a)

@@ -7,9 +7,6 @@ copying or drafting. Both keep copy cycle times per range of context lengths, as
 draft's `BlockSizer` keeps its own. Copies from earlier requests (`speculation.suffix_index`,
 `CopyMatch.shared`) are weighed by the same rule with a record of their own, so a source
 that keeps failing stops being proposed without making the context's own copies look bad.
-Each conversation's own copies also keep a `ConversationRecord` over the pair's record: a
-model that paraphrases where it quoted before (or a chat after a run of edits) stops being
-offered copies after a few failed ones, however well copies did elsewhere.
 
 With no draft the rival is a plain step: the sizer (`BlockSizer` of width 1) has no drafted
 widths, so copy cycles time its wider widths themselves (a copy cycle is a verify with
@@ -19,50 +16,11 @@ more; on a GPU next to nothing).
 """
 
 import statistics
-import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from dflash_mlx.policy.cost import interpolate
 from dflash_mlx.policy.per_context import PerContext
 from dflash_mlx.speculation.copies import COPY_LENGTHS, CopyMatch, CopyRecord
-
-
-class ConversationRecord(CopyRecord):
-    """One conversation's own copy outcomes, leaning on the pair's record (`base`) until it has
-    some: per match length and depth, alpha = (own hits + strength x base alpha) / (own trials
-    + strength). Every outcome goes to both, so the pair's record still learns from all."""
-
-    def __init__(self, base: CopyRecord, strength: float = 2.0):
-        super().__init__(base.max_depth, decay=base.decay)
-        self.base = base
-        self.strength = strength
-
-    def alpha(self, length: int) -> List[float]:
-        hits, trials, s = self.hits[length], self.trials[length], self.strength
-        return [(h + s * b) / (t + s) for h, t, b in zip(hits, trials, self.base.alpha(length))]
-
-    def update(self, length: int, proposed: int, accepted: int):
-        super().update(length, proposed, accepted)
-        self.base.update(length, proposed, accepted)
-
-
-class Conversations:
-    """The `ConversationRecord` of each context index (`CopyMatch.source`), kept while the index
-    lives; a match with no source (or from earlier requests) is weighed by a pair's record."""
-
-    def __init__(self, record: CopyRecord, shared_record: CopyRecord):
-        self.record, self.shared_record = record, shared_record
-        self.own: "weakref.WeakKeyDictionary[object, ConversationRecord]" = weakref.WeakKeyDictionary()
-
-    def record_of(self, match: CopyMatch) -> CopyRecord:
-        if match.shared:
-            return self.shared_record
-        if match.source is None:
-            return self.record
-        own = self.own.get(match.source)
-        if own is None:
-            own = self.own[match.source] = ConversationRecord(self.record)
-        return own
 
 
 class CopyPolicy:
@@ -81,7 +39,6 @@ class CopyPolicy:
         self.margin = margin
         self.record = CopyRecord(max_length)
         self.shared_record = CopyRecord(max_length)  # copies from earlier requests, kept apart
-        self.conversations = Conversations(self.record, self.shared_record)
         self.ranges = PerContext()  # copy cycle times per range of context lengths, the sizer's
         self.recent_cycles = recent_cycles
 
@@ -96,18 +53,9 @@ class CopyPolicy:
         return self.ranges.of(self.sizer.context.bucket).times if self.drafted else self.sizer.times
 
     def record_of(self, match: CopyMatch) -> CopyRecord:
-        return self.conversations.record_of(match)
+        return self.shared_record if match.shared else self.record
 
     def cycle_time(self, width: int) -> Optional[float]:
-        """Seconds of a copy cycle verifying `width` rows, never below a narrower width's time:
-        more rows never cost less, so a width whose median came out below a narrower one's is
-        read at that one's (the width chosen for its low time would otherwise be the one whose
-        noise ran lowest, and copies that gain little would be verified at a loss)."""
-        t = self._time(width)
-        narrower = [v for w, v in self.times.items() if w < width]
-        return max([t] + narrower) if t is not None and narrower else t
-
-    def _time(self, width: int) -> Optional[float]:
         if not self.drafted:
             return self.sizer.cycle_time(width)
         if width in self.times:
@@ -125,7 +73,7 @@ class CopyPolicy:
         below = [w for w in costs.times if w < width and costs.trusted(w)]
         if self.drafted or costs.trusted(width) or not below or width > 2 * max(below):
             return None
-        return self.cycle_time(max(below))
+        return costs.times[max(below)]
 
     def rate(self, length: int, n: int, record: Optional[CopyRecord] = None) -> float:
         t = self.cycle_time(n + 1)
@@ -166,9 +114,8 @@ class CopyPolicy:
 
         return max(chosen, key=value)
 
-    def update(self, match: CopyMatch, proposed: int, accepted: int, seconds: float):
-        """A chain copy of `match`: `proposed` tokens verified, the first `accepted` right."""
-        self.record_of(match).update(match.length, proposed, accepted)
+    def update(self, length: int, proposed: int, accepted: int, seconds: float, shared: bool = False):
+        (self.shared_record if shared else self.record).update(length, proposed, accepted)
         self.timed(proposed + 1, seconds)
 
     def timed(self, width: int, seconds: float):
@@ -199,7 +146,7 @@ class BatchCopyPolicy:
     to commit at it (each row the better of its draft chain and its own copy) per second
     of a verify of that many rows. The batch's draft width is the rival.
 
-    Copy acceptance is the lone rows' records (same pair, same texts: `Conversations`). Cost is per
+    Copy acceptance is the lone rows' `CopyRecord` (same pair, same texts). Cost is per
     verify rows in all (rows x width): batched cycles time it, and a lone row's widths
     seed it (`seed`). A count beyond the measured ones is priced by the last two measured
     points, or in proportion to the one measured point: copies start out underrated.
@@ -208,11 +155,9 @@ class BatchCopyPolicy:
     timed is explored by doubling (`hoped_cost`), as a lone row's copy widths are."""
 
     def __init__(self, record: CopyRecord, max_length: int, margin: float = 0.05, recent_cycles: int = 9,
-                 shared_record: Optional[CopyRecord] = None, explore: bool = False,
-                 conversations: Optional[Conversations] = None):
+                 shared_record: Optional[CopyRecord] = None, explore: bool = False):
         self.record = record
         self.shared_record = shared_record or CopyRecord(max_length)  # copies from earlier requests
-        self.conversations = conversations or Conversations(record, self.shared_record)  # the lone rows'
         self.explore = explore
         self.max_length = max_length
         self.margin = margin
@@ -223,7 +168,7 @@ class BatchCopyPolicy:
         self.context.at(tokens)
 
     def record_of(self, match: CopyMatch) -> CopyRecord:
-        return self.conversations.record_of(match)
+        return self.shared_record if match.shared else self.record
 
     def pick(self, matches: Sequence[Optional[CopyMatch]], budget: int) -> Optional[CopyMatch]:
         """A row's candidate: of its context's match and one from earlier requests, the one
@@ -327,6 +272,6 @@ def batch_copy_policy_for(sizer) -> BatchCopyPolicy:
     policy = getattr(sizer, "batch_copies", None)
     if policy is None:
         lone = copy_policy_for(sizer)
-        policy = sizer.batch_copies = BatchCopyPolicy(lone.record, lone.max_length, shared_record=lone.shared_record,
-                                                      explore=not lone.drafted, conversations=lone.conversations)
+        policy = sizer.batch_copies = BatchCopyPolicy(lone.record, lone.max_length,
+                                                      shared_record=lone.shared_record, explore=not lone.drafted)
     return policy

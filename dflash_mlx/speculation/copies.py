@@ -20,7 +20,7 @@ temperature > 0 it is a one-hot q, exact with the usual rejection step.
 """
 
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 MAX_NGRAM = 8
@@ -32,14 +32,12 @@ MAX_STEPS = 8
 class CopyMatch:
     """The context's last `length` tokens occurred before, ending just before `start`:
     what followed them, `continuation`, is the proposal. `shared`: found in earlier
-    requests (`suffix_index.SuffixIndex`; `start` is then a position there), not in the context.
-    `source`: the `ContextIndex` it came from (whose conversation's copy record weighs it)."""
+    requests (`suffix_index.SuffixIndex`; `start` is then a position there), not in the context."""
 
     length: int
     start: int
     continuation: List[int]
     shared: bool = False
-    source: Optional[object] = field(default=None, compare=False, repr=False)
 
 
 class ContextIndex:
@@ -98,7 +96,7 @@ class ContextIndex:
                                 for j in range(max_tokens)]
                 if tuple(continuation) not in seen:
                     seen.add(tuple(continuation))
-                    found.append(CopyMatch(n, start, continuation, source=self))
+                    found.append(CopyMatch(n, start, continuation))
                     if len(found) >= k:
                         return found
                 last = chain[last]
