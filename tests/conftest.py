@@ -1,4 +1,6 @@
 # Import dflash_mlx before anything imports mlx.core, so its BLAS routing applies.
+import os
+
 import dflash_mlx  # noqa: F401
 import pytest
 
@@ -11,6 +13,20 @@ def pytest_collection_modifyitems(config, items):
     # worker waits on its lock.
     items.sort(key=lambda item: ("ranks" not in getattr(item, "fixturenames", ()),
                                  item.get_closest_marker("slow") is None))  # stable: file order otherwise
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    """Caches the tests make (converted GGUF tokenizers of the tiny models written in every run)
+    go under the session's temp folder, never the user's ~/.cache; a test that wants the real
+    cache removes the variable itself (monkeypatch, put back after it)."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.getbasetemp() / "xdg-cache")
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
 
 
 @pytest.fixture(scope="session")
