@@ -21,17 +21,13 @@ Nothing changes for a target whole in one process: a time is handed over at once
 """
 
 import random
-from collections import deque
 from typing import Callable, Optional
 
 import mlx.core as mx
 
-from dflash_mlx.identity import IdentityMap
-
 # Cycle times a tensor split sends in one all_sum: one collective per EVERY cycles on top of the
 # verify forwards' own (60 a forward on a 30-layer llama), and a policy that learns EVERY late.
 EVERY = 8
-_WAITING = IdentityMap()  # sharding -> the policies' updates waiting for rank 0's times, in order
 
 
 def _group(target) -> Optional[object]:
@@ -52,22 +48,18 @@ def share_seconds(target, seconds: float, learn: Callable[[float], None]) -> Non
     if sharding is None:
         learn(seconds)
         return
-    waiting = _WAITING.get((sharding,))
-    if waiting is None:
-        waiting = deque()
-        _WAITING.put((sharding,), waiting)
-    waiting.append(learn)
     rider = sharding.rider
+    rider.waiting.append(learn)
     rider.outbox.append(seconds if sharding.rank == 0 else 0.0)
     for arrived in rider.inbox:  # rode on forwards since the last call (pipeline_carry)
         for value in arrived.tolist():
-            waiting.popleft()(value)
+            rider.waiting.popleft()(value)
     rider.inbox.clear()
     if len(rider.outbox) >= EVERY:  # nothing carried them: one all_sum sends them all
         local = mx.array(rider.outbox if sharding.rank == 0 else [0.0] * len(rider.outbox), dtype=mx.float32)
         rider.outbox.clear()
         for value in mx.distributed.all_sum(local, group=sharding.group, stream=mx.cpu).tolist():
-            waiting.popleft()(value)
+            rider.waiting.popleft()(value)
 
 
 def shared_seed(target, seed: Optional[int]) -> Optional[int]:

@@ -17,8 +17,9 @@ mlx-lm splits a model two ways (`mlx_lm.utils.sharded_load`):
 works as one sharded by `dflash_mlx.models.sharded`.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Callable, Deque, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,10 +29,12 @@ import mlx.nn as nn
 class Rider:
     """Numbers rank 0 sends every rank on a pipeline forward's own hops (`pipeline_carry`):
     `outbox`, the values waiting to go (rank 0's; zeros on the others, the same count on every
-    rank); `inbox`, what each carried forward brought, rank 0's values [n], in order."""
+    rank); `inbox`, what each carried forward brought, rank 0's values [n], in order;
+    `waiting`, who learns each value once it arrived (`engine.distributed`), in the same order."""
 
     outbox: List[float] = field(default_factory=list)
     inbox: List[mx.array] = field(default_factory=list)
+    waiting: Deque[Callable[[float], None]] = field(default_factory=deque)
 
 
 @dataclass(eq=False)
