@@ -32,7 +32,7 @@ from typing import Any, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from dflash_mlx.models.target.rollback import StandIn
+from dflash_mlx.models.target.rollback import StandIn, swaps
 
 
 class CarryRefused(Exception):
@@ -143,14 +143,9 @@ def can_carry(text_model, embedding_name: Optional[str]) -> bool:
 def carried(text_model, embedding_name: str, layers: List[Any], carry: Carry):
     """The swaps of one carried pipeline forward (after `taps.taps`: these wrap its stand-ins)."""
     held = [i for i, layer in enumerate(layers) if layer is not None]
-    swapped = [(text_model, embedding_name, text_model[embedding_name]), (text_model, "norm", text_model["norm"])]
-    swapped += [(layers, i, layers[i]) for i in held]
-    try:
-        text_model[embedding_name] = _Embedding(text_model[embedding_name], carry)
-        text_model["norm"] = _Norm(text_model["norm"], carry)
+    with swaps() as put:
+        put(text_model, embedding_name, _Embedding(text_model[embedding_name], carry))
+        put(text_model, "norm", _Norm(text_model["norm"], carry))
         for i in held:
-            layers[i] = _HeldLayer(layers[i], carry, first=i == held[0], last=i == held[-1])
+            put(layers, i, _HeldLayer(layers[i], carry, first=i == held[0], last=i == held[-1]))
         yield carry
-    finally:
-        for container, key, original in reversed(swapped):
-            container[key] = original

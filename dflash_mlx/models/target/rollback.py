@@ -14,6 +14,7 @@ forward and calls these after it.
 """
 
 import inspect
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -41,6 +42,23 @@ class StandIn:
 
     def __getattr__(self, name):
         return getattr(self._wrapped, name)
+
+
+@contextmanager
+def swaps():
+    """`put(container, key, stand_in)` for one forward: `container[key]` (a module's child or a
+    layer list's entry) becomes `stand_in`; everything put is put back, last first, on exit."""
+    replaced = []
+
+    def put(container, key, stand_in):
+        replaced.append((container, key, container[key]))
+        container[key] = stand_in
+
+    try:
+        yield put
+    finally:
+        for container, key, original in reversed(replaced):
+            container[key] = original
 
 
 @dataclass

@@ -19,7 +19,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from dflash_mlx.kernels import qmm, selection
-from dflash_mlx.models.target.rollback import ReplayTap, StandIn, TapedGatedDeltaNet, VerifyRecord
+from dflash_mlx.models.target.rollback import ReplayTap, StandIn, TapedGatedDeltaNet, VerifyRecord, swaps
 from dflash_mlx.models.target.tree_attention import TreeRoPE
 
 
@@ -100,15 +100,12 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
     def keep_replay(entry):
         record.replay[id(entry.cache)] = entry
 
-    # (container, key, original) for everything swapped; restored in reverse.
-    swapped = []
-    try:
+    with swaps() as put:
         if record is not None:
             for idx in target._gdn_layers:
                 layer = layers[idx]
-                swapped.append((layer, "linear_attn", layer["linear_attn"]))
                 # the tape is kept by cache index (a pipeline rank's caches start at its first layer)
-                layer["linear_attn"] = TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx - target.layer_offset))
+                put(layer, "linear_attn", TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx - target.layer_offset)))
             replayed = [c for c, kind in zip(cache, target._replay_kinds) if kind == "replay"]
             watched = {id(c): c for c in replayed}
             # recurrent state beside attention in one CacheList (Falcon-H1): the module the
@@ -127,22 +124,14 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
                     if inner:
                         for name, child in list(layer.children().items()):
                             if isinstance(child, nn.Module):
-                                swapped.append((layer, name, child))
-                                layer[name] = ReplayTap(child, inner, keep_replay)
-                    swapped.append((layers, idx, layer))
-                    layers[idx] = ReplayTap(layer, watched, keep_replay)
+                                put(layer, name, ReplayTap(child, inner, keep_replay))
+                    put(layers, idx, ReplayTap(layer, watched, keep_replay))
         if small_m:
             for parent, key, q in target._quantized:
-                swapped.append((parent, key, q))
-                parent[key] = _SmallMQuantizedLinear(q)
+                put(parent, key, _SmallMQuantizedLinear(q))
         if tree is not None:
             for parent, key in target.rope_slots:
-                swapped.append((parent, key, parent[key]))
-                parent[key] = TreeRoPE(parent[key], tree)
+                put(parent, key, TreeRoPE(parent[key], tree))
         for idx in slot:
-            swapped.append((layers, idx, layers[idx]))
-            layers[idx] = make_tap(idx, layers[idx])
+            put(layers, idx, make_tap(idx, layers[idx]))
         yield
-    finally:
-        for container, key, original in reversed(swapped):
-            container[key] = original
