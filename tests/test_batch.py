@@ -118,8 +118,8 @@ class Schedule:
     def choose(self, remaining):
         return min(next(self.widths), max(1, remaining))
 
-    def update(self, *args, **kwargs):
-        pass
+    def count(self, *args, **kwargs):
+        return lambda seconds: None
 
 
 WINDOWED = ["gpt_oss", "gemma4_text_moe", "cohere2", "exaone4", "ministral3", "mimo_v2_flash",

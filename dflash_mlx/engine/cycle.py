@@ -170,10 +170,10 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         verified = [tree_run.tree.tokens[r] for r in rows]
         seconds = time.perf_counter() - t0
         if copy_tree is not None:
-            share_seconds(target, seconds, lambda s, plan=copy_tree, path=rows: copy_trees.update(plan, path, s))
+            share_seconds(target, seconds, copy_trees.count(copy_tree, rows))
         else:
             trees.update(width, a)
-            share_seconds(target, seconds, lambda s, w=width, n=a: widths.update(w, n, s, chain=False))
+            share_seconds(target, seconds, widths.count(width, a, chain=False))
     else:
         mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
         a = accept_len.item()
@@ -182,10 +182,9 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         verified = verify_in[0, : a + 1].tolist()
         seconds = time.perf_counter() - t0
         if copy_length:
-            share_seconds(target, seconds, lambda s, m=match, c=copy_length, n=a:
-                          copies.update(m.length, c, n, s, shared=m.shared))
+            share_seconds(target, seconds, copies.count(match.length, copy_length, a, shared=match.shared))
         else:
-            share_seconds(target, seconds, lambda s, w=width, n=a: widths.update(w, n, s))
+            share_seconds(target, seconds, widths.count(width, a))
     head_rows.update(a)
     timer.mark("verify")
 

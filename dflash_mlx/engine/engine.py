@@ -220,7 +220,7 @@ class BatchEngine:
         step = row.cycle_alone(self.target, widths, self.timer)
         self.cycles += 1
         if self.widths is not None:  # reported with the batch's widths, under batch size 1
-            self.widths.count(1, step.width)
+            self.widths.tally(1, step.width)
         event = row.respond(step)
         if row.done:
             self._leave([row])
@@ -251,7 +251,7 @@ class BatchEngine:
                  else self.fixed.choose(remaining))
         width, copied, matches = self._copies(width, context)
         if self.widths is not None:
-            self.widths.count(self.widths.key, width)
+            self.widths.tally(self.widths.key, width)
         steps, accepts, seconds = batch_cycle(self.target, self.draft, rows, self.cache, self.kinds, self.head_axis,
                                               width, copied, matches)
         for m, c, a in zip(matches, copied, accepts):
@@ -261,13 +261,12 @@ class BatchEngine:
         if self.widths is not None:
             # (a cycle's rollback runs lazily in the next cycle's graph, and is timed there)
             chained, timed = [a for a, c in zip(accepts, copied) if not c], not any(copied)
-            if not timed:  # a cycle of copies prices no drafted width
-                self.widths.update(width, chained, None)
-            widths, sizer, copies, verified = self.widths, self.widths.current, self.batch_copies, len(rows) * width
+            # a cycle of copies prices no drafted width; on a split target rank 0's time
+            # arrives a cycle or more later, what was accepted is taken now
+            width_time, copies, verified = self.widths.count(width, chained, timed), self.batch_copies, len(rows) * width
 
-            def learn(seconds: float):  # (on a split target, rank 0's time, a few cycles later)
-                if timed:
-                    widths.update(width, chained, seconds, sizer)
+            def learn(seconds: float):
+                width_time(seconds)
                 if copies is not None:
                     copies.update(verified, seconds)
             share_seconds(self.target, seconds, learn)

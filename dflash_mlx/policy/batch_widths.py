@@ -1,7 +1,7 @@
 """Verify width per cycle for a batch of rows (`BatchWidths`): a `BlockSizer` (`sizer`) per
 batch size, chosen with hysteresis as rows join and leave; the batch engine's width policy."""
 
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 from dflash_mlx.policy.sizer import BlockSizer, sizer_for
 
@@ -57,23 +57,25 @@ class BatchWidths:
         self.current.at_context(context)
         return self.current.choose(remaining)
 
-    def count(self, bucket: int, width: int):
+    def tally(self, bucket: int, width: int):
         """A cycle of `width` at batch size `bucket`, for `chosen` (what /health reports)."""
         counts = self.chosen.setdefault(bucket, {})
         counts[width] = counts.get(width, 0) + 1
 
-    def update(self, width: int, accept_lengths: Sequence[int], seconds: Optional[float],
-               sizer: Optional[BlockSizer] = None):
+    def update(self, width: int, accept_lengths: Sequence[int], seconds: Optional[float]):
         """`accept_lengths`: of the rows that verified the draft's chain; `seconds`: the
         cycle's time, None when rows verified copies instead (a cycle cheaper than a drafted
-        one of its width: it must not price the width). `sizer`: the batch size's sizer that
-        chose the width (the current one when None; a split target's ranks learn times late,
-        when the batch may have another size)."""
-        sizer = sizer or self.current
-        if seconds is None:
+        one of its width: it must not price the width)."""
+        self.count(width, accept_lengths, timed=seconds is not None)(seconds)
+
+    def count(self, width: int, accept_lengths: Sequence[int], timed: bool = True) -> Callable[[float], None]:
+        """`update` in two halves (as `BlockSizer.count`): the accept lengths now, to the
+        sizer that chose the width; the cycle's seconds when the returned function gets them."""
+        sizer = self.current
+        if not timed:
             for a in accept_lengths:
                 sizer.observe(width, a)
-            return
+            return lambda seconds: None
         for a in accept_lengths[1:]:
             sizer.observe(width, a)
-        sizer.update(width, accept_lengths[0] if accept_lengths else 0, seconds, chain=bool(accept_lengths))
+        return sizer.count(width, accept_lengths[0] if accept_lengths else 0, chain=bool(accept_lengths))

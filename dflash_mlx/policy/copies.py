@@ -16,7 +16,7 @@ more; on a GPU next to nothing).
 """
 
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from dflash_mlx.policy.cost import interpolate
 from dflash_mlx.policy.per_context import PerContext
@@ -115,8 +115,13 @@ class CopyPolicy:
         return max(chosen, key=value)
 
     def update(self, length: int, proposed: int, accepted: int, seconds: float, shared: bool = False):
+        self.count(length, proposed, accepted, shared)(seconds)
+
+    def count(self, length: int, proposed: int, accepted: int, shared: bool = False) -> Callable[[float], None]:
+        """`update` in two halves (as `BlockSizer.count`): what the copy accepted now, its
+        seconds when the returned function gets them."""
         (self.shared_record if shared else self.record).update(length, proposed, accepted)
-        self.timed(proposed + 1, seconds)
+        return lambda seconds: self.timed(proposed + 1, seconds)
 
     def timed(self, width: int, seconds: float):
         """A copy cycle (a chain or a copy tree) verified `width` rows in `seconds`."""

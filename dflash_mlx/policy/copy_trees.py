@@ -13,7 +13,7 @@ contain, and they are no longer proposed; the chain record keeps learning from t
 the likeliest candidate's part of a tree is exactly a chain copy's outcome.
 """
 
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from dflash_mlx.policy.copies import CopyPolicy, copy_policy_for
 from dflash_mlx.speculation.copies import COPY_LENGTHS, CopyMatch
@@ -96,10 +96,14 @@ class CopyTreePolicy:
 
     def update(self, plan: CopyTreePlan, path: Sequence[int], seconds: float):
         """A copy tree cycle: `path` accepted (nodes, root first) in `seconds`."""
+        self.count(plan, path)(seconds)
+
+    def count(self, plan: CopyTreePlan, path: Sequence[int]) -> Callable[[float], None]:
+        """`update` in two halves (as `BlockSizer.count`): the walk now, the seconds later."""
         accepted, tried, tries = walk_outcome(plan, path)
         self.rescue.update(tries)
         self.copies.record_of(plan.primary).update(plan.primary.length, tried, accepted)
-        self.copies.timed(len(plan.tree), seconds)
+        return lambda seconds: self.copies.timed(len(plan.tree), seconds)
 
     def _plan(self, root: int, ranked: Sequence[CopyMatch], nodes: int) -> CopyTreePlan:
         alphas = [self.copies.record_of(m).alpha(m.length) for m in ranked]

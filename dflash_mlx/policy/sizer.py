@@ -27,7 +27,7 @@ drafted cycle, so a change of subject is followed as before).
 """
 
 import threading
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.policy.acceptance import DraftAcceptance
@@ -49,6 +49,9 @@ class FixedWidth:
 
     def update(self, width: int, accept_length: int, seconds: float, chain: bool = True):
         pass
+
+    def count(self, width: int, accept_length: int, chain: bool = True) -> Callable[[float], None]:
+        return _untimed
 
 
 class BlockSizer:
@@ -254,19 +257,30 @@ class BlockSizer:
         """`chain=False`: a cycle that verified something else than the draft's chain at
         this width (a token tree): its time counts, its accept length says nothing about
         the chain's per-depth acceptance."""
+        self.count(width, accept_length, chain)(seconds)
+
+    def count(self, width: int, accept_length: int, chain: bool = True) -> Callable[[float], None]:
+        """`update` in two halves: what the cycle accepted is taken now (acceptance, the cycle
+        count, a probe's outcome); the returned function takes its seconds. A split target's
+        ranks learn rank 0's time a cycle or more later (`engine.distributed`), and the next
+        choices must not wait for it to see what was accepted."""
         self.cycle += 1
         self.last_run[width] = self.cycle
         if chain:
             self.observe(width, accept_length)
-        if self.cycle == 1:
-            return  # the policy's first cycle runs cold (first graph, first allocations): untimed
-        self.costs.record(width, seconds)
         if self.probing:
             # A probe that found nothing: wait twice as long for the next one.
             found = accept_length > 0
             self.probe_every = (
                 self.min_probe_every if found else min(self.max_probe_every, 2 * self.probe_every)
             )
+        if self.cycle == 1:
+            return _untimed  # the policy's first cycle runs cold (first graph, first allocations)
+        return lambda seconds: self.costs.record(width, seconds)
+
+
+def _untimed(seconds: Optional[float]):
+    pass
 
 
 # (model, draft) -> its BlockSizer, for as long as both live.
