@@ -5,7 +5,7 @@ Per architecture and per parallelism mlx-lm gives it: the single-process greedy 
 (computed on each rank from the whole model, no collectives), then DFlash on the split model at
 widths 1, 4, 16 and auto (copies and trees on) with a random draft, a scripted draft that is right
 for a varying number of tokens (partial accepts: every rollback path), and a sampled answer; on a
-pipeline, the collectives the model's own forward builds and those of a DFlash answer (COLLECTIVES).
+split, the collectives the model's own forward builds and those of a DFlash answer (COLLECTIVES).
 Then, with DRIVER_CLI, the one-shot CLI and `dflash-mlx serve` (tests/distributed_serve.py).
 """
 
@@ -28,7 +28,7 @@ from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokeniz
 from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
 PROMPT_LEN, MAX_TOKENS = 9, 11
-COLLECTIVES = {}  # "arch/pipeline" -> what pipeline_collectives counted
+COLLECTIVES = {}  # "arch/mode" -> what answer_collectives counted
 
 
 def build(key: str):
@@ -75,17 +75,19 @@ class Collectives:
             setattr(mx.distributed, name, fn)
 
 
-def pipeline_collectives(model, draft, tok, prompt) -> dict:
+def answer_collectives(model, draft, tok, prompt) -> dict:
     """The collectives of the model's own forward (built, never run), and of a DFlash answer at width
-    4 with their cycles: on a pipeline a cycle must build exactly the model's own."""
+    4 with their cycles: on a pipeline a cycle must build exactly the model's own, on a tensor split
+    exactly its all_sums."""
     from mlx_lm.models.cache import make_prompt_cache
 
     with Collectives() as own:
         model(mx.array(prompt)[None], cache=make_prompt_cache(model))
     with Collectives() as dflash:
         answer = run(model, draft, tok, prompt, block_size=4)
-    return {"forward": own.calls, "answer": dflash.calls, "cycles": len(answer["accepts"]),
-            "carries": draft.target._carries}
+    target = draft.target
+    carries = target._carries if target.sharding.kind == "pipeline" else target._ride_slot is not None
+    return {"forward": own.calls, "answer": dflash.calls, "cycles": len(answer["accepts"]), "carries": carries}
 
 
 def cases(key: str, tok):
@@ -108,8 +110,7 @@ def cases(key: str, tok):
         for width in ("draft", "auto") if key in MORE_WIDTHS else ("auto",):
             out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
         out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
-        if mode == "pipeline":
-            COLLECTIVES[name] = pipeline_collectives(model, draft, tok, prompt)
+        COLLECTIVES[name] = answer_collectives(model, draft, tok, prompt)
     return out
 
 

@@ -131,12 +131,23 @@ def test_a_pipeline_cycle_builds_exactly_the_models_own_collectives(ranks):
     """The taps and rank 0's cycle times ride on the model's own hop and gather (two collectives a
     forward): an answer builds them once for its prefill and once a cycle, and one all_sum for the
     request (its shared seed), nothing else."""
-    counted = [(r, k, v) for r in (0, 1) for k, v in ranks[r]["collectives"].items()]
+    counted = [(r, k, v) for r in (0, 1) for k, v in ranks[r]["collectives"].items() if k.endswith("/pipeline")]
     assert {k.split("/")[0] for _, k, _ in counted} >= {"qwen3_5", "qwen3_next"}
     for rank, key, c in counted:
         assert c["carries"] and sum(c["forward"].values()) == 2, (rank, key, c)
         hops = {op: n * (c["cycles"] + 1) for op, n in c["forward"].items()}
         assert c["answer"] == dict(hops, all_sum=1), (rank, key, c)
+
+
+def test_a_tensor_cycle_builds_exactly_the_models_own_sums(ranks):
+    """Rank 0's cycle times ride on one of the layers' own all_sums (`tensor_ride`): an answer
+    builds the forward's all_sums once for its prefill and once a cycle, and one for the request
+    (its shared seed), nothing else."""
+    counted = [(r, k, v) for r in (0, 1) for k, v in ranks[r]["collectives"].items() if k.endswith("/tensor")]
+    assert {k.split("/")[0] for _, k, _ in counted} >= {"qwen3_5", "gpt_oss"}
+    for rank, key, c in counted:
+        assert c["carries"] and c["forward"]["all_sum"] > 0, (rank, key, c)
+        assert c["answer"]["all_sum"] == c["forward"]["all_sum"] * (c["cycles"] + 1) + 1, (rank, key, c)
 
 
 def test_sampled_answer_is_the_same_on_every_rank(ranks):

@@ -81,7 +81,7 @@ class _Split:
         self.sharding = Sharding(kind, mx.distributed.init())
 
 
-def test_a_tensor_split_learns_rank0s_times_every_few_cycles_in_order():
+def test_a_split_whose_forwards_carry_nothing_learns_rank0s_times_every_few_cycles_in_order():
     target, learned = _Split("tensor"), []
     for i in range(distributed.EVERY - 1):
         distributed.share_seconds(target, 0.5 + i, learned.append)

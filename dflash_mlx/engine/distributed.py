@@ -8,12 +8,14 @@ does not is what each rank measures. So the engine's two sources of difference p
 
   cycle times    `share_seconds`: every policy (`policy/`: width, copy or draft, tree or
                  chain, a batch's width) learns rank 0's measured times, so every rank makes
-                 the same choice. They cost no collective of their own: on a pipeline they
-                 ride on the next forward's own hops (`models.target.pipeline_carry`), so a
-                 policy learns a cycle's time one cycle late; on a tensor split (whose
-                 forward has nothing to carry them) one all_sum sends `EVERY` at a time, so
-                 a policy learns them up to `EVERY` cycles late. Every rank hands each time
-                 to its policy at the same point of its run, so the choices stay identical
+                 the same choice. They cost no collective of their own: they ride on the next
+                 forward's own collectives (a pipeline's hops, `models.target.pipeline_carry`;
+                 one of a tensor split's layer sums, `models.target.tensor_ride`), so a policy
+                 learns a cycle's time one cycle late. What a cycle accepted is learned at once
+                 (`BlockSizer.count`: only the time waits). Where nothing can carry them (a
+                 model whose split has no such sum), one all_sum sends `EVERY` at a time.
+                 Every rank hands each time to its policy at the same point of its run, so
+                 the choices stay identical
   the random stream   `shared_seed`: a sampled answer with no seed gets rank 0's, so every
                  rank draws the same acceptance coins (one small all_sum a request)
 
@@ -25,8 +27,8 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-# Cycle times a tensor split sends in one all_sum: one collective per EVERY cycles on top of the
-# verify forwards' own (60 a forward on a 30-layer llama), and a policy that learns EVERY late.
+# Cycle times sent in one all_sum where no forward carries them: one collective per EVERY cycles on
+# top of the verify forwards' own (60 a forward on a 30-layer llama), and a policy that learns EVERY late.
 EVERY = 8
 
 
@@ -51,7 +53,7 @@ def share_seconds(target, seconds: float, learn: Callable[[float], None]) -> Non
     rider = sharding.rider
     rider.waiting.append(learn)
     rider.outbox.append(seconds if sharding.rank == 0 else 0.0)
-    for arrived in rider.inbox:  # rode on forwards since the last call (pipeline_carry)
+    for arrived in rider.inbox:  # rode on forwards since the last call (pipeline_carry, tensor_ride)
         for value in arrived.tolist():
             rider.waiting.popleft()(value)
     rider.inbox.clear()

@@ -26,6 +26,7 @@ from dflash_mlx.models.target.rollback import (
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
 from dflash_mlx.models.target.sharding import gather_features, sharding_of
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
+from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
 # Where mlx-lm's text models keep their token embedding, and their decoder layers.
 EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings", "embed_in", "embedding",
@@ -101,6 +102,9 @@ class Target:
                            else len(self.layers))
         # a pipeline rank's taps ride on the model's own hops (`pipeline_carry`) until refused
         self._carries = can_carry(self.text_model, self._embedding_name)
+        # a tensor split's rider values ride on one of its layer sums (`tensor_ride`) where it has one
+        self._ride_slot = (ride_slot(self.layers) if self.sharding is not None and self.sharding.kind == "tensor"
+                           else None)
         self.rms_norm_eps = getattr(self.args, "rms_norm_eps", 1e-6)
         self.max_context = getattr(self.args, "max_position_embeddings", None)
         self._lm_head = find_lm_head(model)
@@ -199,8 +203,17 @@ class Target:
             return self._pipeline_forward(tokens, cache, layer_ids, record, tree)
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
-        with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree):
+        rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
+        ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
+        with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
+                (riding(self._ride_slot, ride, self.sharding.rank) if ride else nullcontext()) as summed:
             h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
+        if ride:  # rank 0's values rode on the tensor split's own sum (`tensor_ride`)
+            if summed.arrived is None:  # this model's forward skipped it: they wait for their own all_sum
+                self._ride_slot = None
+            else:
+                del rider.outbox[: len(ride)]
+                rider.inbox.append(summed.arrived)
         return h, (mx.concatenate(features, axis=-1) if layer_ids else None), rec
 
     def _pipeline_forward(self, tokens, cache, layer_ids, record, tree):

@@ -27,7 +27,8 @@ import mlx.nn as nn
 
 @dataclass(eq=False)
 class Rider:
-    """Numbers rank 0 sends every rank on a pipeline forward's own hops (`pipeline_carry`):
+    """Numbers rank 0 sends every rank on a forward's own collectives (a pipeline's hops,
+    `pipeline_carry`; a tensor split's layer sum, `tensor_ride`):
     `outbox`, the values waiting to go (rank 0's; zeros on the others, the same count on every
     rank); `inbox`, what each carried forward brought, rank 0's values [n], in order;
     `waiting`, who learns each value once it arrived (`engine.distributed`), in the same order."""
@@ -41,8 +42,7 @@ class Rider:
 class Sharding:
     """kind: "tensor" | "pipeline"; group: the collective group; layer_offset: the global id of
     the rank's first layer (its cache 0); num_layers: the whole model's layer count; rider:
-    what rank 0 sends on the pipeline's own hops (a tensor split never carries: its outbox waits
-    for `engine.distributed` to send it)."""
+    what rank 0 sends on the forward's own collectives."""
 
     kind: str
     group: object

@@ -36,15 +36,15 @@ class _LayerTap(StandIn):
         return out
 
 
-def quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
-    """(parent, key, layer) for every affine QuantizedLinear under `module` (parent: Module or list)."""
+def modules_of(module, kinds) -> List[Tuple[Any, Any, Any]]:
+    """(parent, key, child) for every module of the classes `kinds` under `module`, in the
+    order the model holds them (parent: Module or list; not searched inside a found one)."""
     found = []
 
     def walk(parent, items):
         for key, child in items:
-            if isinstance(child, nn.QuantizedLinear):
-                if getattr(child, "mode", "affine") == "affine":
-                    found.append((parent, key, child))
+            if isinstance(child, kinds):
+                found.append((parent, key, child))
             elif isinstance(child, nn.Module):
                 walk(child, child.items())
             elif isinstance(child, list):
@@ -52,6 +52,11 @@ def quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
 
     walk(module, module.items())
     return found
+
+
+def quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
+    """(parent, key, layer) for every affine QuantizedLinear under `module` (parent: Module or list)."""
+    return [x for x in modules_of(module, nn.QuantizedLinear) if getattr(x[2], "mode", "affine") == "affine"]
 
 
 class _SmallMQuantizedLinear(StandIn):
