@@ -23,6 +23,7 @@ from dflash_mlx import stream_generate
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.sharded import modes_of, split
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.policy.sizer import sizer_for
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokenizer, clean_case, tiny_target
 from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
@@ -44,7 +45,8 @@ def run(model, draft, tok, prompt, **kw):
     for r in stream_generate(model, draft, tok, prompt, max_tokens=MAX_TOKENS, stop_token_ids=[], **kw):
         tokens += r.tokens
         last = r
-    return {"tokens": tokens, "accepts": list(last.accept_lengths)}
+    times = sizer_for(model, draft).times if kw.get("block_size") == "auto" else {}
+    return {"tokens": tokens, "accepts": list(last.accept_lengths), "times": {str(w): t for w, t in times.items()}}
 
 
 # Widths beyond 4 and auto where they add a path: 1 (plain steps), 16 and the scripted draft's own
@@ -90,6 +92,27 @@ def answer_collectives(model, draft, tok, prompt) -> dict:
     return {"forward": own.calls, "answer": dflash.calls, "cycles": len(answer["accepts"]), "carries": carries}
 
 
+# Where nothing can ride on the forward's own collectives (a pipeline whose layers take two states,
+# a tensor split with no summed linear), the taps go by all_sum (`gather_features`) and the cycle
+# times by one all_sum of EVERY: run on one model with the carry and the ride turned off.
+UNRIDDEN = ("qwen3_5",)
+
+
+def unridden(key: str, mode: str, tok, prompt) -> dict:
+    model = build(key)
+    split(model, mode)
+    draft = random_draft(model, num_layers=1, block_size=16, seed=3)
+    target = draft.target
+    target._carries, target._ride_slot = False, None
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with Collectives() as own:
+        model(mx.array(prompt)[None], cache=make_prompt_cache(model))
+    with Collectives() as counted:
+        answer = run(model, draft, tok, prompt, block_size="auto")
+    return dict(answer, collectives=counted.calls, forward_sums=own.calls.get("all_sum", 0))
+
+
 def cases(key: str, tok):
     whole = build(key)
     prompt, ref = clean_case(whole, PROMPT_LEN, MAX_TOKENS, seed=5)
@@ -110,6 +133,8 @@ def cases(key: str, tok):
         for width in ("draft", "auto") if key in MORE_WIDTHS else ("auto",):
             out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
         out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
+        if key in UNRIDDEN:
+            out[f"{name}/unridden/auto"] = dict(unridden(key, mode, tok, prompt), ref=ref)
         COLLECTIVES[name] = answer_collectives(model, draft, tok, prompt)
     return out
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from dflash_mlx.engine.distributed import EVERY
 from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, split
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import EOS_ID, tiny_target
@@ -148,6 +149,30 @@ def test_a_tensor_cycle_builds_exactly_the_models_own_sums(ranks):
     for rank, key, c in counted:
         assert c["carries"] and c["forward"]["all_sum"] > 0, (rank, key, c)
         assert c["answer"]["all_sum"] == c["forward"]["all_sum"] * (c["cycles"] + 1) + 1, (rank, key, c)
+
+
+def test_where_nothing_rides_the_taps_and_times_go_by_all_sum_and_stay_exact(ranks):
+    """The fallbacks on 2 ranks (pipeline: the taps gathered by all_sum; both: rank 0's times in one
+    all_sum of `EVERY`): exact, same accept lengths on both ranks (the greedy and accept tests above
+    cover these cases too), and the all_sums really ran."""
+    unridden = {k: v for k, v in ranks[0]["cases"].items() if "/unridden/" in k}
+    assert {k.rsplit("/", 2)[0] for k in unridden} == {"qwen3_5/tensor", "qwen3_5/pipeline"}
+    for key, case in unridden.items():
+        assert case["tokens"] == case["ref"] and ranks[1]["cases"][key]["tokens"] == case["ref"]
+        cycles = len(case["accepts"])
+        assert cycles >= EVERY, case["accepts"]  # rank 0's times went in an all_sum of EVERY at least once
+        # a gather a verify and the prefill's (pipeline), the seed's, the times'
+        floor = case["forward_sums"] * (cycles + 1) if key.startswith("qwen3_5/tensor/") else cycles + 1
+        assert case["collectives"]["all_sum"] >= floor + 1 + cycles // EVERY, case
+
+
+def test_every_rank_learned_rank0s_times(ranks):
+    """Each auto answer's width policy holds the same cycle times on both ranks (rank 1's own would
+    differ): rank 0's, ridden on the forwards' own collectives or sent in the fallback's all_sum."""
+    auto = {k: v for k, v in ranks[0]["cases"].items() if k.endswith("/auto")}
+    assert len(auto) >= 2 * len(ARCHS)
+    for key, case in auto.items():
+        assert case["times"] and case["times"] == ranks[1]["cases"][key]["times"], key
 
 
 def test_sampled_answer_is_the_same_on_every_rank(ranks):
