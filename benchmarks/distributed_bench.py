@@ -501,7 +501,9 @@ def free_port() -> int:
 
 def run_ranks(plan: dict, folder: Path, how: str, relay: DelayRelay = None, timeout: float = 1800) -> dict:
     """The worker under `how`: "one" (one process), "launch" (mlx.launch -n 2, ring backend on
-    localhost) or "relay" (two ranks started here, each hostfile naming the relay for its peer)."""
+    localhost), "direct" (two ranks started here with the hostfile mlx.launch would write: no
+    launcher, whose output threads poll a whole core on this 2-core machine) or "relay" (two
+    ranks started here, each hostfile naming the relay for its peer)."""
     plan_path = folder / f"plan-{plan['label']}.json"
     plan["out"] = str(folder / f"result-{plan['label']}.json")
     for stale in (plan["out"], plan["out"] + ".rank1"):
@@ -521,7 +523,8 @@ def run_ranks(plan: dict, folder: Path, how: str, relay: DelayRelay = None, time
         procs = [subprocess.Popen(launch, env=env, stdout=log, stderr=log, start_new_session=True)]
     else:
         real = [free_port(), free_port()]
-        via = [relay.relay(real[1]), relay.relay(real[0])]  # rank 0 reaches rank 1 through via[0]
+        # rank 0 reaches rank 1 through via[0]
+        via = [relay.relay(real[1]), relay.relay(real[0])] if how == "relay" else [real[1], real[0]]
         procs = []
         for r in (0, 1):
             hosts = [[f"127.0.0.1:{real[0]}"], [f"127.0.0.1:{via[0]}"]] if r == 0 else \
@@ -581,6 +584,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="part 2 runs every prompt this many times, plain and "
                     "DFlash interleaved (the order flips each time); more than 1 writes the repeats' report "
                     "(medians and spreads, distributed_carry_report.py)")
+    ap.add_argument("--ranks", choices=("launch", "direct"), default="launch",
+                    help="part 2's two ranks: under mlx.launch, or started directly with the same hostfile")
     ap.add_argument("--quick", action="store_true", help="1 prompt, 16 tokens, delays 0 and 2 ms")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -597,6 +602,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     work = out / "work"
     work.mkdir(exist_ok=True)
+    (out / ".gitignore").write_text("work/\n")  # plans, logs and a tokenizer: not results
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     widths = [w if w in ("auto", "draft") else int(w) for w in args.widths.split(",")]
     delays = [float(d) for d in args.delays.split(",")]
@@ -650,8 +656,8 @@ def main():
                    settings=[{"label": "2 ranks" + tag(k), "delay_ms": None} for k in range(args.repeats)])
         stage(f"part 2: {kind}, 1 process")
         r1 = run_ranks(one, work, "one")
-        stage(f"part 2: {kind}, 2 ranks (mlx.launch)")
-        r2 = run_ranks(two, work, "launch")
+        stage(f"part 2: {kind}, 2 ranks ({'mlx.launch' if args.ranks == 'launch' else 'started directly'})")
+        r2 = run_ranks(two, work, args.ranks)
         results["split"][kind] = {"one": r1, "two": r2}
         save()
     relay = DelayRelay()

@@ -9,7 +9,7 @@ from collections import Counter
 from statistics import median
 from typing import List
 
-from distributed_report import HOPS, _git, pooled
+from distributed_report import HOPS, _git, pooled, read_about
 
 RUN = "auto"
 # The pipeline target's draft (distributed_bench.make_draft: random_draft(num_layers=2)) taps 2 target
@@ -101,11 +101,15 @@ def write_carry_report(out: Path):
     n_rep = res["config"]["repeats"]
     m0, m1 = res.get("machine_start", {}), res.get("machine_end", {})
     when = m0.get("date") or time.strftime("%Y-%m-%dT%H:%M:%S")
-    L = ["# DFlash on a split target, with nothing added to the verify's collectives (issue 40, second round)", ""]
+    about = read_about(out)
+    L = [about[0] if about else
+         "# DFlash on a split target, with nothing added to the verify's collectives (issue 40, second round)", ""]
     L.append(f"`{res['command']}`, {when}, {_git(res.get('git'))}; {res.get('seconds', 0):.0f} s in all; "
              f"MLX {m0.get('mlx_version', '?')} on its CPU backend, mlx-lm {m0.get('mlx_lm_version', '?')}, "
              "float32, OPENBLAS_NUM_THREADS=1, every two-rank run under the shared benchmark lock; a 2-core "
              "machine shared with other agents' jobs (load below).")
+    ranks = ("`mlx.launch -n 2 --backend ring` (localhost)" if res["config"].get("ranks", "launch") == "launch"
+             else "two ranks started directly with the ring hostfile `mlx.launch` writes (localhost; no launcher)")
     L += ["", "Same targets, draft, prompts and accept-length draws as the first round "
           "([20261203-distributed](../20261203-distributed/README.md), part 1 reused from there: SmolLM2-135M's "
           "block-16 accept lengths, tau 1.47): a llama of SmolLM2's shape (8/2 heads, 30 layers) tensor parallel and "
@@ -113,10 +117,11 @@ def write_carry_report(out: Path):
           "runs a real draft forward and is right for k tokens a cycle, k drawn from those accept lengths. DFlash at "
           "`auto`, chains only. Plain decoding is mlx-lm's `stream_generate` on the same model. "
           f"Each setting runs the 3 prompts {n_rep} times, plain and DFlash interleaved (which goes first flips "
-          "every prompt and every repeat), in one process or in one `mlx.launch -n 2 --backend ring` (localhost); "
+          f"every prompt and every repeat), in one process or in one run of {ranks}; "
           "each repeat learns its widths afresh (`forget_sizers`) and pools its tok/s over the prompts (all "
           "tokens / all time). Medians over the repeats, (min–max) beside them. "
           "Every DFlash answer was compared with plain decoding's, token by token.", "",
+          about[1] if about else
           "What changed since the first round: a pipeline's taps ride on the model's own hand-off and final "
           "all_gather (`models/target/pipeline_carry.py`), and so does rank 0's cycle time (one more row); on a "
           "tensor split the cycle times go 8 at a time in one all_sum (`engine/distributed.py`).", ""]

@@ -4,7 +4,7 @@ import json
 from collections import Counter
 from pathlib import Path
 from statistics import mean
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 HOPS = {"all_sum": 2, "all_max": 2, "all_min": 2, "sum_scatter": 1, "all_gather": 1, "recv": 1, "recv_like": 1,
         "send": 0}  # one-way trips on rank 0's critical path per op, 2 ranks (ring: all_sum = reduce + gather)
@@ -82,11 +82,23 @@ def _speedups(r: dict, width: str):
     return out
 
 
+def read_about(out: Path) -> Optional[Tuple[str, str]]:
+    """(title line, what changed) of a later round's folder (`about.md`: the title, then
+    paragraphs), or None for the round the report's own words describe."""
+    path = Path(out) / "about.md"
+    if not path.exists():
+        return None
+    title, _, text = path.read_text().strip().partition("\n")
+    return title, text.strip()
+
+
 def write_report(out: Path):
     res = json.loads((Path(out) / "results.json").read_text())
     cfg = res["config"]
     width = str(cfg["widths"].split(",")[0])
-    L = ["# DFlash on a target split over two processes (issue 40)", ""]
+    about = read_about(out)
+    notes = Path(out) / "notes.md"  # a later round's reading of its numbers, by hand
+    L = [about[0] if about else "# DFlash on a target split over two processes (issue 40)", ""]
     L += [f"`{res['command']}`, {res['machine_start']['date']}, {res['machine_start']['cpu']} "
           f"({res['machine_start']['cpu_count']} cores, shared with other agents' jobs), MLX "
           f"{res['machine_start']['mlx_version']} on its CPU backend, mlx-lm {res['machine_start']['mlx_lm_version']}, "
@@ -104,6 +116,8 @@ def write_report(out: Path):
           "block-16 accept lengths (same seed in every setting). DFlash here is chains only (no copies, no token "
           "trees) at the width shown; plain decoding is mlx-lm's own `stream_generate` on the same (split) model. "
           "Every DFlash answer was compared with plain decoding's, token by token.", ""]
+    if about:
+        L += [about[1], ""]
 
     # part 1
     sm = res["smollm2"]
@@ -216,13 +230,14 @@ def write_report(out: Path):
     L.append("")
     if curves:
         _plot(curves, single, Path(out) / "speedup_vs_latency.png")
-        L += ["![speed-up vs added link delay](speedup_vs_latency.png)", "",
-              "The measured op cost does not follow the added delay: at +0 ms one all_sum already costs milliseconds "
-              "here, and from setting to setting it moves with the machine's load more than with the delay (the ranks, "
-              "the relay's threads and other jobs share 2 cores; the ring backend's socket threads poll while they "
-              "wait). Single 24-token runs on such a machine move by 2x from setting to setting: read the measured "
-              "speed-ups as noise around the model, which the next section builds from the parts that are steady "
-              "(op counts, tau, one-process compute).", ""]
+        L += ["![speed-up vs added link delay](speedup_vs_latency.png)", ""]
+        if not about:
+            L += ["The measured op cost does not follow the added delay: at +0 ms one all_sum already costs "
+                  "milliseconds here, and from setting to setting it moves with the machine's load more than with the "
+                  "delay (the ranks, the relay's threads and other jobs share 2 cores; the ring backend's socket threads "
+                  "poll while they wait). Single 24-token runs on such a machine move by 2x from setting to setting: "
+                  "read the measured speed-ups as noise around the model, which the next section builds from the parts "
+                  "that are steady (op counts, tau, one-process compute).", ""]
     if models:
         _plot_model(models, Path(out) / "speedup_vs_op_cost.png")
         L += ["### The model: speed-up as a function of what one all_sum costs", "",
@@ -268,6 +283,9 @@ def write_report(out: Path):
                  f"{_f(tau)}: {'met' if sp.get('two_ops') and tau and sp['two_ops'] >= 0.95 * tau else '**not met**'}.")
     L.append("")
     L += ["## What this shows", ""]
+    if notes.exists():
+        (Path(out) / "README.md").write_text("\n".join(L + [notes.read_text().strip(), ""]))
+        return
     for kind, parts in res.get("split", {}).items():
         two = parts.get("two")
         if not two:
