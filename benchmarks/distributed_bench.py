@@ -142,6 +142,9 @@ class MeasuredDraft:
     def make_cache(self):
         return self.inner.make_cache()
 
+    def fused_taps(self):
+        return self.inner.fused_taps()
+
     def inject(self, features, cache):
         self.inner.inject(features, cache)
 
@@ -349,7 +352,9 @@ def worker(plan_path: str):
     draft = MeasuredDraft(make_draft(plan["target"], model), plan["rights"], TARGETS[plan["target"]][0]["vocab_size"])
     tok = load_tokenizer(Path(plan["tokenizer"]))
     prompts, T, widths = plan["prompts"], plan["max_tokens"], plan["widths"]
-    result = {"target": plan["target"], "mode": mode if n > 1 else "whole", "processes": n, "settings": []}
+    result = {"target": plan["target"], "mode": mode if n > 1 else "whole", "processes": n, "settings": [],
+              # how a pipeline's features travel (pipeline_carry): shares of the draft's fc, or its taps
+              "features": ("fc" if draft.fused_taps() is not None else "taps") if n > 1 and mode == "pipeline" else None}
     if counter:  # the probe builds graphs only: nothing runs
         result["per_forward"] = per_forward(model, counter)
     total = len(plan["settings"]) * len(prompts) * (1 + len(widths))

@@ -66,16 +66,18 @@ def counts(result: dict, rank: int) -> dict:
 def pipeline_bytes(result: dict, kind: str, hidden: int) -> dict:
     """Bytes rank 0 sends per DFlash cycle (float32 rows, 2 ranks: its all_gather sends its input once)
     for each transport, over the cycles' measured widths: the taps gathered by an all_sum beside the
-    forward (the earlier design, with the cycle time's own all_sum), the taps carried (this one, with
-    the rider row), the draft's `fc` product carried instead of its inputs (a rider row too)."""
+    forward (the first design, with the cycle time's own all_sum), the taps carried (with the rider
+    row), each rank's share of the draft's `fc` carried instead of its inputs (a rider row too); the
+    run's own (`features` in its results; runs before it was recorded carried the taps) marked."""
     taps, dh = DRAFT[kind]["taps"], DRAFT[kind]["hidden"]
     widths = [w for r in _all_runs(result, RUN) for w in r.get("widths", [])]
     row = sum(widths) / len(widths) * hidden * 4  # one [1, w, H] float32 block, mean over the cycles
+    used = result.get("features", "taps")
     return {"mean_width": sum(widths) / len(widths),
             "plain step (1 row)": hidden * 4,
             "gather: all_sum of the taps + the time's all_sum": row + taps * row + 8,
-            "carry the taps (this run)": (1 + taps + 1) * row,
-            "carry fc's product": (1 + dh / hidden + 1) * row}
+            "carry the taps" + (" (this run)" if used == "taps" else ""): (1 + taps + 1) * row,
+            "carry fc's share" + (" (this run)" if used == "fc" else ""): (1 + dh / hidden + 1) * row}
 
 
 def _widths(result: dict) -> str:

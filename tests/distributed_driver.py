@@ -30,12 +30,24 @@ from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
 PROMPT_LEN, MAX_TOKENS = 9, 11
 COLLECTIVES = {}  # "arch/mode" -> what answer_collectives counted
+TRANSPORTS = {}  # "arch/pipeline" -> what transports measured
 
 
 def build(key: str):
     if key in TINY_CONFIGS:
         return tiny_target(key, seed=1)[0]
     return archs.build(key)
+
+
+def taps_of(whole) -> list:
+    """Draft taps on the first, middle and last layers of the whole model: a pipeline's two ranks
+    each hold one at least, so what the features travel in (taps, or shares of fc) comes from both."""
+    n = Target(whole).num_layers
+    return sorted({0, n // 2, n - 1})
+
+
+def draft_for(model, taps):
+    return random_draft(model, num_layers=1, block_size=16, seed=3, target_layer_ids=taps)
 
 
 def run(model, draft, tok, prompt, **kw):
@@ -61,7 +73,8 @@ class Collectives:
     OPS = ("all_sum", "all_gather", "send", "recv", "recv_like", "all_max", "all_min", "sum_scatter")
 
     def __enter__(self):
-        self.calls, self.originals = {}, {n: getattr(mx.distributed, n) for n in self.OPS if hasattr(mx.distributed, n)}
+        self.calls, self.sent = {}, 0  # sent: the bytes of what this rank's sends, gathers and sums took
+        self.originals = {n: getattr(mx.distributed, n) for n in self.OPS if hasattr(mx.distributed, n)}
         for name, fn in self.originals.items():
             setattr(mx.distributed, name, self._counted(name, fn))
         return self
@@ -69,6 +82,8 @@ class Collectives:
     def _counted(self, name, fn):
         def counted(*args, **kwargs):
             self.calls[name] = self.calls.get(name, 0) + 1
+            if name not in ("recv", "recv_like") and args and isinstance(args[0], mx.array):
+                self.sent += args[0].nbytes
             return fn(*args, **kwargs)
         return counted
 
@@ -98,10 +113,10 @@ def answer_collectives(model, draft, tok, prompt) -> dict:
 UNRIDDEN = ("qwen3_5",)
 
 
-def unridden(key: str, mode: str, tok, prompt) -> dict:
+def unridden(key: str, mode: str, tok, prompt, taps) -> dict:
     model = build(key)
     split(model, mode)
-    draft = random_draft(model, num_layers=1, block_size=16, seed=3)
+    draft = draft_for(model, taps)
     target = draft.target
     target._carries, target._ride_slot = False, None
     from mlx_lm.models.cache import make_prompt_cache
@@ -113,17 +128,37 @@ def unridden(key: str, mode: str, tok, prompt) -> dict:
     return dict(answer, collectives=counted.calls, forward_sums=own.calls.get("all_sum", 0))
 
 
+def transports(draft, prompt, whole_features) -> dict:
+    """A pipeline prefill's features sent as taps and as shares of the draft's fc: how far each is
+    from the whole model's (features, and fc of them) and the bytes this rank sent for the forward."""
+    target, ids = draft.target, draft.config.target_layer_ids
+    out = {}
+    for name, fuse in (("taps", None), ("fc", draft.fused_taps())):
+        with Collectives() as sent:
+            _, features, _ = target.forward(mx.array(prompt)[None], target.make_cache(), ids, fuse=fuse)
+            mx.eval(features)
+        expected = whole_features if fuse is None else draft.fc(whole_features)
+        out[name] = {"diff": mx.abs(features - expected).max().item(), "bytes": sent.sent,
+                     "shape": list(features.shape)}
+    return out
+
+
 def cases(key: str, tok):
     whole = build(key)
     prompt, ref = clean_case(whole, PROMPT_LEN, MAX_TOKENS, seed=5)
     tensor, pipeline = modes_of(whole)
-    del whole
+    whole_target, taps = Target(whole), taps_of(whole)
+    _, whole_features, _ = whole_target.forward(mx.array(prompt)[None], whole_target.make_cache(), taps)
+    mx.eval(whole_features)
+    del whole, whole_target
     out = {}
     for mode in [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]:
         model = build(key)
         split(model, mode)
         name = f"{key}/{mode}"
-        draft = random_draft(model, num_layers=1, block_size=16, seed=3)
+        draft = draft_for(model, taps)
+        if mode == "pipeline":
+            TRANSPORTS[name] = transports(draft, prompt, whole_features)
         for width in (4, "auto") + (MORE_WIDTHS.get(key, ()) if mode == "tensor" else ()):
             out[f"{name}/random/{width}"] = dict(run(model, draft, tok, prompt, block_size=width), ref=ref)
         # right for a varying number of tokens: partial accepts, every rollback path
@@ -134,7 +169,7 @@ def cases(key: str, tok):
             out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
         out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
         if key in UNRIDDEN:
-            out[f"{name}/unridden/auto"] = dict(unridden(key, mode, tok, prompt), ref=ref)
+            out[f"{name}/unridden/auto"] = dict(unridden(key, mode, tok, prompt, taps), ref=ref)
         COLLECTIVES[name] = answer_collectives(model, draft, tok, prompt)
     return out
 
@@ -165,7 +200,7 @@ def main():
         except Exception:  # reported per architecture; the other ranks fail alike or hang (the test's timeout)
             result["errors"][key] = traceback.format_exc()
         result["seconds"][key] = time.perf_counter() - t0
-    result["collectives"] = COLLECTIVES
+    result["collectives"], result["transports"] = COLLECTIVES, TRANSPORTS
     cli = os.environ.get("DRIVER_CLI")  # "model.gguf draft-folder": the CLI and the server under --distributed
     if cli:
         result["cli"] = run_cli(*cli.split(), os.path.join(folder, f"cli{rank}.out"))

@@ -140,6 +140,19 @@ def test_a_pipeline_cycle_builds_exactly_the_models_own_collectives(ranks):
         assert c["answer"] == dict(hops, all_sum=1), (rank, key, c)
 
 
+def test_a_pipeline_sends_the_taps_share_of_fc_in_fewer_bytes_than_the_taps(ranks):
+    """Taps on layers both ranks hold: sent as taps they equal the whole model's exactly; sent as
+    each rank's share of the draft's fc (what the engine sends: `fused_taps`) they equal fc of the
+    whole model's up to rounding, and the forward sends fewer bytes (2 rows a token, not 1 + 3)."""
+    for rank in ranks:
+        assert {k.split("/")[0] for k in rank["transports"]} >= {"qwen3_5", "qwen3_next"}
+        for key, t in rank["transports"].items():
+            taps, fc = t["taps"], t["fc"]
+            assert taps["diff"] == 0 and fc["diff"] < 1e-5, (key, t)
+            assert fc["shape"][-1] * 3 == taps["shape"][-1], (key, t)
+            assert fc["bytes"] < 0.75 * taps["bytes"], (key, t)
+
+
 def test_a_tensor_cycle_builds_exactly_the_models_own_sums(ranks):
     """Rank 0's cycle times ride on one of the layers' own all_sums (`tensor_ride`): an answer
     builds the forward's all_sums once for its prefill and once a cycle, and one for the request

@@ -76,6 +76,56 @@ def test_a_refused_carry_gathers_the_taps_instead(monkeypatch):
     assert target.sharding.rider.outbox == [0.5]  # nothing carried it: it waits for an all_sum
 
 
+def _draft_for(target: Target):
+    from dflash_mlx.models.draft.checkpoints import random_draft
+
+    draft = random_draft(target.model, num_layers=1, block_size=4, target_layer_ids=TAPS)
+    assert draft.fused_taps() is draft.fc
+    return draft
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_pipeline_sends_the_taps_share_of_the_drafts_fc_and_the_draft_takes_it_as_fused(refused, monkeypatch):
+    """With the draft's fc handed in, a carried (or, refused, all_sum-gathered) forward returns
+    fc(features) [B, S, H]: in one stage exactly the plain forward's features through fc, and the
+    draft's `fuse` of it equals its `fuse` of the plain taps."""
+    model = tiny_target("qwen3_5", seed=1)[0]
+    plain, carried = Target(model), _one_stage(Target(model))
+    draft = _draft_for(plain)
+    if refused:
+        monkeypatch.setattr(Carry, "set_aside", lambda self, x: (_ for _ in ()).throw(CarryRefused))
+    tokens = mx.array([[3, 5, 7, 11], [2, 4, 6, 8]])
+    h0, f0, _ = plain.forward(tokens, plain.make_cache(), TAPS, record=True)
+    h1, f1, _ = carried.forward(tokens, carried.make_cache(), TAPS, record=True, fuse=draft.fused_taps())
+    assert carried._carries is not refused
+    assert mx.array_equal(h0, h1) and f1.shape == (2, 4, plain.hidden_size)
+    assert mx.array_equal(f1, draft.fc(f0)) and mx.array_equal(draft.fuse(f1), draft.fuse(f0))
+
+
+def test_fcs_share_is_carried_in_two_rows_a_token_whatever_the_taps():
+    features = [None] * 5
+    assert Carry(3, features, [], 0).rows == 3 * 6
+    assert Carry(3, features, [0.5], 0, fuse=lambda x: x).rows == 3 * 2 + 1
+    assert Carry(3, [], [0.5], 0, fuse=lambda x: x).rows == 3 + 1  # no taps: nothing to fuse
+
+
+def test_a_rank_without_a_tapped_layer_passes_the_share_on_unchanged():
+    carry = Carry(1, [None, None], [], 1, fuse=lambda x: 1 / 0)  # never called: nothing to add
+    carry.aside = mx.arange(2 * 8, dtype=mx.float32).reshape(2, 1, 8)[:1]
+    out = carry.append(mx.ones((1, 1, 8)))
+    assert out.shape == (2, 1, 8) and mx.array_equal(out[1], carry.aside[0])
+
+
+def test_one_tap_is_not_fused_on_the_way():
+    from dflash_mlx.models.draft.checkpoints import random_draft
+
+    model = tiny_target("llama", seed=1)[0]
+    draft = random_draft(model, num_layers=1, block_size=4, target_layer_ids=[1])
+    assert draft.fused_taps() is None
+    features = mx.ones((1, 2, Target(model).hidden_size))  # as wide as fused: still through fc
+    assert mx.array_equal(draft.fuse(features), draft.hidden_norm(draft.fc(features)))
+
+
 class _Split:
     def __init__(self, kind):
         self.sharding = Sharding(kind, mx.distributed.init())

@@ -66,13 +66,13 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
             [mx.concatenate([l, p.tokens], axis=1) if p is not None else l for l, p in zip(lasts, proposals)],
             axis=0)  # [B, width]
         mx.async_eval(verify_in)
-        layer_ids = rows[0].drafter.layer_ids
+        layer_ids, fuse = rows[0].drafter.layer_ids, rows[0].drafter.fuse
         if width > 1:
             for c in cache:
                 for sub in sub_caches(c):
                     in_temporal_order(sub)
         h, feats, record = target.forward(verify_in, for_forward(cache, kinds, head_axis), layer_ids,
-                                          record=width > 1)
+                                          record=width > 1, fuse=fuse)
         logits = target.logits(h)  # [B, width, V]
         if all(isinstance(r.acceptor, GreedyAcceptor) for r in rows):  # one acceptance for the batch
             accept_len, committed = rows[0].acceptor.accept(

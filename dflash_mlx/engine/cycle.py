@@ -67,7 +67,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
             if start == 0:
                 drafter.absorb(None)
             chunk = mx.array(new_ids[start : start + step_size])[None]
-            h, feats, _ = target.forward(chunk, cache, drafter.layer_ids)
+            h, feats, _ = target.forward(chunk, cache, drafter.layer_ids, fuse=drafter.fuse)
             drafter.absorb(feats)
             mx.eval([c.state for c in cache], h)
             if state.draft_cache:
@@ -133,7 +133,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     with mx.stream(generation_stream):
         if copy_tree is not None:
             width = len(copy_tree.tree)
-            tree_run = verify_token_tree(target, acceptor, cache, copy_tree.tree, drafter.layer_ids)
+            tree_run = verify_token_tree(target, acceptor, cache, copy_tree.tree, drafter.layer_ids, drafter.fuse)
             feats, record = tree_run.features, None
         elif use_tree:
             tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
@@ -152,7 +152,8 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             else:
                 proposal, verify_in = None, last[:, None]
             timer.mark("draft", verify_in)
-            h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1)
+            h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1,
+                                             fuse=drafter.fuse)
             pieces = []  # (first row, logits [1, rows, V]) of each head piece, kept only for logprobs
 
             def row_logits(start, stop):

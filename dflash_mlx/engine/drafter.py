@@ -18,6 +18,7 @@ class PlainDecoding:
 
     draft = None
     layer_ids: List[int] = []
+    fuse = None
 
     def absorb(self, features):
         pass
@@ -41,6 +42,8 @@ class DraftContext:
         self.draft = draft
         self.state = state
         self.layer_ids = list(draft.config.target_layer_ids)
+        # a split target may send the taps' share of the draft's fc instead of the taps
+        self.fuse = getattr(draft, "fused_taps", lambda: None)()
 
     def take_pending(self) -> Optional[mx.array]:
         """The features waiting for the next draft forward, handed over (none wait after)."""

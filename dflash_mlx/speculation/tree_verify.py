@@ -42,15 +42,16 @@ def verify_tree(target, drafter, acceptor, cache: List[Any], last: mx.array, wid
     ids, logprobs = draft_top_k(draft, draft_logits, own)
     mx.eval(ids, logprobs)
     tree = build_tree(int(last.item()), np.array(ids), np.array(logprobs), width - 1)
-    return verify_token_tree(target, acceptor, cache, tree, drafter.layer_ids)
+    return verify_token_tree(target, acceptor, cache, tree, drafter.layer_ids, drafter.fuse)
 
 
-def verify_token_tree(target, acceptor, cache: List[Any], tree: TokenTree, layer_ids: List[int]) -> TreeVerify:
+def verify_token_tree(target, acceptor, cache: List[Any], tree: TokenTree, layer_ids: List[int],
+                      fuse=None) -> TreeVerify:
     """Verify every node of `tree` (its root the last committed token) in one target forward
     and walk down to what the target accepts (one host sync). Its nodes are fixed tokens:
     a draft's tree or a copy tree (`copy_tree`) alike."""
     start = cache[0].offset
-    h, feats, _ = target.forward(mx.array([tree.tokens]), cache, layer_ids, tree=tree)
+    h, feats, _ = target.forward(mx.array([tree.tokens]), cache, layer_ids, tree=tree, fuse=fuse)
     logits = target.logits(h)[0]
     if isinstance(acceptor, GreedyAcceptor):
         choices = mx.argmax(logits, axis=-1)

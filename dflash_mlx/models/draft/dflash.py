@@ -195,9 +195,19 @@ class DFlashDraftModel(nn.Module):
             return context_kv.make_stacked_cache(self)
         return [ContextCache(layer.self_attn.window) for layer in self.layers]
 
+    def fused_taps(self) -> Optional[nn.Module]:
+        """What a target may apply to the taps before they reach `fuse`: `fc`, linear, so a split
+        target's ranks can each send their taps' share of it (`Target.forward(fuse=...)`); None
+        with one tap, whose share is as wide as the tap."""
+        linear = "bias" not in self.fc and len(self.config.target_layer_ids) > 1
+        return self.fc if linear else None
+
     def fuse(self, features: mx.array) -> mx.array:
-        """features: [B, S, n_tl*H] concatenated target layer outputs -> [B, S, H]."""
-        return self.hidden_norm(self.fc(features))
+        """features: [B, S, n_tl*H] concatenated target layer outputs, or [B, S, H] already
+        through `fc` (`fused_taps`; with n_tl > 1 the widths differ) -> [B, S, H]."""
+        if features.shape[-1] != self.config.hidden_size or len(self.config.target_layer_ids) == 1:
+            features = self.fc(features)
+        return self.hidden_norm(features)
 
     def inject(self, features: Optional[mx.array], cache: List[ContextCache]):
         if features is None:

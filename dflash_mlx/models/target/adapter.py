@@ -9,7 +9,7 @@ rollback of each cache kind is `dflash_mlx/models/target/rollback.py`.
 """
 
 from contextlib import nullcontext
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -189,6 +189,7 @@ class Target:
         layer_ids: Sequence[int] = (),
         record: bool = False,
         tree=None,
+        fuse: Optional[Callable[[mx.array], mx.array]] = None,
     ) -> Tuple[mx.array, Optional[mx.array], Optional[VerifyRecord]]:
         """tokens: [B, S] -> final hidden [B, S, H], features [B, S, n*H] (None if no taps), record.
 
@@ -197,10 +198,13 @@ class Target:
         replays). A quantized target's projections go through the small-M kernel when
         it is on and B*S fits its widths. `tree` (a `tree_attention.TokenTree` of S nodes):
         the tokens are its nodes, each seeing its ancestors at the position of its depth
-        (the caches' masks and the rotary embeddings are swapped for the call).
+        (the caches' masks and the rotary embeddings are swapped for the call). `fuse` (the
+        draft's linear map of the taps, `fused_taps`): a pipeline rank sends its taps' share of
+        it instead of the taps, and the features come back through it, [B, S, H]; elsewhere the
+        taps are in this process and nothing is sent, so it is not used.
         """
         if self.sharding is not None and self.sharding.kind == "pipeline":
-            return self._pipeline_forward(tokens, cache, layer_ids, record, tree)
+            return self._pipeline_forward(tokens, cache, layer_ids, record, tree, fuse)
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
@@ -216,7 +220,7 @@ class Target:
                 rider.inbox.append(summed.arrived)
         return h, (mx.concatenate(features, axis=-1) if layer_ids else None), rec
 
-    def _pipeline_forward(self, tokens, cache, layer_ids, record, tree):
+    def _pipeline_forward(self, tokens, cache, layer_ids, record, tree, fuse):
         """`forward` on a pipeline rank: the taps, and the rider values rank 0 has waiting, ride
         on the model's own hop and gather (`pipeline_carry`); where the model's pipeline cannot
         carry them (refused before anything ran), an all_sum gathers the taps and the rider
@@ -227,7 +231,7 @@ class Target:
             rec = VerifyRecord() if (record and self.recurrent) else None
             carrying = self._carries and (layer_ids or rider.outbox)
             ride = rider.outbox[: tokens.shape[1] * self.hidden_size] if carrying else []
-            carry = Carry(tokens.shape[0], features, ride, self.sharding.rank)
+            carry = Carry(tokens.shape[0], features, ride, self.sharding.rank, fuse)
             try:
                 with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
                         (carried(self.text_model, self._embedding_name, self.layers, carry) if carrying
@@ -242,7 +246,7 @@ class Target:
             if ride:
                 rider.inbox.append(carry.rider_values())
         else:
-            feats = gather_features(features, h, self.sharding) if layer_ids else None
+            feats = gather_features(features, h, self.sharding, fuse) if layer_ids else None
         # each rank's graph differs (its own layers, hops and gathers): queued now, every rank runs
         # this forward's collectives in call order, never interleaved with the next
         mx.async_eval([x for x in (h, feats, rider.inbox[-1] if ride else None) if x is not None])

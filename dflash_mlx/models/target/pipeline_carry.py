@@ -19,7 +19,11 @@ put back after; nothing patches mlx-lm):
                 are kept for the features
 
 The hop and the gather then move (1 + n_taps) x B rows instead of B: the features cost bytes,
-no trips. The rider row takes what rank 0 puts in `Rider.outbox` (its cycle times: see
+no trips. Where the draft's `fc` is handed in (`fuse`: linear, so the sum over ranks of each
+rank's share of it is the whole product) the carry has 2 x B rows whatever n_taps is: one set of
+rows holds the partial product, each rank adds its own taps' share, and what arrives is
+fc(features), [B, S, H] (the draft's `fuse` takes it as already through fc). Bytes a hop per
+token: (1 + n_taps) x H against 2 x H, so it is chosen wherever n_taps > 1 (`Target.forward`). The rider row takes what rank 0 puts in `Rider.outbox` (its cycle times: see
 `engine.distributed`) to every rank without a collective of its own.
 A pipeline that hands its layers more than one hidden state (DeepSeek V4's streams, Kimi K3's
 residual blocks) is refused at its first held layer, before any layer ran or any collective was
@@ -27,7 +31,7 @@ evaluated; the target then gathers its taps with an all_sum (`sharding.gather_fe
 """
 
 from contextlib import contextmanager
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
@@ -40,11 +44,15 @@ class CarryRefused(Exception):
 
 
 class Carry:
-    """One forward's carried rows: B token rows, `n_taps` x B tap rows, `ride` rider values."""
+    """One forward's carried rows: B token rows, `n_taps` x B tap rows (or B rows of fc's partial
+    product, with `fuse`), `ride` rider values."""
 
-    def __init__(self, batch: int, features: List[Optional[mx.array]], ride: List[float], rank: int):
+    def __init__(self, batch: int, features: List[Optional[mx.array]], ride: List[float], rank: int,
+                 fuse: Optional[Callable[[mx.array], mx.array]] = None):
         self.batch, self.features, self.ride, self.rank = batch, features, ride, rank
-        self.rows = batch * (1 + len(features)) + (1 if ride else 0)
+        self.fuse = fuse if features else None
+        self.feature_rows = (1 if self.fuse is not None else len(features)) * batch
+        self.rows = batch + self.feature_rows + (1 if ride else 0)
         self.aside: Optional[mx.array] = None  # the carried rows while this rank's layers run
         self.arrived: Optional[mx.array] = None  # the carried rows rank 0 sent every rank
 
@@ -59,16 +67,23 @@ class Carry:
         return x[: self.batch]
 
     def append(self, out: mx.array) -> mx.array:
-        """`out` [B, S, H] with the carried rows after it, this rank's taps and rider written in."""
-        b, n = self.batch, len(self.features)
-        parts = [f if f is not None else self.aside[i * b : (i + 1) * b] for i, f in enumerate(self.features)]
+        """`out` [B, S, H] with the carried rows after it, this rank's taps (or their share of fc)
+        and rider written in."""
+        b = self.batch
+        if self.fuse is None:
+            parts = [f if f is not None else self.aside[i * b : (i + 1) * b] for i, f in enumerate(self.features)]
+        else:
+            parts = [self.aside[:b]]
+            if any(f is not None for f in self.features):  # zeros where another rank holds the tap
+                mine = [f if f is not None else mx.zeros_like(out) for f in self.features]
+                parts = [parts[0] + self.fuse(mx.concatenate(mine, axis=-1)).astype(out.dtype)]
         if self.ride:
             if self.rank == 0:  # the last stage: its row is the one every rank gets
                 _, s, h = out.shape
                 values = mx.array(self.ride + [0.0] * (s * h - len(self.ride)), dtype=out.dtype)
                 parts.append(values.reshape(1, s, h))
             else:
-                parts.append(self.aside[n * b :])
+                parts.append(self.aside[self.feature_rows :])
         return mx.concatenate([out] + parts, axis=0)
 
     def take(self, x: mx.array) -> mx.array:
@@ -78,10 +93,13 @@ class Carry:
         return x[: self.batch]
 
     def tap_features(self) -> Optional[mx.array]:
-        """The draft's features [B, S, n*H] as rank 0 received them (every tap filled)."""
+        """The draft's features as rank 0 received them: [B, S, n*H] (every tap filled), or
+        [B, S, H] already through fc (with `fuse`)."""
         b, n = self.batch, len(self.features)
         if not n:
             return None
+        if self.fuse is not None:
+            return self.arrived[:b]
         return mx.concatenate([self.arrived[i * b : (i + 1) * b] for i in range(n)], axis=-1)
 
     def rider_values(self) -> Optional[mx.array]:
