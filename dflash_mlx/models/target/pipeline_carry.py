@@ -23,8 +23,9 @@ no trips. Where the draft's `fc` is handed in (`fuse`: linear, so the sum over r
 rank's share of it is the whole product) the carry has 2 x B rows whatever n_taps is: one set of
 rows holds the partial product, each rank adds its own taps' share, and what arrives is
 fc(features), [B, S, H] (the draft's `fuse` takes it as already through fc). Bytes a hop per
-token: (1 + n_taps) x H against 2 x H, so it is chosen wherever n_taps > 1 (`Target.forward`). The rider row takes what rank 0 puts in `Rider.outbox` (its cycle times: see
-`engine.distributed`) to every rank without a collective of its own.
+token: (1 + n_taps) x H against 2 x H, so the draft hands fc in wherever n_taps > 1
+(`DFlashDraftModel.fused_taps`). The rider row takes what rank 0 puts in `Rider.outbox` (its
+cycle times: see `engine.distributed`) to every rank without a collective of its own.
 A pipeline that hands its layers more than one hidden state (DeepSeek V4's streams, Kimi K3's
 residual blocks) is refused at its first held layer, before any layer ran or any collective was
 evaluated; the target then gathers its taps with an all_sum (`sharding.gather_features`).
