@@ -112,11 +112,14 @@ def launched(distributed) -> bool:
     import os
     import sys
 
+    from dflash_mlx.models import peers
     from dflash_mlx.models.sharded import world
 
     if world().size() < 2:
         raise CLIError("--distributed needs two or more processes: start it with mlx.launch "
                        "(e.g. mlx.launch -n 2 --backend ring --hostfile hosts.json ...)", EXIT_USAGE)
+    # a rank that ends ends the others, however the ranks were started (`models.peers`)
+    peers.watch(world())
     if world().rank() == 0:
         return True
     sys.stdout = open(os.devnull, "w")

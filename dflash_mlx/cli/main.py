@@ -47,7 +47,12 @@ def main(argv=None) -> int:
     else:
         prog, module_name, args = "dflash-mlx", "dflash_mlx.cli.run", argv
     try:
-        return importlib.import_module(module_name).main(args)
+        code = importlib.import_module(module_name).main(args)
+        if code == 0:  # a split target's other ranks see this rank end well (`models.peers`)
+            from dflash_mlx.models import peers
+
+            peers.done()
+        return code
     except KeyboardInterrupt:
         if debug:
             raise

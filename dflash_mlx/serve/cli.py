@@ -137,8 +137,7 @@ def main(argv=None) -> int:
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)
     _serve(config, worker)
-    failed = worker.failed or ("rank 0: the process that launched it is gone; stopping" if worker.ranks.orphaned()
-                               else None)
+    failed = worker.failed or worker.ranks.gone()
     if worker.ranks.size > 1 and not worker.ended.is_set():  # stuck in a collective: a rank is gone
         exit_now(f"dflash-mlx serve: {failed or 'rank 0: the other ranks did not stop'}")
     if failed:
@@ -161,7 +160,7 @@ def _serve(config, worker: Worker):
 
         async def on_tick(self, counter: int) -> bool:
             # the engine thread stopped on its own (a rank of a split target is gone): so does the server
-            return await super().on_tick(counter) or worker.failed is not None or worker.ranks.orphaned()
+            return await super().on_tick(counter) or worker.failed is not None or worker.ranks.gone() is not None
 
     Server(config).run()
 

@@ -14,7 +14,8 @@ it, so deciding a step runs no collective of its own.
 Ending: a collective that fails ends the worker with one line (`lost`). `follow` is the main
 thread of a rank other than 0: Ctrl-C (which reaches every rank on one machine) waits for
 rank 0's stop; SIGTERM, which mlx.launch sends every rank when one exits with an error, ends
-it at once; so does the launcher's being gone. A rank stuck in a collective whose peer died
+it at once; so does the launcher's being gone, or another rank's (`models.peers`, which also
+covers ranks started without mlx.launch). A rank stuck in a collective whose peer died
 mid-forward (MLX's ring backend does not always fail it) is ended by `end_within` or `exit_now`:
 Python's own exit would abort on that thread.
 """
@@ -28,6 +29,8 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
+from dflash_mlx.models import peers
+from dflash_mlx.models.peers import exit_now
 from dflash_mlx.models.sharded import share
 from dflash_mlx.options import GenerationOptions
 
@@ -67,9 +70,14 @@ class Ranks:
         shared = share(obj if obj else None, self.group)
         return obj if self.speaks else shared
 
-    def orphaned(self) -> bool:
-        """Whether the process that started this one (mlx.launch) is gone."""
-        return self.size > 1 and os.getppid() != self.parent
+    def gone(self) -> Optional[str]:
+        """Why this rank must stop though no rank stopped the run, in one line, or None: the
+        process that started it (mlx.launch) is gone, or another rank is (`models.peers`)."""
+        if self.size < 2:
+            return None
+        if os.getppid() != self.parent:
+            return f"rank {self.rank}: the process that launched it is gone; stopping"
+        return peers.gone()
 
 
 def lost(e: BaseException, ranks: Ranks) -> str:
@@ -103,22 +111,13 @@ def follow(worker) -> Optional[str]:
                 return f"rank {rank}: interrupted"
             if interrupts and time.monotonic() - interrupts[0] > GRACE_S:
                 return f"rank {rank}: interrupted, and rank 0 did not stop the run within {GRACE_S:.0f} s"
-            if worker.ranks.orphaned():
-                return f"rank {rank}: the process that launched it is gone; stopping"
+            gone = worker.ranks.gone()
+            if gone:
+                return gone
         return worker.failed
     finally:
         for n, handler in before.items():
             signal.signal(n, handler)
-
-
-def exit_now(line: str, code: int = 1):
-    """Print `line` and end this process at once. For a rank whose engine thread is still inside
-    an MLX collective: Python's own exit would stop that thread inside MLX, which aborts."""
-    try:
-        print(line, file=sys.stderr, flush=True)
-        sys.stdout.flush()
-    finally:
-        os._exit(code)
 
 
 def end_within(worker, seconds: float, said: Optional[str], stuck: str):
