@@ -8,7 +8,6 @@ tests/distributed_serve.py); skips cleanly where mlx.launch or the ring backend 
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, spli
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import EOS_ID, tiny_target
 from distributed_driver import MAX_TOKENS
+from ring_ports import free_port_pair
 
 # The issue's families, each under every parallelism mlx-lm gives it: Gated DeltaNet + a
 # vocabulary-split head (qwen3_5, both), the Qwen3-Next hybrid (pipeline only), sinks, windows and
@@ -33,21 +33,6 @@ DRIVER = Path(__file__).with_name("distributed_driver.py")
 def _launcher():
     found = shutil.which("mlx.launch") or str(Path(sys.executable).with_name("mlx.launch"))
     return found if Path(found).exists() else None
-
-
-def _free_ports():
-    """A port P with P and P+1 free (mlx.launch gives rank r port P+r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    pytest.skip("no two free consecutive ports")
 
 
 def _idle_launcher():
@@ -73,7 +58,7 @@ def _launch(out: Path):
 
     model = write_tiny_gguf(out / "tiny.gguf", "llama")
     save_draft(random_draft(model, num_layers=1, block_size=4), out / "draft")
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_free_ports()),
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
            "--python", sys.executable, str(DRIVER), str(out), *ARCHS]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", DRIVER_CLI=f"{out / 'tiny.gguf'} {out / 'draft'}",
                XDG_CACHE_HOME=str(out / "cache"))

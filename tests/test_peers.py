@@ -15,27 +15,16 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.models import peers
+from ring_ports import free_port_pair
 
 DRIVER = Path(__file__).with_name("peers_driver.py")
 GRACE = 1.0
 
 
-def _ports():
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            try:
-                a.bind(("127.0.0.1", 0))
-                b.bind(("127.0.0.1", a.getsockname()[1] + 1))
-                return a.getsockname()[1]
-            except OSError:
-                continue
-    pytest.skip("no two free consecutive ports")
-
-
 def _start(case: str, tmp_path: Path):
     if not mx.distributed.is_available("ring"):
         pytest.skip("MLX's ring backend is not available")
-    port = _ports()
+    port = free_port_pair()
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     env = dict(os.environ, MLX_HOSTFILE=str(hosts), OPENBLAS_NUM_THREADS="1")

@@ -79,11 +79,7 @@ class PeerWatch:
             if self.ended or self.gone is not None:
                 return
             self.gone = f"rank {self.rank}: {peer} is gone (it ended without ending the run); stopping"
-
-        def last_resort():
-            exit_now(self.gone)
-
-        timer = threading.Timer(self.grace_s, last_resort)
+        timer = threading.Timer(self.grace_s, exit_now, args=(self.gone,))
         timer.daemon = True
         timer.start()
 

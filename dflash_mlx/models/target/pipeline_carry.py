@@ -38,6 +38,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from dflash_mlx.models.target.rollback import StandIn, swaps
+from dflash_mlx.models.target.sharding import rank_share
 
 
 class CarryRefused(Exception):
@@ -75,9 +76,8 @@ class Carry:
             parts = [f if f is not None else self.aside[i * b : (i + 1) * b] for i, f in enumerate(self.features)]
         else:
             parts = [self.aside[:b]]
-            if any(f is not None for f in self.features):  # zeros where another rank holds the tap
-                mine = [f if f is not None else mx.zeros_like(out) for f in self.features]
-                parts = [parts[0] + self.fuse(mx.concatenate(mine, axis=-1)).astype(out.dtype)]
+            if any(f is not None for f in self.features):  # a rank holding no tap passes the sum on
+                parts = [parts[0] + rank_share(self.features, out, self.fuse)]
         if self.ride:
             if self.rank == 0:  # the last stage: its row is the one every rank gets
                 _, s, h = out.shape

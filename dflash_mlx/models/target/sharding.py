@@ -92,15 +92,18 @@ def gather_vocab(out: mx.array, group) -> mx.array:
     return parts.reshape(n, -1, size).transpose(1, 0, 2).reshape(*out.shape[:-1], n * size)
 
 
+def rank_share(features: List[Optional[mx.array]], like: mx.array,
+               fuse: Optional[Callable[[mx.array], mx.array]] = None) -> mx.array:
+    """This pipeline rank's part of the draft's features: its taps, zeros for the taps of layers
+    other ranks hold, [B, S, n*H]; with `fuse` (the draft's linear fc) that through fc, [B, S, H].
+    Summed over the ranks it is the whole (one rank holds each layer), exactly without `fuse`."""
+    local = mx.concatenate([f if f is not None else mx.zeros_like(like) for f in features], axis=-1)
+    return fuse(local).astype(like.dtype) if fuse is not None else local
+
+
 def gather_features(features: List[Optional[mx.array]], h: mx.array, sharding: Sharding,
                     fuse: Optional[Callable[[mx.array], mx.array]] = None) -> mx.array:
-    """The draft's features [B, S, n*H] on every pipeline rank: each rank fills the taps of the
-    layers it holds and zeros elsewhere, and the sum over ranks is exact (one rank holds each
-    layer). With `fuse` (the draft's linear fc) each rank sends its share of fc instead, and the
-    sum is fc(features) [B, S, H], up to rounding: n times fewer bytes. The sum waits on `h`
-    (whose gather ends the forward) so every rank runs its collectives in the same order."""
-    parts = [f if f is not None else mx.zeros_like(h) for f in features]
-    local = mx.concatenate(parts, axis=-1)
-    if fuse is not None:
-        local = fuse(local).astype(h.dtype)
-    return mx.distributed.all_sum(mx.depends(local, h), group=sharding.group)
+    """The draft's features on every pipeline rank: the all_sum of each rank's share
+    (`rank_share`; with `fuse`, n times fewer bytes). The sum waits on `h` (whose gather ends the
+    forward) so every rank runs its collectives in the same order."""
+    return mx.distributed.all_sum(mx.depends(rank_share(features, h, fuse), h), group=sharding.group)
