@@ -8,6 +8,7 @@ steps into text and statistics. Plain decoding is the same cycle with the null d
 (`engine.drafter.PlainDecoding`) at width 1.
 """
 
+import os
 from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -22,6 +23,9 @@ from dflash_mlx.models.target.adapter import target_for
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.speculation.accept import make_acceptor
 from dflash_mlx.speculation.suffix_index import SuffixIndex, make_suffix_index  # noqa: F401 (public path)
+
+
+DETERMINISTIC_ENV = "DFLASH_MLX_DETERMINISTIC"
 
 
 def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> List[int]:
@@ -60,6 +64,7 @@ def stream_generate(
     copy_proposals: bool = True,
     token_trees: bool = True,
     suffix_index: Optional[SuffixIndex] = None,
+    deterministic: Optional[bool] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -86,6 +91,10 @@ def stream_generate(
     verify a tree of the draft's likeliest continuations instead of its chain, when trees
     have committed more tokens at that width (`dflash_mlx.policy.trees`); at temperature > 0
     the tree is sampled down exactly (`dflash_mlx.speculation.tree.accept_sampled`).
+    `deterministic` (None: `DFLASH_MLX_DETERMINISTIC=1` turns it on): every target row runs in
+    the shapes plain decoding gives it, so greedy output is mlx-lm's token for token on GPU
+    kernels too, in every dtype, at the cost of the wide verify's speed
+    (`dflash_mlx.models.target.exact_rows`); chains and copies only, no token trees.
     """
     tokenizer = wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -93,6 +102,9 @@ def stream_generate(
         raise ValueError("the prompt is empty: give at least one token of input")
     use_draft = draft is not None and not baseline
     target = target_for(model, draft)
+    if deterministic is None:
+        deterministic = os.environ.get(DETERMINISTIC_ENV, "").strip() in ("1", "true", "on")
+    target.deterministic = deterministic  # refuses a target it cannot run exactly, in one line
     fixed_width(block_size, draft.block_size if use_draft else 1)  # ValueError for a bad one
     make_acceptor(temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling)  # checks
     if max_tokens < 1:

@@ -17,6 +17,7 @@ from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.exact_rows import prefill_bounds
 from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.policy.copies import CopyPolicy
 from dflash_mlx.policy.copy_trees import CopyTreePolicy
@@ -62,17 +63,18 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
-    for start in range(0, len(new_ids), step_size):
+    bounds = prefill_bounds(len(new_ids), step_size, target.deterministic)
+    for start, stop in bounds:
         with mx.stream(generation_stream):
             if start == 0:
                 drafter.absorb(None)
-            chunk = mx.array(new_ids[start : start + step_size])[None]
+            chunk = mx.array(new_ids[start:stop])[None]
             h, feats, _ = target.forward(chunk, cache, drafter.layer_ids, fuse=drafter.fuse)
             drafter.absorb(feats)
             mx.eval([c.state for c in cache], h)
             if state.draft_cache:
                 mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
-        if start + step_size < len(new_ids):
+        if stop < len(new_ids):
             yield chunk.shape[1]
     with mx.stream(generation_stream):
         logits = target.logits(h[:, -1, :])

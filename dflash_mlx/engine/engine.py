@@ -63,13 +63,16 @@ class BatchEngine:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_batch > 1:
-            reason = batch_support(self.target)
+            reason = ("deterministic mode runs one sequence in plain decoding's shapes" if self.target.deterministic
+                      else batch_support(self.target))
             if reason is not None:
                 raise UnsupportedTargetError(f"{self.target.name} cannot be batched: {reason}")
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.prefill_budget = prefill_budget
-        self.copy_proposals, self.token_trees, self.split_head = copy_proposals, token_trees, split_head
+        # a token tree's verify has no plain-decoding twin: deterministic mode verifies chains
+        self.copy_proposals, self.split_head = copy_proposals, split_head
+        self.token_trees = token_trees and not self.target.deterministic
         self.snapshot_prompts = snapshot_prompts
         if draft is not None:
             width = fixed_width(block_size, draft.block_size)

@@ -116,6 +116,14 @@ def sample_from_probs(probs: mx.array) -> mx.array:
     return mx.random.categorical(mx.log(probs))
 
 
+def greedy_choice(logits: mx.array) -> mx.array:
+    """logits [..., V] -> the target's greedy token [...], int32, as mlx-lm's `generate_step`
+    picks it: the argmax of the log-probabilities in the logits' own dtype. In bfloat16 or
+    float16, subtracting the logsumexp rounds neighbouring logits to one value, and the argmax
+    then takes the first of them, which the argmax of the raw logits need not be."""
+    return mx.argmax(logits - mx.logsumexp(logits, axis=-1, keepdims=True), axis=-1).astype(mx.int32)
+
+
 class GreedyAcceptor:
     """temperature 0: accept the longest prefix where the draft equals the target's argmax."""
 
@@ -124,7 +132,7 @@ class GreedyAcceptor:
 
     def first_token(self, logits: mx.array) -> mx.array:
         """logits [B, V] -> [B]"""
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+        return greedy_choice(logits)
 
     def accept(self, proposal: Optional[Proposal], logits: mx.array, draft=None):
         """logits: target logits [B, n+1, V] for [last, d1..dn].
@@ -132,7 +140,7 @@ class GreedyAcceptor:
         Returns (accept_length [B], committed [B, n+1]): committed[:, :a] are the
         accepted drafts, committed[:, a] is the target's own token (the bonus).
         """
-        choice = mx.argmax(logits, axis=-1).astype(mx.int32)
+        choice = greedy_choice(logits)
         if proposal is None or proposal.tokens.shape[1] == 0:
             return mx.zeros((logits.shape[0],), dtype=mx.int32), choice
         matches = (proposal.tokens == choice[:, :-1]).astype(mx.int32)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx.models.target.tree_attention import TokenTree
-from dflash_mlx.speculation.accept import GreedyAcceptor
+from dflash_mlx.speculation.accept import GreedyAcceptor, greedy_choice
 from dflash_mlx.speculation.tree import accept_greedy, accept_sampled, build_tree, draft_top_k
 
 
@@ -54,7 +54,7 @@ def verify_token_tree(target, acceptor, cache: List[Any], tree: TokenTree, layer
     h, feats, _ = target.forward(mx.array([tree.tokens]), cache, layer_ids, tree=tree, fuse=fuse)
     logits = target.logits(h)[0]
     if isinstance(acceptor, GreedyAcceptor):
-        choices = mx.argmax(logits, axis=-1)
+        choices = greedy_choice(logits)
         mx.eval(choices)
         path, bonus = accept_greedy(tree, choices.tolist())
     else:

@@ -18,6 +18,7 @@ from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 from dflash_mlx.models.draft.config import validate_for_target
 from dflash_mlx.models.target.tree_attention import rope_slots, tree_caches
 from dflash_mlx.models.target.head import TargetHead, find_lm_head
+from dflash_mlx.models.target import exact_rows
 from dflash_mlx.models.target.probe import check_forward
 from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
@@ -119,6 +120,7 @@ class Target:
         self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
                                 self.arch, self.hidden_size)
         self._rope_slots = None
+        self._deterministic = False  # every row in plain decoding's shapes (`exact_rows`)
         # whether a rollback re-runs the module a layer hands its recurrent state to, not the
         # layer (set by check_forward for layers whose calls a replay cannot cut, e.g. Kimi K3's)
         self.replay_mixers = False
@@ -157,7 +159,24 @@ class Target:
 
     def logits(self, h: mx.array, own_head: Optional[bool] = None) -> mx.array:
         """The logits mlx-lm's `Model.__call__` produces from final hidden states."""
+        if self._deterministic:
+            return exact_rows.logits_rows(lambda rows: self.vocab.logits(rows, own_head), h)
         return self.vocab.logits(h, own_head)
+
+    # -- deterministic mode -----------------------------------------------------
+
+    @property
+    def deterministic(self) -> bool:
+        """Whether every forward and LM head runs in plain decoding's shapes (`exact_rows`)."""
+        return self._deterministic
+
+    @deterministic.setter
+    def deterministic(self, on: bool):
+        if on:
+            reason = exact_rows.refusal(self)
+            if reason is not None:
+                raise UnsupportedTargetError(f"deterministic mode: {reason}")
+        self._deterministic = bool(on)
 
     # -- caches ---------------------------------------------------------------
 
@@ -205,6 +224,12 @@ class Target:
         """
         if self.sharding is not None and self.sharding.kind == "pipeline":
             return self._pipeline_forward(tokens, cache, layer_ids, record, tree, fuse)
+        if self._deterministic and record and tokens.shape[1] > 1:  # a verify, as plain decode steps
+            if tree is not None or tokens.shape[0] != 1:
+                raise UnsupportedTargetError("deterministic mode verifies one sequence's chain, not trees or batches")
+            h, feats = exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens,
+                                               len(layer_ids))
+            return h, feats, None
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None

@@ -1,0 +1,75 @@
+"""Deterministic mode: every target row runs in the shapes plain decoding gives it.
+
+On a GPU a 1-row decode and a k-row verify run different kernels (GEMV against GEMM,
+quantized qmv against qmm, one-query attention against many-query attention), whose sums
+round differently; in bfloat16, float16 or 4-bit the verify's argmax can then differ from
+plain decoding's at a near-tie, and the caches it writes differ in their last bits, so a
+later near-tie can flip too. Nothing short of the decode's own shapes is bit-identical to
+it, so deterministic mode (`Target.deterministic`) runs:
+
+  the prompt      as mlx-lm's `generate_step` does: all but its last token in chunks of
+                  `MLX_LM_PREFILL_STEP`, then the last token alone (`prefill_bounds`);
+  a verify        as one-token forwards, one per row, each on the caches the previous one
+                  left (`forward_rows`), queued as one graph: no host sync between rows;
+  the LM head     row by row (`logits_rows`).
+
+Every kernel then sees the shapes it sees in plain decoding, so greedy DFlash is plain
+decoding token for token in every dtype, on every backend. The price is that a verify
+costs its rows' decode steps (less the host syncs between them): on a GPU, where a wide
+verify is nearly free, this mode gives that up for exactness. Targets with recurrent
+state or sliding-window caches, split targets and batches of rows are refused (`refusal`): their verify does not
+decompose into plain decode steps without a path of their own.
+"""
+
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+
+# mlx-lm's generate_step(prefill_step_size=...) default: plain decoding's prompt chunks.
+MLX_LM_PREFILL_STEP = 2048
+
+
+def refusal(target) -> Optional[str]:
+    """Why `target` cannot run in deterministic mode, or None."""
+    if target.sharding is not None:
+        return f"{target.name} is split over processes: deterministic mode runs one process's decode shapes"
+    if target.recurrent:
+        return (f"{target.name} holds recurrent state (kinds {sorted(set(target.rollback_kinds()) - {'trim'})}): "
+                "deterministic mode rolls back by trimming attention caches only")
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from dflash_mlx.models.target.rollback import sub_caches
+
+    if any(isinstance(s, RotatingKVCache) for c in target.make_cache() for s in sub_caches(c)):
+        # one-token updates of a full window overwrite its oldest entries, which a rollback needs back
+        return f"{target.name} has sliding-window (rotating) caches: deterministic mode trims full caches only"
+    return None
+
+
+def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool) -> List[Tuple[int, int]]:
+    """(start, stop) of each prefill forward over `num_tokens` new prompt tokens: `step_size`
+    at a time, or plain decoding's chunks in deterministic mode."""
+    if not deterministic or num_tokens < 1:
+        return [(s, min(s + step_size, num_tokens)) for s in range(0, num_tokens, step_size)]
+    body = [(s, min(s + MLX_LM_PREFILL_STEP, num_tokens - 1)) for s in range(0, num_tokens - 1, MLX_LM_PREFILL_STEP)]
+    return body + [(num_tokens - 1, num_tokens)]
+
+
+def forward_rows(one_forward, tokens: mx.array, num_layer_ids: int):
+    """tokens [1, S] through `one_forward(tokens [1, 1]) -> (h, features, record)` one row
+    at a time: (h [1, S, H], features [1, S, n*H] or None)."""
+    hs, feats = [], []
+    for i in range(tokens.shape[1]):
+        h, f, _ = one_forward(tokens[:, i : i + 1])
+        hs.append(h)
+        if f is not None:
+            feats.append(f)
+    h = mx.concatenate(hs, axis=1)
+    return h, (mx.concatenate(feats, axis=1) if num_layer_ids and feats else None)
+
+
+def logits_rows(logits_of, h: mx.array) -> mx.array:
+    """h [B, S, H] -> logits [B, S, V], each row through the LM head alone."""
+    if h.ndim < 3 or h.shape[1] == 1:
+        return logits_of(h)
+    return mx.concatenate([logits_of(h[:, i : i + 1]) for i in range(h.shape[1])], axis=1)

@@ -1,0 +1,144 @@
+"""Deterministic mode (`models/target/exact_rows.py`): every target row runs in the shapes plain
+decoding gives it, so greedy DFlash equals mlx-lm's greedy decode token for token in every dtype,
+whatever the backend's kernels do with wider products. Here on the default device (the CPU in CI,
+a GPU where MLX has one), in float32 and bfloat16; targets it cannot run so are refused in one line.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+from dflash_mlx import stream_generate
+from dflash_mlx.engine.engine import BatchEngine
+from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP, prefill_bounds
+from dflash_mlx.models.target.rollback import UnsupportedTargetError
+from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, greedy_reference, tiny_target
+
+FULL_LLAMA = dict(layer_types=["full_attention"] * 4, sliding_window=None)
+
+
+def _model(arch, dtype, **overrides):
+    model, tok = tiny_target(arch, **overrides)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+    return model, tok
+
+
+def _decode(model, draft, tok, prompt, width, max_tokens, stops=()):
+    out, accepts = [], []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, block_size=width,
+                             stop_token_ids=list(stops), deterministic=True):
+        out += r.tokens
+        accepts = r.accept_lengths
+    return out, accepts
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", FULL_LLAMA)], ids=["qwen3", "llama"])
+def test_deterministic_greedy_is_mlx_lm_greedy(arch, overrides, dtype):
+    model, tok = _model(arch, dtype, **overrides)
+    for length in (1, 9, 33):
+        rng = random.Random(length)
+        prompt = [rng.randrange(0, 256) for _ in range(length)]
+        ref = greedy_reference(model, prompt, 24)
+        target = Target(model)
+        # a scripted draft right for a random number of tokens each cycle: rows are accepted,
+        # their cache entries kept, and rejected rows rolled back
+        rng_right = random.Random(length + 1)
+        right = [rng_right.randrange(0, 8) for _ in range(100)]
+        for width in (4, "draft"):
+            draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=8)
+            out, accepts = _decode(model, draft, tok, prompt, width, len(ref))
+            assert out == ref, (arch, length, width)
+            assert max(accepts) > 1, "the scripted draft should have been accepted in places"
+        for width in (1, "auto"):
+            out, _ = _decode(model, random_draft(model, num_layers=1, block_size=8, seed=3), tok, prompt, width,
+                             len(ref))
+            assert out == ref, (arch, length, width)
+
+
+def test_deterministic_stops_where_plain_decoding_stops():
+    model, tok = _model("qwen3", mx.bfloat16)
+    prompt = list(range(40, 60))
+    ref = greedy_reference(model, prompt, 20)
+    stop = ref[7]
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=8)
+    out, _ = _decode(model, draft, tok, prompt, "draft", 20, stops=[stop])
+    assert out == ref[: ref.index(stop) + 1]
+
+
+def test_a_deterministic_verify_runs_one_token_forwards():
+    model, tok = _model("qwen3", mx.float32)
+    target = Target(model)
+    seen = []
+    layer = target.layers[0]
+
+    class Spy:
+        def __call__(self, x, *args, **kwargs):
+            seen.append(x.shape[1])
+            return layer(x, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(layer, name)
+
+    prompt = list(range(30, 50))
+    ref = greedy_reference(model, prompt, 16)
+    draft = ScriptedDraft(target, prompt + ref, lambda c: 10**9, block_size=8)
+    target.layers[0] = Spy()
+    try:
+        out, accepts = _decode(model, draft, tok, prompt, "draft", 16)
+    finally:
+        target.layers[0] = layer
+    assert out == ref and max(accepts) == 7
+    # the prompt as mlx-lm runs it (all but the last token, then the last alone), then single rows
+    assert seen[:2] == [len(prompt) - 1, 1] and set(seen[2:]) == {1}
+
+
+def test_prefill_bounds_follow_mlx_lm():
+    n = MLX_LM_PREFILL_STEP + 52
+    assert prefill_bounds(n, 512, True) == [(0, MLX_LM_PREFILL_STEP), (MLX_LM_PREFILL_STEP, n - 1), (n - 1, n)]
+    assert prefill_bounds(1, 512, True) == [(0, 1)]
+    assert prefill_bounds(1100, 512, False) == [(0, 512), (512, 1024), (1024, 1100)]
+
+
+def test_targets_deterministic_mode_cannot_run_are_refused_in_one_line():
+    model, tok = _model("llama", mx.float32)  # two sliding-window layers
+    with pytest.raises(UnsupportedTargetError, match="sliding-window") as e:
+        list(stream_generate(model, None, tok, [1, 2, 3], max_tokens=4, deterministic=True))
+    assert "\n" not in str(e.value)
+    model, tok = _model("qwen3_5", mx.float32)  # Gated DeltaNet state
+    with pytest.raises(UnsupportedTargetError, match="recurrent state"):
+        list(stream_generate(model, None, tok, [1, 2, 3], max_tokens=4, deterministic=True))
+
+
+def test_a_deterministic_target_is_not_batched():
+    model, tok = _model("qwen3", mx.float32)
+    target = Target(model)
+    target.deterministic = True
+    with pytest.raises(UnsupportedTargetError, match="one sequence"):
+        BatchEngine(model, None, tok, max_batch=4, target=target)
+    target.deterministic = False
+    BatchEngine(model, None, tok, max_batch=4, target=target)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_bfloat16_greedy_takes_mlx_lm_argmax_of_log_probabilities(arch):
+    """Not deterministic mode: mlx-lm's greedy token is the argmax of logits - logsumexp in the
+    logits' dtype; in bfloat16 that rounding merges neighbours, and the first of them wins.
+    With the argmax of the raw logits, 6 of these 30 decodes differed from mlx-lm's."""
+    model, tok = _model(arch, mx.bfloat16)
+    for length in (1, 5, 9, 17, 33):
+        rng = random.Random(length)
+        prompt = [rng.randrange(0, 256) for _ in range(length)]
+        ref = greedy_reference(model, prompt, 24)
+        right = [random.Random(length + c).randrange(0, 8) for c in range(100)]
+        for width in (4, "draft"):
+            draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=8)
+            out = []
+            for r in stream_generate(model, draft, tok, prompt, max_tokens=24, block_size=width, stop_token_ids=[]):
+                out += r.tokens
+            assert out == ref, (arch, length, width)
