@@ -7,6 +7,14 @@ from dflash_mlx import blas as _blas
 
 _blas.enable()
 
+try:
+    import mlx.core  # noqa: E402,F401
+except ImportError as e:  # Linux: the `mlx` package alone, without a backend build
+    raise ImportError(
+        f"dflash-mlx: MLX cannot load its backend ({e}): on Linux install one, "
+        "pip install 'dflash-mlx[cpu]' (CPU) or 'dflash-mlx[cuda]' (NVIDIA GPU, driver >= 580)"
+    ) from e
+
 from dflash_mlx.models.draft.dflash import DFlashDraftModel  # noqa: E402
 from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError  # noqa: E402
 from dflash_mlx.generate import (  # noqa: E402

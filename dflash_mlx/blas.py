@@ -37,7 +37,7 @@ ENV_VAR = "DFLASH_MLX_BLAS"
 
 @dataclass
 class BlasState:
-    name: str  # "openblas" | "custom" | "reference" | "accelerate"
+    name: str  # "openblas" | "custom" | "reference" | "accelerate" | "gpu"
     detail: str
     path: Optional[str] = None
 
@@ -75,6 +75,9 @@ def _choose(quiet) -> BlasState:
         return BlasState("reference", f"{ENV_VAR}={choice}: MLX's bundled netlib BLAS")
     if sys.platform != "linux":
         return BlasState("reference", f"no BLAS routing on {sys.platform}")
+    gpu_build = _mlx_gpu_build()
+    if gpu_build is not None:  # the model's matmuls run on the GPU: nothing to route, no threads to set
+        return BlasState("gpu", f"MLX's CUDA build ({gpu_build}): matmuls on the GPU, no CPU BLAS routing")
 
     already = _global_openblas()
     if already is not None:
@@ -111,6 +114,19 @@ def _choose(quiet) -> BlasState:
         quiet,
     )
     return BlasState("reference", f"fallback: {why}")
+
+
+def _mlx_gpu_build() -> Optional[str]:
+    """The installed MLX CUDA build's distribution name (`mlx-cuda-13`, `mlx-cuda-12`), or None.
+    Read from package metadata, because `mlx.core` must not be imported before the routing."""
+    from importlib import metadata
+
+    for name in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def default_threads() -> int:

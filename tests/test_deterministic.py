@@ -125,6 +125,8 @@ def test_a_deterministic_target_is_not_batched():
     BatchEngine(model, None, tok, max_batch=4, target=target)
 
 
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                    reason="GPU kernels round 1-row and k-row products differently: there deterministic mode holds")
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_bfloat16_greedy_takes_mlx_lm_argmax_of_log_probabilities(arch):
     """Not deterministic mode: mlx-lm's greedy token is the argmax of logits - logsumexp in the

