@@ -103,13 +103,13 @@ def markdown(found: List[Dict[str, str]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(path: str, table: str):
-    """Replace the table between START and END in `path` (appended when absent), atomically."""
+def write(path: str, table: str, start: str = START, end: str = END):
+    """Replace the table between `start` and `end` in `path` (appended when absent), atomically."""
     with open(path) as f:
         text = f.read()
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + table.rstrip("\n") + rest.split(END, 1)[1]
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        text = head + table.rstrip("\n") + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + table
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", suffix=".tmp")
