@@ -38,7 +38,8 @@ def _decode(model, draft, tok, prompt, width, max_tokens, stops=()):
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", FULL_LLAMA)], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", FULL_LLAMA), ("llama", {}), ("gemma3_text", {})],
+                         ids=["qwen3", "llama", "llama-sliding", "gemma3"])
 def test_deterministic_greedy_is_mlx_lm_greedy(arch, overrides, dtype):
     model, tok = _model(arch, dtype, **overrides)
     for length in (1, 9, 33):
@@ -106,13 +107,21 @@ def test_prefill_bounds_follow_mlx_lm():
 
 
 def test_targets_deterministic_mode_cannot_run_are_refused_in_one_line():
-    model, tok = _model("llama", mx.float32)  # two sliding-window layers
-    with pytest.raises(UnsupportedTargetError, match="sliding-window") as e:
+    model, tok = _model("qwen3_5", mx.float32)  # Gated DeltaNet state
+    with pytest.raises(UnsupportedTargetError, match="recurrent state") as e:
         list(stream_generate(model, None, tok, [1, 2, 3], max_tokens=4, deterministic=True))
     assert "\n" not in str(e.value)
-    model, tok = _model("qwen3_5", mx.float32)  # Gated DeltaNet state
-    with pytest.raises(UnsupportedTargetError, match="recurrent state"):
-        list(stream_generate(model, None, tok, [1, 2, 3], max_tokens=4, deterministic=True))
+
+
+def test_a_deterministic_rollback_restores_a_full_sliding_window():
+    """Past its window a rotating cache's one-token updates overwrite its oldest entries:
+    the rows' rollback puts them back, so rejected rows leave no trace."""
+    model, tok = _model("llama", mx.float32, sliding_window=6)
+    prompt = list(range(60, 100))
+    ref = greedy_reference(model, prompt, 30)
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: c % 5, block_size=8)
+    out, accepts = _decode(model, draft, tok, prompt, "draft", 30)
+    assert out == ref and 0 in accepts and max(accepts) >= 3
 
 
 def test_a_deterministic_target_is_not_batched():

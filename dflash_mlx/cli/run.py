@@ -44,6 +44,9 @@ def build_parser():
                    help="plain decoding with the target alone: no draft, no copies (for comparison)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every target row in plain decoding's shapes: greedy output is mlx-lm's token for token "
+                        "on GPU kernels too, in every dtype, at the cost of the wide verify's speed")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--debug", action="store_true", help="show a traceback on errors (any subcommand)")
     return p
@@ -94,7 +97,7 @@ def run(args) -> int:
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, text, baseline=args.baseline,
-                                 **options.generate_kwargs()):
+                                 deterministic=args.deterministic or None, **options.generate_kwargs()):
             pieces.append(r.text)
             tokens.extend(r.tokens)
             last = r

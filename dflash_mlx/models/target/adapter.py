@@ -227,9 +227,8 @@ class Target:
         if self._deterministic and record and tokens.shape[1] > 1:  # a verify, as plain decode steps
             if tree is not None or tokens.shape[0] != 1:
                 raise UnsupportedTargetError("deterministic mode verifies one sequence's chain, not trees or batches")
-            h, feats = exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens,
-                                               len(layer_ids))
-            return h, feats, None
+            return exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens, cache,
+                                           len(layer_ids))
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
@@ -291,6 +290,9 @@ class Target:
         if num_rejected <= 0:
             return
         keep = num_tokens - num_rejected
+        if isinstance(record, exact_rows.RowsRecord):  # a deterministic verify's one-token rows
+            record.rollback(num_tokens, keep)
+            return
         for idx, (c, kind) in enumerate(zip(cache, self._replay_kinds)):
             if kind == "trim":
                 rollback_cache(c, num_rejected)

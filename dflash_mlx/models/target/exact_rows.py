@@ -16,12 +16,14 @@ it, so deterministic mode (`Target.deterministic`) runs:
 Every kernel then sees the shapes it sees in plain decoding, so greedy DFlash is plain
 decoding token for token in every dtype, on every backend. The price is that a verify
 costs its rows' decode steps (less the host syncs between them): on a GPU, where a wide
-verify is nearly free, this mode gives that up for exactness. Targets with recurrent
-state or sliding-window caches, split targets and batches of rows are refused (`refusal`): their verify does not
-decompose into plain decode steps without a path of their own.
+verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches
+and puts every other attention cache (sliding windows, chunks) back and replays the kept rows'
+updates (`RowsRecord`). Targets with recurrent state, split targets, token trees and batches of
+rows are refused (`refusal`, the engine): their verify has no plain-decoding twin here.
 """
 
-from typing import List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -35,15 +37,64 @@ def refusal(target) -> Optional[str]:
         return f"{target.name} is split over processes: deterministic mode runs one process's decode shapes"
     if target.recurrent:
         return (f"{target.name} holds recurrent state (kinds {sorted(set(target.rollback_kinds()) - {'trim'})}): "
-                "deterministic mode rolls back by trimming attention caches only")
-    from mlx_lm.models.cache import RotatingKVCache
-
-    from dflash_mlx.models.target.rollback import sub_caches
-
-    if any(isinstance(s, RotatingKVCache) for c in target.make_cache() for s in sub_caches(c)):
-        # one-token updates of a full window overwrite its oldest entries, which a rollback needs back
-        return f"{target.name} has sliding-window (rotating) caches: deterministic mode trims full caches only"
+                "deterministic mode rolls back attention caches only")
     return None
+
+
+class RowsRecord:
+    """What rolls a deterministic verify's caches back to its first `keep` rows.
+
+    A full KVCache trims. Any other attention cache (sliding windows: a full window's one-token
+    update overwrites its oldest entry; chunked attention: its front is dropped as the rows go
+    on) is put back as it was before the rows, and the calls that changed it are made again,
+    in order, up to the last kept row's update: plain decoding's own steps."""
+
+    CALLS = ("update_and_fetch", "maybe_trim_front")  # what the models call on a cache
+
+    def __init__(self, cache: List[Any]):
+        from mlx_lm.models.cache import KVCache
+
+        from dflash_mlx.models.target.rollback import sub_caches
+
+        self.trimmed = [c for entry in cache for c in sub_caches(entry) if type(c) is KVCache]
+        self.replayed = [c for entry in cache for c in sub_caches(entry) if type(c) is not KVCache]
+        # arrays are copied as new array objects: one-token updates assign into the cache's own
+        self.before = [{k: (v[...] if isinstance(v, mx.array) else v) for k, v in vars(c).items()}
+                       for c in self.replayed]
+        self.calls: List[List[Tuple[str, tuple]]] = [[] for _ in self.replayed]
+
+    @contextmanager
+    def recording(self):
+        """The rows' calls on each cache are kept (instance attributes on the caches, removed after)."""
+        for c, calls in zip(self.replayed, self.calls):
+            for name in self.CALLS:
+                if hasattr(c, name):
+                    def call(*args, _own=getattr(c, name), _name=name, _calls=calls):
+                        _calls.append((_name, args))
+                        return _own(*args)
+
+                    setattr(c, name, call)
+        try:
+            yield
+        finally:
+            for c in self.replayed:
+                for name in self.CALLS:
+                    vars(c).pop(name, None)
+
+    def rollback(self, num_rows: int, keep: int):
+        from dflash_mlx.models.target.rollback import rollback_cache
+
+        for c in self.trimmed:
+            rollback_cache(c, num_rows - keep)
+        for c, before, calls in zip(self.replayed, self.before, self.calls):
+            vars(c).clear()
+            vars(c).update(before)
+            updates = 0
+            for name, args in calls:
+                if updates == keep:
+                    break
+                getattr(c, name)(*args)
+                updates += name == "update_and_fetch"
 
 
 def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool) -> List[Tuple[int, int]]:
@@ -55,17 +106,19 @@ def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool) -> List
     return body + [(num_tokens - 1, num_tokens)]
 
 
-def forward_rows(one_forward, tokens: mx.array, num_layer_ids: int):
+def forward_rows(one_forward, tokens: mx.array, cache: List[Any], num_layer_ids: int):
     """tokens [1, S] through `one_forward(tokens [1, 1]) -> (h, features, record)` one row
-    at a time: (h [1, S, H], features [1, S, n*H] or None)."""
+    at a time: (h [1, S, H], features [1, S, n*H] or None, the RowsRecord a rollback takes)."""
+    record = RowsRecord(cache)
     hs, feats = [], []
-    for i in range(tokens.shape[1]):
-        h, f, _ = one_forward(tokens[:, i : i + 1])
-        hs.append(h)
-        if f is not None:
-            feats.append(f)
+    with record.recording():
+        for i in range(tokens.shape[1]):
+            h, f, _ = one_forward(tokens[:, i : i + 1])
+            hs.append(h)
+            if f is not None:
+                feats.append(f)
     h = mx.concatenate(hs, axis=1)
-    return h, (mx.concatenate(feats, axis=1) if num_layer_ids and feats else None)
+    return h, (mx.concatenate(feats, axis=1) if num_layer_ids and feats else None), record
 
 
 def logits_rows(logits_of, h: mx.array) -> mx.array:
