@@ -183,9 +183,10 @@ def test_auto_block_size_is_lossless_and_adapts(arch, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
 def test_split_verify_head_is_exact(arch, monkeypatch):
-    """On the CPU the verify's LM head runs on its first rows, then on the rest only
-    when all of their drafts are accepted (`accept_in_pieces`): scripted drafts wrong
-    inside the first piece, at the seam, inside the second piece, or never."""
+    """On the CPU the verify's LM head of a big vocabulary runs on its first rows, then on the
+    rest only when all of their drafts are accepted (`accept_in_pieces`; split_head=True here,
+    the tiny target's head is below `HeadRows.SPLIT_FROM`): scripted drafts wrong inside the
+    first piece, at the seam, inside the second piece, or never."""
     model, tok = model_for(arch)
     prompt, ref = clean_case(model, 30, 90, seed=11)
     wrong = [0, 3, 2, 4, 9, 10**9, 1, 5, 15, 0, 3, 12] * 4
@@ -199,7 +200,8 @@ def test_split_verify_head_is_exact(arch, monkeypatch):
         return real_logits(self, h)
 
     monkeypatch.setattr(Target, "logits", logits)
-    out, responses = run(model, draft, tok, prompt, max_tokens=90, block_size=16, stop_token_ids=[])
+    out, responses = run(model, draft, tok, prompt, max_tokens=90, block_size=16, stop_token_ids=[],
+                         split_head=True)
     assert out == ref
     accepts = responses[-1].accept_lengths
     assert accepts[:8] == [0, 3, 2, 4, 9, 15, 1, 5]

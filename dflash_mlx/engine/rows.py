@@ -60,7 +60,7 @@ class Row:
         self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike
         # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence
         # call; trees only while the row decodes alone (`cycle.cycle`)
-        self.head_rows = HeadRows(split=mx.default_device() == mx.cpu if engine.split_head is None
+        self.head_rows = HeadRows(split=HeadRows.pays(engine.target) if engine.split_head is None
                                   else engine.split_head)
         sizer = engine.widths.sizer(1) if engine.widths is not None else None
         self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
