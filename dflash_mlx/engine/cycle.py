@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_mlx.engine.ahead import Context, ahead, discard, launch, make_plan, may_launch, take
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
@@ -22,7 +23,6 @@ from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.policy.copies import CopyPolicy
 from dflash_mlx.policy.copy_trees import CopyTreePolicy
 from dflash_mlx.policy.trees import TreePolicy
-from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
 from dflash_mlx.speculation.copies import ContextIndex, CopyMatch
 from dflash_mlx.speculation.suffix_index import SuffixIndex
 from dflash_mlx.speculation.tree_verify import verify_token_tree, verify_tree
@@ -69,6 +69,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
     yields the tokens run after each chunk but the last and returns (first token [1], tokens
     run) (the engine runs a few chunks of joining requests per step, so running rows keep
     flowing). `logits_out`: a list that gets the last prompt position's logits [1, V]."""
+    discard(target, state)  # a cycle an earlier call launched and never landed
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
@@ -118,83 +119,53 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     suffix, the cycle may verify them as one copy tree (`policy.copy_trees.CopyTreePolicy`).
     `logprobs` (None: off) >= 0: the step carries its tokens' `TokenLogprob`s with that
     many alternatives, from the verify's own logits (one more sync when on).
+    Where it may (`ahead.may_launch`), the cycle ends by planning and launching the next one
+    (`engine.ahead`): its graph is queued before this step's response is built and sent, so the
+    device runs it meanwhile; the next call only reads it.
     """
     cache = state.target_cache
-    widths.at_context(len(state.tokens))
-    width = widths.choose(budget)
-    match, copy_length, copy_tree = None, 0, None
-    if copies is not None:
-        match, copy_length = copies.best([index.match(copies.max_length),
-                                          shared.match(index.tokens, copies.max_length) if shared else None],
-                                         budget, width)
-        if copy_trees is not None:
-            copy_tree = copy_trees.plan(index.tokens[-1], copy_trees.gather(index, shared), match, copy_length,
-                                        budget, width)
-    use_tree = False
-    if trees is not None and not copy_length and copy_tree is None:
-        explore = trees.explore(width, min(budget, widths.max_block))
-        if explore is not None:
-            width, use_tree = explore, True
-        else:
-            use_tree = trees.choose(width, widths.chain_tokens(width))
-    timer.start()
-    t0 = time.perf_counter()
+    ctx = Context(target, drafter, acceptor, widths, state, head_rows, copies, index, trees, shared, copy_trees)
+    launched, plan = take(state)
+    if launched is None:
+        if plan is None:
+            plan = make_plan(ctx, budget)
+        timer.start()
+        if plan.tree is None:
+            launched = launch(ctx, plan, last, timer, logprobs)
     state.valid = False
     tree_run = None
-    with mx.stream(generation_stream):
-        if copy_tree is not None:
-            width = len(copy_tree.tree)
-            tree_run = verify_token_tree(target, acceptor, cache, copy_tree.tree, drafter.layer_ids, drafter.fuse)
-            feats, record = tree_run.features, None
-        elif use_tree:
-            tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
-            feats, record = tree_run.features, None
-        else:
-            if copy_length:
-                width = copy_length + 1
-                proposal = Proposal(mx.array([match.continuation[:copy_length]], dtype=mx.int32))
-                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
-            elif width > 1:
-                proposal = drafter.propose(last, width, acceptor)
-                verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
-                # The draft runs while the host builds the verify graph (on a GPU
-                # the whole draft forward hides behind it).
-                mx.async_eval(verify_in)
+    if launched is None:  # a token tree: its own verify, two host syncs
+        t0 = time.perf_counter()
+        width = plan.width
+        with mx.stream(generation_stream):
+            if plan.copy_tree is not None:
+                width = len(plan.copy_tree.tree)
+                tree_run = verify_token_tree(target, acceptor, cache, plan.copy_tree.tree, drafter.layer_ids,
+                                             drafter.fuse)
             else:
-                proposal, verify_in = None, last[:, None]
-            timer.mark("draft", verify_in)
-            h, feats, record = target.forward(verify_in, cache, drafter.layer_ids, record=width > 1,
-                                             fuse=drafter.fuse)
-            pieces = []  # (first row, logits [1, rows, V]) of each head piece, kept only for logprobs
-
-            def row_logits(start, stop):
-                out = target.logits(h[:, start:stop])
-                if logprobs is not None:
-                    pieces.append((start, out))
-                return out
-
-            accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, head_rows.first(width),
-                                                     drafter.draft)
-    if tree_run is not None:
+                tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
+        feats, record = tree_run.features, None
         tokens = tree_run.tokens
         a = len(tokens) - 1
         rows = tree_run.path  # verify rows of the committed tokens' inputs, root first
         verified = [tree_run.tree.tokens[r] for r in rows]
         seconds = time.perf_counter() - t0
-        if copy_tree is not None:
-            share_seconds(target, seconds, copy_trees.count(copy_tree, rows))
+        if plan.copy_tree is not None:
+            share_seconds(target, seconds, copy_trees.count(plan.copy_tree, rows))
         else:
             trees.update(width, a)
             share_seconds(target, seconds, widths.count(width, a, chain=False))
     else:
-        mx.eval(accept_len, committed, verify_in)  # the cycle's host sync
-        a = accept_len.item()
-        tokens = committed[0, : a + 1].tolist()
+        width, feats, record = launched.width, launched.feats, launched.record
+        mx.eval(launched.accept_len, launched.committed, launched.verify_in)  # the cycle's host sync
+        a = launched.accept_len.item()
+        tokens = launched.committed[0, : a + 1].tolist()
         rows = list(range(a + 1))
-        verified = verify_in[0, : a + 1].tolist()
-        seconds = time.perf_counter() - t0
-        if copy_length:
-            share_seconds(target, seconds, copies.count(match.length, copy_length, a, shared=match.shared))
+        verified = launched.verify_in[0, : a + 1].tolist()
+        seconds = launched.seconds()
+        if launched.copy_length:
+            match = launched.match
+            share_seconds(target, seconds, copies.count(match.length, launched.copy_length, a, shared=match.shared))
         else:
             share_seconds(target, seconds, widths.count(width, a))
     head_rows.update(a)
@@ -207,7 +178,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             chosen = tree_run.logits[mx.array(rows[:kept])]
         else:  # row i chose committed token i; the pieces overlap by one row
             chosen, next_row = [], 0
-            for start, piece in pieces:
+            for start, piece in launched.pieces:
                 chosen.append(piece[0, next_row - start :])
                 next_row = start + piece.shape[1]
             chosen = mx.concatenate(chosen, axis=0)[:kept]
@@ -226,11 +197,14 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     state.valid = True
     if index is not None:
         index.extend(tokens[:kept])
-    kind = ("copy_tree" if copy_tree is not None else "tree" if tree_run is not None
-            else copy_kind(match) if copy_length else "draft" if width > 1 else None)
+    kind = ("copy_tree" if plan is not None and plan.copy_tree is not None else "tree" if tree_run is not None
+            else copy_kind(launched.match) if launched.copy_length else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
-    return step, mx.array([tokens[a]], dtype=mx.int32)
+    new_last = mx.array([tokens[a]], dtype=mx.int32)
+    if finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
+        ahead(ctx, budget - kept, new_last, timer)
+    return step, new_last
 
 
 def copy_kind(match: CopyMatch) -> str:

@@ -24,6 +24,7 @@ import copy
 from collections import deque
 from typing import Deque, List, Optional, Tuple
 
+from dflash_mlx.engine.ahead import discard
 from dflash_mlx.engine.batch_caches import batch_support, extend_rows, mask_head_axis, merge_rows
 from dflash_mlx.engine.batch_cycle import batch_cycle
 from dflash_mlx.engine.distributed import share_seconds
@@ -145,6 +146,8 @@ class BatchEngine:
     def _leave(self, rows: List[Row]):
         self._remember(rows)
         if not self.batched:  # the lone row: its caches are its PromptCache's already
+            for r in rows:  # (cancelled: the cycle it launched ahead leaves them)
+                discard(self.target, r.state)
             self.rows, self.cache = [], None
             return
         idx = [self.rows.index(r) for r in rows]
@@ -168,6 +171,7 @@ class BatchEngine:
         else:
             if not self.batched:
                 alone = self.rows[0]
+                discard(self.target, alone.state)  # batched from now on: its cycle launched ahead goes
                 self.cache = merge_rows([self.cache])
                 alone.state.target_cache, alone.state.valid = [], False  # the batch holds it now
             extend_rows(self.cache, row.state.target_cache)

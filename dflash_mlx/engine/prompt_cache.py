@@ -78,6 +78,9 @@ class PromptCache:
     snapshots: "OrderedDict[tuple, Snapshot]" = field(default_factory=OrderedDict)
     # the whole conversation (fed tokens + the last committed one), for copy proposals
     copy_index: Optional[ContextIndex] = None
+    # the next cycle, planned or launched before the host needed it (`engine.ahead`); while one is
+    # launched its rows are in the caches, and `valid` is False
+    ahead: Any = None
 
     def context_index(self, last: int) -> ContextIndex:
         """The index of `tokens` + [last] for copy proposals: the one kept from earlier calls

@@ -1,0 +1,196 @@
+"""A lone row's cycle, planned and launched before the host needs it.
+
+A cycle is planned (`make_plan`: its width, a copy, a token tree; the policies' choices), then
+launched (`launch`: the draft's block, the verify forward and the acceptance, all queued as one
+lazy graph), then landed (`engine.cycle.cycle`: one host sync reads the accept length, then the
+rollback and the step). Between two cycles the host builds the step's response (detokenizing),
+hands it to the caller and comes back; on a GPU, where a small model's forward takes about as long,
+the device would sit idle meanwhile. So a cycle that may (`may_launch`) ends by planning the next
+one and launching it (`ahead`); the response is then built while the device runs it. Its time for
+the width policy is its build plus the wait when it lands: what the gap did not hide.
+
+A launched cycle has fed its rows to the target's caches. Where the next call is not its landing
+(a second row joins the batch, the answer is cancelled, the prompt cache is reused by another call),
+`discard` rolls them back first. Token trees are only planned ahead (their verify syncs midway), so are plain steps on
+sliding-window caches (a one-token update overwrites what a discard would need),
+and nothing is launched ahead where a cycle syncs more than once (a split LM head, logprobs, the
+profiler), where rows cannot be rolled back whole (recurrent state) or on a split target (every
+rank must run the same graphs in the same order).
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from dflash_mlx.engine.timing import NoTimer
+from dflash_mlx.speculation.accept import Proposal, accept_in_pieces
+from dflash_mlx.speculation.copies import CopyMatch
+
+
+@dataclass
+class Context:
+    """What planning and launching a lone row's cycle reads (the arguments of `cycle.cycle`)."""
+
+    target: Any
+    drafter: Any
+    acceptor: Any
+    widths: Any
+    state: Any  # PromptCache
+    head_rows: Any
+    copies: Any = None
+    index: Any = None
+    trees: Any = None
+    shared: Any = None
+    copy_trees: Any = None
+
+
+@dataclass
+class Plan:
+    """What a cycle verifies: the draft's chain or a plain step (`width`), a copy of
+    `copy_length` tokens of `match`, a token tree of the draft (`use_tree`), or a copy tree."""
+
+    width: int
+    match: Optional[CopyMatch] = None
+    copy_length: int = 0
+    copy_tree: Any = None
+    use_tree: bool = False
+
+    @property
+    def tree(self) -> Optional[str]:
+        return "copy" if self.copy_tree is not None else "draft" if self.use_tree else None
+
+
+@dataclass
+class Launched:
+    """A chain, copy or plain cycle whose graph is queued: what landing it reads."""
+
+    width: int
+    verify_in: mx.array  # [1, width]
+    feats: Optional[mx.array]
+    record: Any
+    accept_len: mx.array
+    committed: mx.array
+    match: Optional[CopyMatch]
+    copy_length: int
+    pieces: List[Tuple[int, mx.array]] = field(default_factory=list)  # (first row, logits) for logprobs
+    started: float = 0.0
+    built: float = 0.0
+    landing: Optional[float] = None  # when the next call took it (launched ahead)
+
+    def seconds(self) -> float:
+        """The cycle's time for the policies: from launch to now, or, launched ahead, its build
+        and the wait once it was taken (the gap between cycles hid the rest)."""
+        now = time.perf_counter()
+        if self.landing is None:
+            return now - self.started
+        return (self.built - self.started) + (now - self.landing)
+
+
+def make_plan(ctx: Context, budget: int) -> Plan:
+    """The policies' choice for the next cycle (`budget`: tokens it may commit)."""
+    widths, copies, index, shared = ctx.widths, ctx.copies, ctx.index, ctx.shared
+    widths.at_context(len(ctx.state.tokens))
+    width = widths.choose(budget)
+    plan = Plan(width)
+    if copies is not None:
+        plan.match, plan.copy_length = copies.best(
+            [index.match(copies.max_length), shared.match(index.tokens, copies.max_length) if shared else None],
+            budget, width)
+        if ctx.copy_trees is not None:
+            plan.copy_tree = ctx.copy_trees.plan(index.tokens[-1], ctx.copy_trees.gather(index, shared), plan.match,
+                                                 plan.copy_length, budget, width)
+    if ctx.trees is not None and not plan.copy_length and plan.copy_tree is None:
+        explore = ctx.trees.explore(width, min(budget, widths.max_block))
+        if explore is not None:
+            plan.width, plan.use_tree = explore, True
+        else:
+            plan.use_tree = ctx.trees.choose(width, widths.chain_tokens(width))
+    return plan
+
+
+def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[int] = None) -> Launched:
+    """Queue `plan` (a chain, a copy or a plain step) after `last` [1]: draft, verify forward,
+    acceptance. No host sync, except the one a split LM head takes between its pieces."""
+    target, drafter, acceptor = ctx.target, ctx.drafter, ctx.acceptor
+    started = time.perf_counter()
+    width = plan.width
+    pieces: List[Tuple[int, mx.array]] = []
+    with mx.stream(generation_stream):
+        if plan.copy_length:
+            width = plan.copy_length + 1
+            proposal = Proposal(mx.array([plan.match.continuation[: plan.copy_length]], dtype=mx.int32))
+            verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+        elif width > 1:
+            proposal = drafter.propose(last, width, acceptor)
+            verify_in = mx.concatenate([last[:, None], proposal.tokens], axis=1)
+            # The draft runs while the host builds the verify graph (on a GPU
+            # the whole draft forward hides behind it).
+            mx.async_eval(verify_in)
+        else:
+            proposal, verify_in = None, last[:, None]
+        timer.mark("draft", verify_in)
+        h, feats, record = target.forward(verify_in, ctx.state.target_cache, drafter.layer_ids, record=width > 1,
+                                          fuse=drafter.fuse)
+
+        def row_logits(start, stop):
+            out = target.logits(h[:, start:stop])
+            if logprobs is not None:
+                pieces.append((start, out))
+            return out
+
+        accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, ctx.head_rows.first(width),
+                                                 drafter.draft)
+    return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, pieces,
+                    started=started, built=time.perf_counter())
+
+
+def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:
+    """Whether the next cycle may be launched ahead (see the module's docstring)."""
+    target = ctx.target
+    return (isinstance(timer, NoTimer) and logprobs is None and not ctx.head_rows.split
+            and not target.recurrent and target.sharding is None)
+
+
+def ahead(ctx: Context, budget: int, last: mx.array, timer):
+    """Plan the next cycle now; launch it unless it is a token tree. Its rows are in the caches
+    until it lands (the prompt cache is not valid meanwhile)."""
+    plan = make_plan(ctx, budget)
+    state = ctx.state
+    if plan.tree is not None or (plan.width == 1 and not plan.copy_length and _rotating(state.target_cache)):
+        # a one-token update of a full sliding window overwrites the entry a discard would need back
+        state.ahead = plan
+        return
+    launched = launch(ctx, plan, last, timer)
+    mx.async_eval(launched.accept_len, launched.committed, launched.verify_in)
+    # (MLX's CPU backend runs the graph inside async_eval: there the whole cycle is counted here)
+    launched.built = time.perf_counter()
+    state.ahead, state.valid = launched, False
+
+
+def _rotating(cache) -> bool:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from dflash_mlx.models.target.rollback import sub_caches
+
+    return any(isinstance(s, RotatingKVCache) for c in cache for s in sub_caches(c))
+
+
+def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:
+    """(the cycle launched ahead, or None; the plan made ahead, or None), taken off `state`."""
+    pending, state.ahead = state.ahead, None
+    if isinstance(pending, Launched):
+        pending.landing = time.perf_counter()
+        return pending, None
+    return None, pending
+
+
+def discard(target, state):
+    """Roll back a cycle launched ahead that will not land (its rows leave the caches whole)."""
+    pending, state.ahead = getattr(state, "ahead", None), None
+    if isinstance(pending, Launched):
+        with mx.stream(generation_stream):
+            target.rollback(state.target_cache, pending.width, pending.width, pending.record)
+        state.valid = True

@@ -1,0 +1,127 @@
+"""A lone row's next cycle is launched before the host needs it (`engine/ahead.py`): the
+tokens stay mlx-lm's, a cycle launched and never landed leaves the caches whole (an answer
+broken off, a second row joining the batch), and nothing is launched where a cycle must sync
+more than once or cannot be rolled back whole."""
+
+import random
+
+import mlx.core as mx
+import pytest
+
+import dflash_mlx.engine.ahead as ahead_mod
+import dflash_mlx.engine.cycle as cycle_mod
+from dflash_mlx import make_prompt_cache, stream_generate
+from dflash_mlx.engine.engine import BatchEngine
+from dflash_mlx.engine.rows import BatchRequest
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.options import GenerationOptions
+from dflash_mlx.testing.targets import ScriptedDraft, greedy_reference, tiny_target
+
+FULL = dict(layer_types=["full_attention"] * 4, sliding_window=None)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Counts the cycles launched ahead and discarded."""
+    counts = {"launched": 0, "discarded": 0}
+    real_ahead, real_discard = ahead_mod.ahead, ahead_mod.discard
+
+    def counting_ahead(ctx, *args):
+        real_ahead(ctx, *args)
+        counts["launched"] += isinstance(ctx.state.ahead, ahead_mod.Launched)
+
+    def counting_discard(target, state):
+        counts["discarded"] += isinstance(getattr(state, "ahead", None), ahead_mod.Launched)
+        real_discard(target, state)
+
+    monkeypatch.setattr(cycle_mod, "ahead", counting_ahead)
+    monkeypatch.setattr(cycle_mod, "discard", counting_discard)
+    import dflash_mlx.engine.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "discard", counting_discard)
+    return counts
+
+
+def _case(model, length=24, tokens=40, seed=0):
+    rng = random.Random(seed)
+    prompt = [rng.randrange(0, 256) for _ in range(length)]
+    return prompt, greedy_reference(model, prompt, tokens)
+
+
+@pytest.mark.parametrize("width", [1, 4, "draft"])
+def test_cycles_launched_ahead_keep_mlx_lm_tokens(width, launches):
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model)
+    right = [random.Random(c).randrange(0, 8) for c in range(100)]
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=8)
+    out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=width,
+                                      stop_token_ids=[]) for t in r.tokens]
+    assert out == ref
+    assert launches["launched"] > 5 and launches["discarded"] == 0
+
+
+def test_an_answer_broken_off_leaves_the_prompt_cache_whole(launches):
+    """The caller stops reading with a cycle launched: the next call on the same prompt cache
+    rolls it back, reuses the prefix and answers as mlx-lm does."""
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=30)
+    cache = make_prompt_cache(model, None)
+    for n, r in enumerate(stream_generate(model, None, tok, prompt, max_tokens=30, block_size=1,
+                                          stop_token_ids=[], prompt_cache=cache)):
+        if n == 5:
+            break
+    assert isinstance(cache.ahead, ahead_mod.Launched) and not cache.valid
+    follow = prompt + ref[:3]
+    want = greedy_reference(model, follow, 12)
+    rs = list(stream_generate(model, None, tok, follow, max_tokens=12, block_size=1, stop_token_ids=[],
+                              prompt_cache=cache))
+    assert [t for r in rs for t in r.tokens] == want
+    assert launches["discarded"] == 1
+    assert rs[0].prefill_tokens < len(follow)  # the prefix the broken-off answer left was reused
+
+
+def test_a_row_joining_a_lone_row_discards_its_launched_cycle(launches, monkeypatch):
+    import dflash_mlx.engine.engine as engine_mod
+
+    model, tok = tiny_target("qwen3")
+    (p1, r1), (p2, r2) = _case(model, 20, 24, seed=1), _case(model, 28, 24, seed=2)
+    engine = BatchEngine(model, None, tok, max_batch=2, block_size=1)
+    merged = []  # (the lone row's cache offset, its tokens) as the batch takes its caches
+    real_merge = engine_mod.merge_rows
+
+    def merge_rows(caches):
+        merged.append((caches[0][0].offset, len(engine.rows[0].state.tokens)))
+        return real_merge(caches)
+
+    monkeypatch.setattr(engine_mod, "merge_rows", merge_rows)
+    opts = GenerationOptions(max_tokens=24)
+    first = engine.add(BatchRequest(p1, opts, ()))
+    out = {}
+    steps = 0
+    while not engine.idle:
+        for row, response in engine.step():
+            out.setdefault(row.uid, []).extend(response.tokens)
+        steps += 1
+        if steps == 4:
+            engine.add(BatchRequest(p2, opts, ()))
+    second = max(out)
+    assert out[first.uid] == r1 and out[second] == r2
+    assert launches["discarded"] == 1
+    assert merged and all(offset == tokens for offset, tokens in merged)
+
+
+def test_nothing_is_launched_where_a_cycle_syncs_twice_or_state_cannot_roll_back(launches):
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=16)
+    for kw in (dict(split_head=True), dict(logprobs=2), dict(profile=True)):
+        draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 3, block_size=8)
+        out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=16, block_size="draft",
+                                          stop_token_ids=[], **kw) for t in r.tokens]
+        assert out == ref, kw
+    hybrid, tok = tiny_target("qwen3_5")
+    prompt, ref = _case(hybrid, tokens=16)
+    out = [t for r in stream_generate(hybrid, None, tok, prompt, max_tokens=16, block_size=1, stop_token_ids=[])
+           for t in r.tokens]
+    assert out == ref
+    assert launches["launched"] == 0
+    mx.eval(mx.zeros(1))
