@@ -123,6 +123,11 @@ def target_of(model):
     return _TARGETS[id(model)][1]
 
 
+def default_dtype():
+    """bfloat16 on a GPU, float32 on the CPU (where bf16 matmuls are the slow path)."""
+    return mx.bfloat16 if mx.default_device().type == mx.DeviceType.gpu else mx.float32
+
+
 def sync():
     mx.synchronize() if hasattr(mx, "synchronize") else mx.eval(mx.zeros(1))
 
@@ -285,7 +290,7 @@ def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
     accepted; mlx-lm's plain step against the engine's plain step and its cycles."""
     from mlx_lm.generate import generate_step
 
-    model = build(TINY, mx.bfloat16)
+    model = build(TINY, default_dtype())
     tok = tokenizer_for(TINY["vocab_size"])
     prompt = list(range(10, 42))
     ref = greedy_reference(model, prompt, tokens + 16)

@@ -159,9 +159,10 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
         width, feats, record = launched.width, launched.feats, launched.record
         mx.eval(launched.accept_len, launched.committed, launched.verify_in)  # the cycle's host sync
         a = launched.accept_len.item()
-        tokens = launched.committed[0, : a + 1].tolist()
+        # whole arrays to lists, sliced on the host: a slice in MLX would be one more op to run
+        tokens = launched.committed.tolist()[0][: a + 1]
         rows = list(range(a + 1))
-        verified = launched.verify_in[0, : a + 1].tolist()
+        verified = launched.verify_in.tolist()[0][: a + 1]
         seconds = launched.seconds()
         if launched.copy_length:
             match = launched.match

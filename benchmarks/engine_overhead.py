@@ -1,0 +1,94 @@
+"""The oracle probe: what a cycle costs beyond the forwards, where the target's compute is nil.
+
+    python benchmarks/engine_overhead.py [--tokens 256] [--reps 5]
+
+A 2-layer, hidden-64 random target (`benchmarks/gpu/parts.TINY`) and a scripted draft whose
+every block is accepted: mlx-lm's plain decode (`generate_step`, and `stream_generate`, which
+detokenizes as the engine does) against the engine's plain step and its cycles at widths
+1-16, best of `reps`, interleaved. Ideal: width w commits w tokens for one plain step's time.
+Results: benchmarks/results/<date>-engine-overhead/ (README, results.json, overhead.png).
+"""
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "gpu"))
+
+import dflash_mlx  # noqa: E402,F401  (before mlx.core)
+import mlx.core as mx  # noqa: E402
+
+import parts  # noqa: E402
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    from mlx_lm.generate import stream_generate as lm_stream
+
+    from dflash_mlx.cli.doctor import machine, machine_line
+
+    model = parts.build(parts.TINY, parts.default_dtype())
+    tok = parts.tokenizer_for(parts.TINY["vocab_size"])
+    prompt = list(range(10, 42))
+    best = {}
+
+    def lm_streamed():
+        t0, n = None, 0
+        for _ in lm_stream(model, tok, mx.array(prompt), max_tokens=args.tokens,
+                           sampler=lambda x: mx.argmax(x, axis=-1)):
+            n += 1
+            if n == 1:
+                t0 = time.perf_counter()
+        return 1000 * (time.perf_counter() - t0) / (n - 1)
+
+    widths = (1, 2, 4, 8, 16)
+    runs = {"mlx_lm_stream": [], "probe": []}
+    for rep in range(args.reps):  # interleaved: load drift hits every configuration alike
+        runs["probe"].append(parts.host(widths=widths, tokens=args.tokens, reps=1))
+        runs["mlx_lm_stream"].append(lm_streamed())
+        print(f"rep {rep + 1}/{args.reps}: {runs['probe'][-1]['mlx_lm_step_ms']:.3f} ms plain (mlx-lm)", flush=True)
+    best["mlx_lm_step_ms"] = min(r["mlx_lm_step_ms"] for r in runs["probe"])
+    best["mlx_lm_stream_ms"] = min(runs["mlx_lm_stream"])
+    best["engine_plain_step_ms"] = min(r["engine_plain_step_ms"] for r in runs["probe"])
+    best["cycle_ms"] = {w: min(r["cycles"][w]["cycle_ms"] for r in runs["probe"]) for w in widths}
+    best["speedup"] = {w: round(best["mlx_lm_step_ms"] * w / best["cycle_ms"][w], 2) for w in widths}
+    out = Path(args.out or HERE / "results" / f"{datetime.date.today():%Y%m%d}-engine-overhead")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"machine": machine(), "best": best, "runs": runs}, indent=1))
+    lines = [f"# Engine overhead: the oracle probe ({datetime.date.today()})", "",
+             f"Machine: {machine_line()}.", "",
+             f"Best of {args.reps} interleaved runs, {args.tokens} tokens. mlx-lm's plain step: "
+             f"{best['mlx_lm_step_ms']:.3f} ms (`generate_step`), {best['mlx_lm_stream_ms']:.3f} ms "
+             f"(`stream_generate`, detokenizing); the engine's plain step {best['engine_plain_step_ms']:.3f} ms.", "",
+             "| width | ms a cycle | above the engine's width-1 step | tokens/s vs mlx-lm's plain step (ideal: width) |",
+             "|---:|---:|---:|---:|"]
+    for w in widths:
+        lines.append(f"| {w} | {best['cycle_ms'][w]:.3f} | {best['cycle_ms'][w] - best['cycle_ms'][1]:+.3f} | "
+                     f"{best['speedup'][w]}x |")
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot(widths, [best["speedup"][w] for w in widths], marker="o", label="engine")
+    ax.plot(widths, widths, ls="--", label="ideal")
+    ax.set(xlabel="width (every block accepted)", ylabel="speed vs mlx-lm's plain step", title="oracle probe")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "overhead.png", dpi=110)
+    print((out / "README.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
