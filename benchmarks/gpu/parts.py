@@ -17,8 +17,7 @@ import mlx.nn as nn
 import numpy as np
 
 from dflash_mlx import stream_generate
-from dflash_mlx.models.draft.context_cache import ContextCache
-from dflash_mlx.testing.targets import greedy_reference
+from dflash_mlx.testing.targets import ScriptedDraft, greedy_reference
 
 # -- models -------------------------------------------------------------------------------------
 
@@ -71,44 +70,24 @@ def tokenizer_for(vocab_size: int):
     return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=f"t{vocab_size - 1}"))
 
 
-class OracleDraft:
-    """A scripted draft on the device: it proposes `reference` (right for the first `right(c)`
-    positions of its c-th proposal, wrong after), as one-hot logits built on the GPU."""
+class OracleDraft(ScriptedDraft):
+    """`ScriptedDraft` for any vocabulary, on the device: it proposes `reference` (right for the
+    first `right(c)` positions of its c-th proposal, wrong after) as one-hot logits built on the
+    GPU, not copied from the host."""
 
     def __init__(self, model, reference: Sequence[int], vocab_size: int, right, block_size: int = 16):
-        self.reference = list(reference) + [0] * 64
-        self.vocab_size, self.right, self.block_size = vocab_size, right, block_size
-        self.cycle = 0
-        self.target = target_of(model)
-
-        class _Cfg:
-            target_layer_ids = [0]
-
-        self.config = _Cfg()
-
-    def bind(self, target):
-        self.target = target
-        return self
-
-    def make_cache(self):
-        return [ContextCache()]
-
-    def inject(self, features, cache):
-        if features is not None:
-            cache[0].offset += features.shape[1]
+        super().__init__(target_of(model), list(reference) + [0] * 64, right, block_size)
+        self.vocab_size = vocab_size
 
     def propose_logits(self, last_token, features, cache, block_size):
         self.inject(features, cache)
         p, n = cache[0].offset, block_size - 1
-        right = self.right(self.cycle)
+        right = self.wrong_from(self.cycle)
         self.cycle += 1
         ids = [self.reference[p + 1 + i] if i < right else (self.reference[p + 1 + i] + 1) % self.vocab_size
                for i in range(n)]
         hot = mx.arange(self.vocab_size)[None, None, :] == mx.array(ids)[None, :, None]
         return mx.where(hot, 0.0, -1e4).astype(mx.float32)
-
-    def to_target_ids(self, ids):
-        return ids
 
 
 _TARGETS = {}
