@@ -153,3 +153,30 @@ def test_bfloat16_greedy_takes_mlx_lm_argmax_of_log_probabilities(arch):
             for r in stream_generate(model, draft, tok, prompt, max_tokens=24, block_size=width, stop_token_ids=[]):
                 out += r.tokens
             assert out == ref, (arch, length, width)
+
+
+def test_the_server_in_deterministic_mode_answers_one_request_at_a_time_as_mlx_lm():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_server import serving
+
+    model, tok = _model("qwen3", mx.bfloat16)
+    draft = random_draft(model, num_layers=1, block_size=8, seed=3)
+    with serving(model, draft, tok, max_batch=4, deterministic=True) as s:
+        assert s.worker.max_batch == 1 and "one request at a time" in s.worker.scheduling
+        prompt = "tell me something"
+        ids = tok.encode(prompt, add_special_tokens=False)
+        r = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0.0)
+        assert r.usage.completion_tokens == 16
+        got = tok.encode(r.choices[0].text, add_special_tokens=False)
+        assert got == greedy_reference(model, ids, 16)
+
+
+def test_the_server_refuses_deterministic_mode_for_a_recurrent_target_in_one_line():
+    from dflash_mlx.serve.worker import Worker
+
+    model, tok = _model("qwen3_5", mx.float32)
+    with pytest.raises(UnsupportedTargetError, match="recurrent state"):
+        Worker(model, None, tok, model_name="tiny", deterministic=True)

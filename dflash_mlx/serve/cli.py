@@ -98,6 +98,9 @@ def build_parser():
     p.add_argument("--global-copies-bytes", type=_bytes, default=DEFAULT_SUFFIX_INDEX_BYTES,
                    help="most bytes the index of earlier requests' prompts and answers holds, which every "
                    "request copies from beside its own conversation, oldest dropped first (default: 256M)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="every target row in plain decoding's shapes: greedy answers are mlx-lm's token for token "
+                        "on GPU kernels too; one request at a time")
     p.add_argument("--no-global-copies", action="store_true",
                    help="no index of earlier requests: each request copies from its own conversation only "
                    "(privacy between users; one request opts out with \"dflash\": {\"global_copies\": false})")
@@ -115,6 +118,7 @@ def load_worker(args, speaks: bool = True) -> Worker:
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
                   prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
+                  deterministic=getattr(args, "deterministic", False),
                   global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
 
 

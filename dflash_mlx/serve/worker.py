@@ -62,7 +62,8 @@ class Worker:
     def __init__(self, model, draft, tokenizer, model_name: str, draft_name: Optional[str] = None,
                  options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, max_batch: Optional[int] = None,
-                 baseline: bool = False, global_copies_bytes: int = DEFAULT_SUFFIX_INDEX_BYTES):
+                 baseline: bool = False, global_copies_bytes: int = DEFAULT_SUFFIX_INDEX_BYTES,
+                 deterministic: bool = False):
         """`options`: the server's block size and draft sampling, and the defaults of the
         request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
         the bounds of the cached conversations (by count and by bytes; batched, the rows'
@@ -70,7 +71,9 @@ class Worker:
         (None: `default_max_batch()`; 1: one job at a time). `baseline`: plain decoding, nothing
         else (with `draft` None and no `baseline`, copies of the context where they pay).
         `global_copies_bytes`: the bound of the index of earlier requests' prompts and answers
-        that every request not opting out copies from and adds to (0: none)."""
+        that every request not opting out copies from and adds to (0: none). `deterministic`:
+        every target row in plain decoding's shapes (`models.target.exact_rows`), one request at a
+        time (a batch's rows are not plain decoding's shapes)."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
@@ -94,6 +97,10 @@ class Worker:
         if draft is not None:
             mx.eval(draft.parameters(), [v for v in vars(draft).values() if isinstance(v, mx.array)])
         target = getattr(draft, "target", None) or Target(model)
+        self.deterministic = deterministic
+        if deterministic:
+            target.deterministic = True  # refuses, in one line, a target it cannot run so
+            max_batch = 1
         self.context_window = target.max_context
         self.recurrent = target.recurrent
         self.vocab_size = target.vocab_size
@@ -253,7 +260,8 @@ class Worker:
         try:
             stream = stream_generate(
                 self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
-                baseline=self.baseline, logprobs=req.logprobs, **self._options(req).generate_kwargs(),
+                baseline=self.baseline, logprobs=req.logprobs, deterministic=self.deterministic,
+                **self._options(req).generate_kwargs(),
                 suffix_index=self.suffix_index if req.global_copies else None,
             )
             for r in stream:
