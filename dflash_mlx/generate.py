@@ -125,6 +125,7 @@ def stream_generate(
         raise ValueError(
             f"the prompt has {len(prompt_ids)} tokens but {target.name} has a context window "
             f"of {target.max_context} tokens: shorten the prompt"
+            + (f" ({target.context_note})" if target.context_note else "")
         )
     # One sequence is the batch-of-one case of the engine: alone, a row runs `cycle` on its own
     # caches, with trees, copies and a split head.

@@ -10,24 +10,19 @@ import pytest
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx.testing import arch_check, variant_check, variants
 
-# Mismatches the sweep found, by variant name: kept here as expected failures until fixed.
-_MOE_TURN = "a second chat turn on the first turn's prompt cache differs from mlx-lm's greedy decode"
-KNOWN = {  # (benchmarks/results/20261204-variant-sweep; "base too": the base config fails the same way)
-    "granitemoe/rope:linear": _MOE_TURN + " (base too, at width 1 too)",
-    "granitemoe/rope:yarn": _MOE_TURN + " (base too)",
-    "granitemoe/rope:llama3": _MOE_TURN + " (base too)",
-    "granitemoe/rope:longrope": _MOE_TURN + " (base too)",
-    "deepseek_v32/rope:yarn": _MOE_TURN + " (base too)",
-    "deepseek_v32/rope:longrope": _MOE_TURN + " (base too)",
-    "glm4_moe_lite/moe_layers": _MOE_TURN,
-    "bailing_hybrid/rope:llama3": _MOE_TURN,
-    "minimax_m3_vl/rope:longrope": _MOE_TURN,
-    "minimax_m3_vl/rope:linear": "a batch row differs from the row alone (base too)",
-    "minimax_m3_vl/rope:yarn": "a batch row differs from the row alone (base too)",
-    "minimax_m3_vl/rope:llama3": "a batch row differs from the row alone (base too)",
-    "plamo3/window": "window 5 with sliding_window_pattern 2: width 4 differs at token 5 (base: second turn and "
-                     "batches differ too)",
-}
+# Mismatches the sweep finds, by variant name: kept here as expected failures until fixed (none now).
+KNOWN = {}
+# The 13 the sweep of 20261204 found, each now exact or refused in one line (issue 47):
+# - a second chat turn whose mlx-lm reference runs past EOS, where the engine stops (the check's
+#   reference, not the engine: granitemoe x4, deepseek_v32 x2, glm4_moe_lite, bailing_hybrid, minimax_m3_vl);
+# - MiniMax M3's indexer keeps key blocks cut over cache slots, which a batch's left padding moves:
+#   its rows are not batched (`batch_caches._slot_blocks`);
+# - PLaMo 3's sliding-window mask is one wider than its cache, so past the window mlx-lm's own decode
+#   depends on how it chunks the prompt: contexts are capped at the window (`probe.mask_wider_than_cache`).
+WERE_MISMATCHED = ["granitemoe/rope:linear", "granitemoe/rope:yarn", "granitemoe/rope:llama3",
+                   "granitemoe/rope:longrope", "deepseek_v32/rope:yarn", "deepseek_v32/rope:longrope",
+                   "glm4_moe_lite/moe_layers", "bailing_hybrid/rope:llama3", "minimax_m3_vl/rope:longrope",
+                   "minimax_m3_vl/rope:linear", "minimax_m3_vl/rope:yarn", "minimax_m3_vl/rope:llama3", "plamo3/window"]
 
 
 @lru_cache(maxsize=None)
@@ -86,3 +81,76 @@ def test_one_variant_of_each_kind_is_exact_or_refused_in_one_line(name):
 
 def test_the_known_mismatches_name_generated_variants():
     assert set(KNOWN) <= {v.name for v in every_variant()}
+
+
+def _variant(name):
+    return next(v for v in every_variant() if v.name == name)
+
+
+@pytest.mark.parametrize("name", WERE_MISMATCHED)
+def test_the_sweeps_mismatches_are_exact_or_refused_in_one_line(name):
+    r = variant_check.check(_variant(name))
+    assert r.status in ("exact", "refused"), (r.status, r.reason)
+    if r.status == "exact":
+        assert r.checked[:5] == ["1", "4", "16", "auto", "turns"]
+    else:
+        assert r.reason and "\n" not in r.reason
+
+
+def test_a_second_turn_is_checked_up_to_the_eos_the_engine_stops_at():
+    # granitemoe's second turn: mlx-lm's greedy decode emits EOS at its 8th token, where DFlash
+    # (as mlx-lm's own generate) stops; a reference that runs on past it is no reference
+    from dflash_mlx.testing.targets import EOS_ID, greedy_reference
+
+    v = _variant("granitemoe/rope:linear")
+    model = variants.build(v.key, v.config(), 0)
+    prompt, ref = arch_check.case(model)
+    assert variant_check._turns(model, prompt, ref[:variant_check.MAX_TOKENS]) is None
+    turn2 = prompt + ref[:8] + prompt[:10]
+    assert EOS_ID in greedy_reference(model, turn2, 12)[:-1]  # the case this covers
+
+
+def test_rows_are_not_batched_where_attention_keeps_key_blocks_cut_over_cache_slots():
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache, CacheList
+
+    from dflash_mlx.engine.batch_caches import batch_support
+    from dflash_mlx.models.target.adapter import Target
+
+    model = arch_check.build("minimax_m3_vl")
+    prompt, _ = arch_check.case(model)
+    alone = model(mx.array([prompt]))[0, -1]
+
+    def padded(p):  # mlx-lm's own batch cache, the row padded on the left by p
+        cache = [CacheList(*[BatchKVCache(left_padding=[p]) for _ in c.caches]) for c in model.make_cache()]
+        return model(mx.array([[0] * p + prompt]), cache=cache)[0, -1]
+
+    block = model.layers[0].self_attn.index_block_size
+    assert mx.allclose(padded(block), alone, atol=1e-4).item()  # blocks aligned: as alone
+    assert not mx.allclose(padded(1), alone, atol=1e-2).item()  # the root cause, in mlx-lm's model itself
+    reason = batch_support(Target(model))
+    assert reason is not None and "index_block_size" in reason and "\n" not in reason
+
+
+def test_a_mask_wider_than_the_cache_window_caps_the_context_at_the_window():
+    import copy
+
+    from dflash_mlx import stream_generate
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing.targets import byte_tokenizer, clean_case
+
+    v = _variant("plamo3/window")
+    model = variants.build(v.key, v.config(), 0)
+    target = Target(model)
+    assert target.max_context == 5 and "window of 5 tokens" in target.context_note
+    with pytest.raises(ValueError, match="sliding-window masks reach past"):
+        next(stream_generate(model, random_draft(model, num_layers=1, block_size=4, seed=3), byte_tokenizer(),
+                             list(range(1, 21)), max_tokens=4))
+    # up to the window every forward sees every key: exact at every width, to the window's last token
+    cfg = copy.deepcopy(arch_check.ARCHITECTURES["plamo3"])
+    cfg["window_size"] = 20
+    model = variants.build("plamo3", cfg, 0)
+    prompt, ref = clean_case(model, 5, 15, seed=0)
+    assert Target(model).max_context == 20
+    assert variant_check._widths(model, prompt, ref, [1, 4, 16]) is None

@@ -14,8 +14,10 @@ Targets (`batch_support`), each cache kind with its own per-row rollback:
 A `CacheList` rolls back each of its caches: attention (GLM's DSA) per row; recurrent state
 beside attention (Falcon-H1's Mamba) through the module the layer hands it to, recorded on
 its own in the verify, re-run per group of rows. Refused: such state not handed to a module
-of its own, and models whose code does not batch rows of different lengths even with `HeadAxisMask` (which
-mlx-lm's Gemma 2 needs); those are served one request at a time (`stream_generate`).
+of its own, attention that keeps key blocks cut over cache slots (MiniMax M3's indexer: a
+row's left padding moves them), and models whose code does not batch rows of different
+lengths even with `HeadAxisMask` (which mlx-lm's Gemma 2 needs); those are served one
+request at a time (`stream_generate`).
 """
 
 from typing import List, Optional, Sequence, Tuple
@@ -89,6 +91,10 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     if refused:
         return (f"its caches include {', '.join(refused)} (batches take attention KV, sliding windows, "
                 "recurrent state in an ArraysCache, and lists of them)")
+    blocks = _slot_blocks(target)
+    if blocks is not None:
+        return (f"its sparse attention keeps the top key blocks of {blocks} cache slots (index_block_size), and a "
+                "batch's left padding moves those blocks off the row's own, so rows would not attend as alone")
     vocab = target.vocab_size
     listed = [i for i, (c, kind) in enumerate(zip(target.make_cache(), kinds))
               if kind == "replay" and type(c) is CacheList]
@@ -118,6 +124,19 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
             return "its rows do not come out of a batch as they do alone"
     except Exception as e:  # model code that cannot take a batch of different lengths
         return f"a batch of rows failed ({type(e).__name__}: {e})"
+    return None
+
+
+def _slot_blocks(target: Target) -> Optional[int]:
+    """The block size of attention that picks key blocks cut over cache slots, not positions
+    (MiniMax M3's indexer), else None. A row padded on the left by other than a multiple of it
+    is cut into other blocks than alone, and per-row rollback pads rows by any amount; the
+    three-row check below is too short for such blocks to bite (a real model's are 64+ keys)."""
+    for layer in target.layers:
+        attn = getattr(layer, "self_attn", None) if layer is not None else None
+        size = getattr(attn, "index_block_size", None) if attn is not None else None
+        if isinstance(size, int) and getattr(attn, "index_topk_blocks", None) is not None:
+            return size
     return None
 
 

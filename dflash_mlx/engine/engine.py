@@ -119,7 +119,8 @@ class BatchEngine:
             raise ValueError("the prompt is empty: give at least one token of input")
         if self.target.max_context and len(request.prompt_ids) >= self.target.max_context:
             raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens but {self.target.name} has a "
-                             f"context window of {self.target.max_context} tokens: shorten the prompt")
+                             f"context window of {self.target.max_context} tokens: shorten the prompt"
+                             + (f" ({self.target.context_note})" if self.target.context_note else ""))
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

@@ -84,7 +84,9 @@ TEXT_CONFIGS: Dict[str, dict] = {
     "plamo": _c(_A, model_type="plamo", n_shared_head=2),
     "plamo3": _c(model_type="plamo3", hidden_size=32, num_hidden_layers=2, rms_norm_eps=1e-5,
                  tie_word_embeddings=False, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                 max_position_embeddings=4096, window_size=SW, sliding_window_pattern=2, intermediate_size=64,
+                 # a window past the tests' contexts: PLaMo 3's mask is one wider than its cache, so DFlash
+                 # serves contexts up to the window only (`probe.mask_wider_than_cache`)
+                 max_position_embeddings=4096, window_size=64, sliding_window_pattern=2, intermediate_size=64,
                  vocab_size=V),
     "qwen": _c(model_type="qwen", hidden_size=32, num_attention_heads=4, num_hidden_layers=2, kv_channels=8,
                max_position_embeddings=4096, intermediate_size=128, vocab_size=V),

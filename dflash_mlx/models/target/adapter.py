@@ -108,6 +108,7 @@ class Target:
                            else None)
         self.rms_norm_eps = getattr(self.args, "rms_norm_eps", 1e-6)
         self.max_context = getattr(self.args, "max_position_embeddings", None)
+        self.context_note = None  # why `max_context` is below the model's own (set by `check_forward`)
         self._lm_head = find_lm_head(model)
         self._gdn_layers = [
             i for i, layer in enumerate(self.layers)  # (qwen3_5 is imported only for a model with linear layers)

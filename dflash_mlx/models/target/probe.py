@@ -16,6 +16,13 @@ recurrent layers recorded as a verify records them) is refused here:
     whose layers pass each other a running list of block residuals, `target.replay_mixers`
     is set: a rollback re-runs that module, `taps` records it, checked here on one rollback.)
 
+A model whose sliding-window masks reach past its caches' window (mlx-lm's PLaMo 3 asks a mask
+of `window_size + 1` of a `RotatingKVCache` of `window_size`) is not refused, but capped
+(`target.context_note`, `mask_wider_than_cache`): past that window a query in a forward of
+several tokens sees one key more than a one-token step does, so mlx-lm's own greedy decode
+depends on how its prompt is chunked, and no verify of several tokens can equal its steps.
+Up to the window both see every key.
+
 Checked once per model; a model split over processes is not probed (every rank would have
 to run the forward together).
 """
@@ -23,10 +30,10 @@ to run the forward together).
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import CacheList, _BaseCache
+from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache
 
 from dflash_mlx.identity import IdentityMap
-from dflash_mlx.models.target.rollback import UnsupportedTargetError, VerifyRecord, recorded_apart, sub_caches
+from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError, VerifyRecord, recorded_apart, sub_caches
 from dflash_mlx.models.target.taps import taps
 
 _CHECKED = IdentityMap()
@@ -43,11 +50,45 @@ def check_forward(target) -> None:
         reason = _reason(target)
         if reason is None and target.replay_mixers:
             reason = _mixers_replay(target)
-        known = (reason, target.replay_mixers)
+        known = (reason, target.replay_mixers, mask_wider_than_cache(target) if reason is None else None)
         _CHECKED.put((target.model,), known)
-    reason, target.replay_mixers = known
+    reason, target.replay_mixers, window = known
     if reason is not None:
         raise UnsupportedTargetError(f"{target.arch}: {reason}")
+    if window is not None and (not target.max_context or window < target.max_context):
+        target.max_context = window
+        target.context_note = (
+            f"{target.arch}: its sliding-window masks reach past its caches' window of {window} tokens, so past "
+            f"{window} tokens mlx-lm's own greedy decode depends on how many tokens each forward takes; DFlash "
+            f"serves contexts of up to {window} tokens")
+
+
+class _MaskWindows(StandIn):
+    """A sliding-window cache that notes the windows wider than its own the model's masks ask of it."""
+
+    def __init__(self, cache, wider: list):
+        self._wrapped = cache
+        self._wider = wider
+
+    def make_mask(self, *args, **kwargs):
+        window = kwargs.get("window_size")
+        if isinstance(window, int) and window > self._wrapped.max_size:
+            self._wider.append(self._wrapped.max_size)
+        return self._wrapped.make_mask(*args, **kwargs)
+
+
+def mask_wider_than_cache(target) -> Optional[int]:
+    """The smallest window of a `RotatingKVCache` the model asks a wider mask of (two tokens,
+    fresh caches), else None."""
+    wider, cache = [], target.make_cache()
+    if not any(type(c) is RotatingKVCache for c in cache):
+        return None
+    cache = [_MaskWindows(c, wider) if type(c) is RotatingKVCache else c for c in cache]
+    try:
+        mx.eval(target.text_model(mx.array([[1 % target.vocab_size, 2 % target.vocab_size]]), cache=cache))
+    except Exception:  # a model that takes no stand-in for its cache: nothing learnt (it ran in `_reason`)
+        return None
+    return min(wider) if wider else None
 
 
 def _cuttable(value) -> bool:
