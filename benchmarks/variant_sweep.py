@@ -75,7 +75,10 @@ def main(argv=None):
         json.dump(doc, f, indent=1)
     elapsed = time.perf_counter() - start
     rel = os.path.relpath(path, os.path.dirname(HERE))
-    lines = [f"# Config variants: {len(rows)} checked in {format_duration(elapsed)}", "",
+    ran = len(rows) - len(done)  # with --resume, the rows checked by this run (the rest were kept)
+    lines = [f"# Config variants: {len(rows)} checked"
+             + (f" ({ran} by this run, in {format_duration(elapsed)})" if done else f" in {format_duration(elapsed)}"),
+             "",
              f"Command: `{doc['command']}`. Prompt {arch_check.PROMPT_LEN} tokens, {variant_check.MAX_TOKENS} "
              f"generated; seconds per variant in `results.json`.", "",
              variant_table.markdown(rows, rel)] + results_footer(load_start, os.getloadavg())
