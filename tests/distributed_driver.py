@@ -1,12 +1,14 @@
 """Run by tests/test_distributed.py under `mlx.launch -n 2`: every case on a target split over the
 ranks, each rank writing what it decoded to OUT/rank<r>.json (argv: OUT, then arch keys).
 
-Per architecture and per parallelism mlx-lm gives it: the single-process greedy reference
-(computed on each rank from the whole model, no collectives), then DFlash on the split model at
-widths 1, 4, 16 and auto (copies and trees on) with a random draft, a scripted draft that is right
-for a varying number of tokens (partial accepts: every rollback path), and a sampled answer; on a
-split, the collectives the model's own forward builds and those of a DFlash answer (COLLECTIVES).
-Then, with DRIVER_CLI, the one-shot CLI and `dflash-mlx serve` (tests/distributed_serve.py).
+Per architecture and per parallelism mlx-lm gives it: the split model's own greedy decode
+(mlx-lm's generate_step on the split model, no DFlash: the reference) and the whole model's (each
+rank alone, no collectives), then DFlash on the split model at widths 1, 4, 16 and auto (copies and
+trees on) with a random draft tapping layers on both ranks, a scripted draft that is right for a
+varying number of tokens (partial accepts: every rollback path), and, on some, a sampled answer;
+the collectives the model's own forward builds and those of the width-4 answer (COLLECTIVES).
+A family mlx-lm cannot split gives its one-line refusal (REFUSALS). Then, with DRIVER_CLI, the
+one-shot CLI and `dflash-mlx serve` (tests/distributed_serve.py).
 """
 
 import json
@@ -27,22 +29,35 @@ if hasattr(os, "sched_setscheduler"):  # the launcher runs idle (test_distribute
 
 from dflash_mlx import stream_generate
 from dflash_mlx.models.draft.checkpoints import random_draft
-from dflash_mlx.models.sharded import modes_of, split
+from dflash_mlx.models.sharded import ShardingError, modes_of, split
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.policy.sizer import sizer_for
-from dflash_mlx.testing import archs
-from dflash_mlx.testing.targets import TINY_CONFIGS, ScriptedDraft, byte_tokenizer, clean_case, tiny_target
+from dflash_mlx.testing import arch_check, archs
+from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, clean_case, greedy_reference, tiny_target
 from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
 PROMPT_LEN, MAX_TOKENS = 9, 11
-COLLECTIVES = {}  # "arch/mode" -> what answer_collectives counted
+COLLECTIVES = {}  # "arch/mode" -> what counted_answer counted
 TRANSPORTS = {}  # "arch/pipeline" -> what transports measured
+REFERENCES = {}  # "arch/mode" -> {"split": the split model's own greedy decode, "whole": the whole model's}
+REFUSALS = {}  # "arch/mode" -> the one line split() refused a family with
+AFTER_GENERATE = {}  # "arch/mode" -> what after_generate measured
+
+
+# GLM's sparse indexer keeps 6 keys, not its tiny config's 16: its sparse paths (the masked top-k of
+# a prefill and a verify, the gathered top-k of a one-token step) run from the prompt on.
+OVERRIDES = {"glm_moe_dsa": dict(index_topk=6)}
 
 
 def build(key: str):
-    if key in TINY_CONFIGS:
+    """The tiny model of `key`: qwen3_5 and llama of `testing.targets`, the others as the quick check
+    of every architecture builds them (`testing.archs`, `testing.more_archs`: qwen3 there decodes
+    varied tokens, `testing.targets`' repeats one; gemma4, the multimodal wrapper real checkpoints name)."""
+    if key in ("qwen3_5", "llama"):
         return tiny_target(key, seed=1)[0]
-    return archs.build(key)
+    if key in OVERRIDES:
+        return archs.build(key, **OVERRIDES[key])
+    return arch_check.build(key)
 
 
 def taps_of(whole) -> list:
@@ -67,9 +82,15 @@ def run(model, draft, tok, prompt, **kw):
     return {"tokens": tokens, "accepts": list(last.accept_lengths), "times": {str(w): t for w, t in times.items()}}
 
 
-# Widths beyond 4 and auto where they add a path: 1 (plain steps), 16 and the scripted draft's own
-# width on one model (tensor parallel).
-MORE_WIDTHS = {"qwen3_5": (1, 16)}
+# Every split runs these widths with the random draft (1: plain steps; it accepts little, so 16
+# verifies 16 rows a cycle) and auto with the scripted one; the scripted draft's own width on one.
+WIDTHS = (1, 4, 16, "auto")
+SCRIPTED_WIDTHS = {"qwen3_5": ("draft", "auto")}
+# A sampled answer (the same on every rank) on a few families only: its path is the same everywhere.
+SAMPLED = ("qwen3_5", "kimi_k25", "glm_moe_dsa", "gpt_oss")
+# Families whose collectives are not all counted: MiniMax's split q/k norm sums inside an mx.compile'd
+# function, which builds its all_sum only when it traces a new shape (Collectives sees those calls only).
+UNCOUNTED = ("minimax",)
 
 
 class Collectives:
@@ -98,19 +119,53 @@ class Collectives:
             setattr(mx.distributed, name, fn)
 
 
-def answer_collectives(model, draft, tok, prompt) -> dict:
-    """The collectives of the model's own forward (built, never run), and of a DFlash answer at width
-    4 with their cycles: on a pipeline a cycle must build exactly the model's own, on a tensor split
-    exactly its all_sums."""
+def counted_answer(model, draft, tok, prompt, **kw) -> tuple:
+    """(a DFlash answer, the collectives of the model's own forward (built, never run), of that
+    answer, and its cycles): on a pipeline a cycle must build exactly the model's own, on a tensor
+    split exactly its all_sums."""
     from mlx_lm.models.cache import make_prompt_cache
 
     with Collectives() as own:
         model(mx.array(prompt)[None], cache=make_prompt_cache(model))
     with Collectives() as dflash:
-        answer = run(model, draft, tok, prompt, block_size=4)
+        answer = run(model, draft, tok, prompt, **kw)
     target = draft.target
     carries = target._carries if target.sharding.kind == "pipeline" else target._ride_slot is not None
-    return {"forward": own.calls, "answer": dflash.calls, "cycles": len(answer["accepts"]), "carries": carries}
+    return answer, {"forward": own.calls, "answer": dflash.calls, "cycles": len(answer["accepts"]),
+                    "carries": carries}
+
+
+# Where a forward right after mlx-lm's own decoding is checked (`after_generate`): the issue's family
+# (GLM-MoE-DSA), both splits.
+AFTER = ("glm_moe_dsa",)
+
+
+def after_generate(model, target, prompt, taps, whole_features, tries: int = 10) -> list:
+    """How far from the whole model's features a Target forward from the default stream lands,
+    started right after mlx-lm's `generate_step` on the split model (which returns with its next
+    step's forward still running on the generation stream), `tries` times: the two forwards'
+    collectives must not be in flight at once (`sharding.split_stream`)."""
+    from mlx_lm.generate import generate_step
+
+    diffs = []
+    for _ in range(tries):
+        for _ in generate_step(mx.array(prompt), model, max_tokens=2, sampler=lambda x: mx.argmax(x, axis=-1)):
+            pass
+        _, features, _ = target.forward(mx.array(prompt)[None], target.make_cache(), taps)
+        diffs.append(mx.abs(features - whole_features).max().item())
+    return diffs
+
+
+def refusals(key: str, model) -> dict:
+    """What `split` says for each mode of a family mlx-lm cannot split (nothing runs)."""
+    out = {}
+    for mode in ("auto", "tensor", "pipeline"):
+        try:
+            split(model, mode)
+            out[f"{key}/{mode}"] = None
+        except ShardingError as e:
+            out[f"{key}/{mode}"] = str(e)
+    return out
 
 
 # Where nothing can ride on the forward's own collectives (a pipeline whose layers take two states,
@@ -151,8 +206,11 @@ def transports(draft, prompt, whole_features) -> dict:
 
 def cases(key: str, tok):
     whole = build(key)
-    prompt, ref = clean_case(whole, PROMPT_LEN, MAX_TOKENS, seed=5)
     tensor, pipeline = modes_of(whole)
+    if not (tensor or pipeline):
+        REFUSALS.update(refusals(key, whole))
+        return {}
+    prompt, whole_ref = clean_case(whole, PROMPT_LEN, MAX_TOKENS, seed=5)
     whole_target, taps = Target(whole), taps_of(whole)
     _, whole_features, _ = whole_target.forward(mx.array(prompt)[None], whole_target.make_cache(), taps)
     mx.eval(whole_features)
@@ -162,21 +220,30 @@ def cases(key: str, tok):
         model = build(key)
         split(model, mode)
         name = f"{key}/{mode}"
+        # the reference: the split model's own greedy decode (a tensor split sums in another order)
+        ref = greedy_reference(model, prompt, MAX_TOKENS)
+        REFERENCES[name] = {"split": ref, "whole": whole_ref}
         draft = draft_for(model, taps)
+        if key in AFTER:
+            AFTER_GENERATE[name] = after_generate(model, draft.target, prompt, taps, whole_features)
         if mode == "pipeline":
             TRANSPORTS[name] = transports(draft, prompt, whole_features)
-        for width in (4, "auto") + (MORE_WIDTHS.get(key, ()) if mode == "tensor" else ()):
-            out[f"{name}/random/{width}"] = dict(run(model, draft, tok, prompt, block_size=width), ref=ref)
+        for width in WIDTHS:
+            if width == 4 and key not in UNCOUNTED:
+                answer, COLLECTIVES[name] = counted_answer(model, draft, tok, prompt, block_size=width)
+            else:
+                answer = run(model, draft, tok, prompt, block_size=width)
+            out[f"{name}/random/{width}"] = dict(answer, ref=ref)
         # right for a varying number of tokens: partial accepts, every rollback path
         rng = random.Random(key)
         wrong = [rng.randrange(0, 9) for _ in range(100)]
         scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=8)
-        for width in ("draft", "auto") if key in MORE_WIDTHS else ("auto",):
+        for width in SCRIPTED_WIDTHS.get(key, ("auto",)):
             out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
-        out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
+        if key in SAMPLED:
+            out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
         if key in UNRIDDEN:
             out[f"{name}/unridden/auto"] = dict(unridden(key, mode, tok, prompt, taps), ref=ref)
-        COLLECTIVES[name] = answer_collectives(model, draft, tok, prompt)
     return out
 
 
@@ -206,7 +273,8 @@ def main():
         except Exception:  # reported per architecture; the other ranks fail alike or hang (the test's timeout)
             result["errors"][key] = traceback.format_exc()
         result["seconds"][key] = time.perf_counter() - t0
-    result["collectives"], result["transports"] = COLLECTIVES, TRANSPORTS
+    result.update(collectives=COLLECTIVES, transports=TRANSPORTS, references=REFERENCES, refusals=REFUSALS,
+                  after_generate=AFTER_GENERATE)
     cli = os.environ.get("DRIVER_CLI")  # "model.gguf draft-folder": the CLI and the server under --distributed
     if cli:
         result["cli"] = run_cli(*cli.split(), os.path.join(folder, f"cli{rank}.out"))

@@ -1,7 +1,8 @@
 """A target split over two processes (`mlx.launch -n 2`, ring backend on localhost): DFlash's
-greedy tokens equal the single-process mlx-lm greedy decode under every parallelism mlx-lm gives
-each family, every rank commits the same accept lengths, and a sampled answer is the same on
-every rank; the one-shot CLI and `dflash-mlx serve` under mlx.launch (two clients at once,
+greedy tokens equal the split model's own mlx-lm greedy decode under every parallelism mlx-lm
+gives each family, at widths 1, 4, 16 and auto (a pipeline's own greedy decode equals the whole
+model's), every rank commits the same accept lengths, a sampled answer is the same on every rank,
+and a family mlx-lm cannot split is refused in one line; the one-shot CLI and `dflash-mlx serve` under mlx.launch (two clients at once,
 Ctrl-C, a lost rank). One launch runs every case (tests/distributed_driver.py,
 tests/distributed_serve.py); skips cleanly where mlx.launch or the ring backend is missing."""
 
@@ -19,14 +20,17 @@ from dflash_mlx.engine.distributed import EVERY
 from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, split
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import EOS_ID, tiny_target
-from distributed_driver import MAX_TOKENS
+from distributed_driver import MAX_TOKENS, WIDTHS, build
 from ring_ports import free_port_pair
 
-# The issue's families, each under every parallelism mlx-lm gives it: Gated DeltaNet + a
-# vocabulary-split head (qwen3_5, both), the Qwen3-Next hybrid (pipeline only), sinks, windows and
-# split experts (gpt-oss, tensor only), latent attention (Kimi K2.5, both), dense llama (tensor
-# only) and qwen3_moe (both). One launch: ~40 s on 2 cores.
-ARCHS = ["qwen3_5", "qwen3_next", "gpt_oss", "kimi_k25", "llama", "qwen3_moe"]
+# Every seed family, each under every parallelism mlx-lm gives it: dense qwen3 (tensor only),
+# qwen3_moe (both), the Qwen3-Next hybrid (pipeline only), Gated DeltaNet + a vocabulary-split head
+# (qwen3_5, both) and its MoE (qwen3_5_moe, both), sinks, windows and split experts (gpt-oss,
+# tensor only), MiniMax (tensor only), latent attention (Kimi K2.5, both), latent attention with a
+# sparse indexer and two caches a layer (GLM-MoE-DSA, both); Gemma 4, which mlx-lm cannot split,
+# is refused. One launch (the CLI and the server's cases included).
+ARCHS = ["qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma4", "gpt_oss", "minimax", "kimi_k25",
+         "glm_moe_dsa"]
 DRIVER = Path(__file__).with_name("distributed_driver.py")
 
 
@@ -93,8 +97,7 @@ def ranks(tmp_path_factory, worker_id):
 def _expected_splits():
     found = []
     for key in ARCHS:
-        model = tiny_target(key, seed=1)[0] if key in ("qwen3_5", "llama") else archs.build(key)
-        tensor, pipeline = modes_of(model)
+        tensor, pipeline = modes_of(build(key))
         found += [f"{key}/{m}" for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
     return found
 
@@ -103,16 +106,55 @@ def test_every_parallelism_mlx_lm_gives_ran_without_errors(ranks):
     assert [r["errors"] for r in ranks] == [{}, {}]
     ran = sorted({k.rsplit("/", 2)[0] for k in ranks[0]["cases"]})
     assert ran == sorted(_expected_splits())
+    assert len(ran) == 14  # 9 families split, 5 of them both ways; gemma4 refused
     assert "qwen3_next/pipeline" in ran and "qwen3_next/tensor" not in ran  # mlx-lm pipelines it only
+    assert {"glm_moe_dsa/tensor", "glm_moe_dsa/pipeline"} <= set(ran)
     assert ranks[0]["cases"].keys() == ranks[1]["cases"].keys()
 
 
-def test_greedy_tokens_equal_single_process_greedy(ranks):
+def test_greedy_tokens_equal_the_split_models_own_greedy_at_every_width(ranks):
+    """On every rank, at widths 1, 4, 16 and auto (and the scripted draft's partial accepts), the
+    tokens are mlx-lm's greedy decode of the split model itself."""
     greedy = {k: v for k, v in ranks[0]["cases"].items() if "ref" in v}
-    assert len(greedy) >= 3 * len(ARCHS)
+    for split_name in _expected_splits():
+        assert {f"{split_name}/random/{w}" for w in WIDTHS} <= greedy.keys(), split_name
     for rank in ranks:
+        refs = rank["references"]
+        assert all(rank["cases"][k]["ref"] == refs[k.rsplit("/", 2)[0]]["split"] for k in greedy)
         wrong = [k for k in greedy if rank["cases"][k]["tokens"] != rank["cases"][k]["ref"]]
         assert wrong == []
+
+
+def test_a_pipelines_own_greedy_decode_is_the_whole_models(ranks):
+    """A pipeline runs each layer whole on one rank: its own greedy decode (the reference above) is
+    the whole model's, on every rank. (A tensor split sums its layers in another order.)"""
+    for rank in ranks:
+        pipes = {k: v for k, v in rank["references"].items() if k.endswith("/pipeline")}
+        assert sorted(pipes) == sorted(k for k in _expected_splits() if k.endswith("/pipeline"))
+        assert [k for k, v in pipes.items() if v["split"] != v["whole"]] == []
+    assert ranks[0]["references"] == ranks[1]["references"]
+
+
+def test_a_forward_right_after_mlx_lms_own_decoding_is_exact(ranks):
+    """Issue 47: mlx-lm's generate_step on a split model returns with its next step's forward still
+    running on the generation stream. A Target forward of the same model from the default stream
+    right after it used to run its collectives beside that forward's, and each rank read bytes of
+    the other's messages (GLM-MoE-DSA, both splits: features off by O(1) on both ranks, most tries).
+    A split target's forwards now go on the generation stream, after it."""
+    for rank in ranks:
+        after = rank["after_generate"]
+        assert sorted(after) == ["glm_moe_dsa/pipeline", "glm_moe_dsa/tensor"]
+        for name, diffs in after.items():
+            assert len(diffs) >= 10 and max(diffs) < 1e-4, (name, diffs)  # (a tensor split: rounding)
+
+
+def test_a_family_mlx_lm_cannot_split_is_refused_in_one_line(ranks):
+    for rank in ranks:
+        said = rank["refusals"]
+        assert sorted(said) == ["gemma4/auto", "gemma4/pipeline", "gemma4/tensor"]
+        for mode, line in said.items():
+            assert line and "\n" not in line and line.startswith("gemma4: "), (mode, line)
+            assert "run it in one process" in line, (mode, line)
 
 
 def test_every_rank_accepts_the_same_lengths(ranks):
@@ -178,7 +220,7 @@ def test_every_rank_learned_rank0s_times(ranks):
     """Each auto answer's width policy holds the same cycle times on both ranks (rank 1's own would
     differ): rank 0's, ridden on the forwards' own collectives or sent in the fallback's all_sum."""
     auto = {k: v for k, v in ranks[0]["cases"].items() if k.endswith("/auto")}
-    assert len(auto) >= 2 * len(ARCHS)
+    assert len(auto) >= 2 * len(_expected_splits())
     for key, case in auto.items():
         assert case["times"] and case["times"] == ranks[1]["cases"][key]["times"], key
 

@@ -19,13 +19,17 @@ does not is what each rank measures. So the engine's two sources of difference p
   the random stream   `shared_seed`: a sampled answer with no seed gets rank 0's, so every
                  rank draws the same acceptance coins (one small all_sum a request)
 
-Nothing changes for a target whole in one process: a time is handed over at once.
+Nothing changes for a target whole in one process: a time is handed over at once. Those
+all_sums run on the CPU's stream, after the split forwards queued on the generation stream
+(`sharding.settle`: two streams' collectives must never be in flight at once).
 """
 
 import random
 from typing import Callable, Optional
 
 import mlx.core as mx
+
+from dflash_mlx.models.target.sharding import settle
 
 # Cycle times sent in one all_sum where no forward carries them: one collective per EVERY cycles on
 # top of the verify forwards' own (60 a forward on a 30-layer llama), and a policy that learns EVERY late.
@@ -38,6 +42,7 @@ def _group(target) -> Optional[object]:
 
 
 def _from_rank0(group, value: float, dtype) -> mx.array:
+    settle()
     local = mx.array([value if group.rank() == 0 else 0], dtype=dtype)
     return mx.distributed.all_sum(local, group=group, stream=mx.cpu)
 
@@ -60,6 +65,7 @@ def share_seconds(target, seconds: float, learn: Callable[[float], None]) -> Non
     if len(rider.outbox) >= EVERY:  # nothing carried them: one all_sum sends them all
         local = mx.array(rider.outbox if sharding.rank == 0 else [0.0] * len(rider.outbox), dtype=mx.float32)
         rider.outbox.clear()
+        settle()
         for value in mx.distributed.all_sum(local, group=sharding.group, stream=mx.cpu).tolist():
             rider.waiting.popleft()(value)
 

@@ -116,9 +116,12 @@ def share(obj, group=None):
     import mlx.core as mx
     import numpy as np
 
+    from dflash_mlx.models.target.sharding import settle
+
     group = group or world()
     if group.size() < 2:
         return obj
+    settle()  # a split forward still running on the generation stream shares the ranks' connections
     speaks = group.rank() == 0
     data = pickle.dumps(obj) if speaks and obj is not None else b""
     size = mx.distributed.all_sum(mx.array([len(data)]), group=group, stream=mx.cpu).item()

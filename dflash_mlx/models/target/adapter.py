@@ -25,7 +25,7 @@ from dflash_mlx.models.target.rollback import (
     rollback_cache, rollback_kind,
 )
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
-from dflash_mlx.models.target.sharding import gather_features, sharding_of
+from dflash_mlx.models.target.sharding import gather_features, sharding_of, split_stream
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
@@ -221,8 +221,13 @@ class Target:
         (the caches' masks and the rotary embeddings are swapped for the call). `fuse` (the
         draft's linear map of the taps, `fused_taps`): a pipeline rank sends its taps' share of
         it instead of the taps, and the features come back through it, [B, S, H]; elsewhere the
-        taps are in this process and nothing is sent, so it is not used.
+        taps are in this process and nothing is sent, so it is not used. A split target runs on
+        mlx-lm's generation stream, whatever the caller's (`sharding.split_stream`).
         """
+        with split_stream(self.sharding is not None):
+            return self._forward(tokens, cache, layer_ids, record, tree, fuse)
+
+    def _forward(self, tokens, cache, layer_ids, record, tree, fuse):
         if self.sharding is not None and self.sharding.kind == "pipeline":
             return self._pipeline_forward(tokens, cache, layer_ids, record, tree, fuse)
         if self._deterministic and record and tokens.shape[1] > 1:  # a verify, as plain decode steps

@@ -17,7 +17,7 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.kernels import qmm
 from dflash_mlx.models.layout import transposed
 from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError
-from dflash_mlx.models.target.sharding import gather_vocab, head_group
+from dflash_mlx.models.target.sharding import gather_vocab, head_group, split_stream
 
 # Where mlx-lm's text models keep their LM head when untied.
 HEAD_NAMES = ("lm_head", "output", "embed_out")
@@ -95,7 +95,8 @@ class TargetHead:
         """
         layer = self._lm_head if self._lm_head is not None else self.embed_tokens
         if self._vocab_group is not None:  # each rank's rows, gathered; then the draft's vocabulary
-            out = gather_vocab(layer(h), self._vocab_group)
+            with split_stream(True):
+                out = gather_vocab(layer(h), self._vocab_group)
             return out if vocab_ids is None else mx.take(out, vocab_ids, axis=-1)
         if vocab_ids is not None:
             w, scales, biases, bias = self._head_rows(layer, vocab_ids)

@@ -15,9 +15,20 @@ mlx-lm splits a model two ways (`mlx_lm.utils.sharded_load`):
 
 `sharding_of` reads which from the model itself, so a model sharded by mlx-lm's own loader
 works as one sharded by `dflash_mlx.models.sharded`.
+
+One stream for a split's collectives (`split_stream`, `settle`): MLX runs each stream's work on
+a thread of its own, and a split's collectives in flight on two streams at once go through the
+same connections between the ranks, each reading bytes of the other's messages: both ranks then
+compute with garbage. mlx-lm's `generate_step` (the split model's own decoding) returns with its
+next step's forward still running on `generation_stream`, so a forward of the same model started
+from the default stream right after it met it (features and logits off on both ranks, measured
+on every split on 2 ranks). A split target's forwards and gathered heads run on
+`generation_stream`, as mlx-lm's decoding and the engine's cycles do; a collective of our own on
+the CPU's stream (rank 0's numbers, as mlx-lm's server shares its requests) first waits for it.
 """
 
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional
 
@@ -57,6 +68,27 @@ class Sharding:
     @property
     def size(self) -> int:
         return self.group.size()
+
+
+@contextmanager
+def split_stream(split: bool):
+    """For the call, with `split`: a split target's work on mlx-lm's `generation_stream` (its
+    collectives after those queued there before, never beside them); without, nothing changes."""
+    if not split:
+        yield
+        return
+    from mlx_lm.generate import generation_stream
+
+    with mx.stream(generation_stream):
+        yield
+
+
+def settle() -> None:
+    """Wait for what is queued on mlx-lm's `generation_stream` (a split forward's collectives),
+    before a collective on another stream."""
+    from mlx_lm.generate import generation_stream
+
+    mx.synchronize(generation_stream)
 
 
 def _tensor_group(model) -> Optional[object]:
