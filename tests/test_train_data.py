@@ -102,3 +102,37 @@ def test_generate_responses_is_resumable_and_caches_exact_features(tmp_path):
         assert f.dtype == np.float16 and f.shape == (len(seq) - 1, 2 * target.hidden_size)
         _, ref, _ = target.forward(mx.array([seq[:-1]]), None, layers)
         np.testing.assert_allclose(f.astype(np.float32), np.array(ref[0]), atol=2e-2, rtol=2e-2)
+
+
+def test_run_format_data_rebuilds_null_prompts_by_id_and_counts_the_rest(tmp_path, monkeypatch):
+    """`--data` with the GPU trainer's shared file's format: one JSON line a record, ShareGPT
+    prompts null (rebuilt from ShareGPT by id), GSM8K prompts as ids (kept); a record whose
+    prompt cannot be rebuilt is skipped and counted."""
+    import gzip
+
+    from dflash_mlx.testing.targets import byte_tokenizer
+    from dflash_mlx.train import run_data
+
+    sg = tmp_path / "sharegpt.json"
+    sg.write_text(json.dumps([_conv(0, "Say hi."), _conv(1, "Count to three.")])[:-1] + ', {"id": "cut')
+    real = D.sharegpt_prompts
+    monkeypatch.setattr(D, "sharegpt_prompts", lambda path=None, **kw: real(path or sg, **kw))
+    tok = byte_tokenizer()
+    recs = [{"id": "gsm8k-train:5", "prompt": [1, 2, 3], "response": [70, 71, 257], "finish": "stop"},
+            {"id": "sharegpt:c1:1", "prompt": None, "response": [72, 73], "finish": "length"},
+            {"id": "sharegpt:gone:1", "prompt": None, "response": [74, 75], "finish": "length"}]
+    path = tmp_path / "gpu-responses.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in recs))
+    logs = []
+    got = {r["id"]: r for r in D.unpack_responses(path, tok, log=logs.append)}
+    assert set(got) == {"gsm8k-train:5", "sharegpt:c1:1"}
+    assert got["gsm8k-train:5"]["prompt"] == [1, 2, 3]
+    assert got["sharegpt:c1:1"]["prompt"] == D.chat_prompt_ids(tok, "Count to three.")
+    assert got["sharegpt:c1:1"]["response"] == [72, 73]
+    assert logs and logs[0].startswith("gpu-responses.jsonl.gz: 1 records without their prompt source")
+    # `dflash-mlx train --data` merges them into the run folder (plain .jsonl reads the same)
+    plain = tmp_path / "gpu-responses.jsonl"
+    plain.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    run_data.merge_packed(plain, tmp_path / "run" / "responses.jsonl", tok, logs.append)
+    assert [r["id"] for r in D.read_records(tmp_path / "run" / "responses.jsonl")] == ["gsm8k-train:5", "sharegpt:c1:1"]

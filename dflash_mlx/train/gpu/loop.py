@@ -107,8 +107,9 @@ def train(run, step):
         if step == first + 1:
             t_first, graphs_first, sup_first = time.time(), graphs_compiled(), int(sup.item())
             log(f"first step: {t_first - t0:.1f} s (compiling, where CUDA compiles)")
+        refit = min(a.refit_every, max(5, (sched.total or 0) // 10))  # often enough to track a slowing machine
         if budget.end is not None and step > first + 1 and (
-                (sched.total is None and step == first + 1 + a.calib_steps) or step % a.refit_every == 0):
+                (sched.total is None and step == first + 1 + a.calib_steps) or step % refit == 0):
             per = (time.time() - t_first) / (step - first - 1)
             fit = step + budget.steps_that_fit(per)
             total = min(fit, a.steps) if a.steps else fit
@@ -120,19 +121,12 @@ def train(run, step):
                     f"(cosine fitted to them, warm-up {sched.warm})")
             sched.total = total
         if step % a.log_every == 0 or step == sched.total:
-            n = int(sup.item())
-            dt = time.time() - t_log
-            acc = float(m["full_acc_sum"] / m["full_acc_total"].clamp(min=1))
-            row = {"step": step, "loss": float(loss.detach()), "acc": acc, "lr": run.opt.param_groups[0]["lr"],
-                   "seconds": round(time.time() - budget.start, 1), "supervised_tokens": run.supervised + n,
-                   "supervised_tok_s": round((n - sup_log) / max(dt, 1e-9))}
-            run.history.append(row)
-            log(f"step {step}/{sched.total or '?'}: loss {row['loss']:.3f}, top-1 {acc:.3f}, lr {row['lr']:.2e}, "
-                f"{row['supervised_tok_s']} supervised tok/s, {row['seconds']:.0f} s")
-            t_log, sup_log = time.time(), n
+            t_log, sup_log = log_row(run, step, loss, m, int(sup.item()), t_log, sup_log)
         if a.save_every and step % a.save_every == 0:
             save(run, step, int(sup.item()))
     n = int(sup.item())
+    if step > first and (not run.history or run.history[-1]["step"] != step):  # stopped by the budget
+        log_row(run, step, loss, m, n, t_log, sup_log)
     timed = max(step - first - 1, 0)
     run.recipe["last_leg"] = {
         "steps": step - first, "supervised_tokens": n,
@@ -143,6 +137,19 @@ def train(run, step):
     }
     run.supervised += n
     return step
+
+
+def log_row(run, step, loss, m, n, t_log, sup_log):
+    """One history row (a host sync: only every --log-every steps); returns the new marks."""
+    dt = time.time() - t_log
+    acc = float(m["full_acc_sum"] / m["full_acc_total"].clamp(min=1))
+    row = {"step": step, "loss": float(loss.detach()), "acc": acc, "lr": run.opt.param_groups[0]["lr"],
+           "seconds": round(time.time() - run.budget.start, 1), "supervised_tokens": run.supervised + n,
+           "supervised_tok_s": round((n - sup_log) / max(dt, 1e-9))}
+    run.history.append(row)
+    log(f"step {step}/{run.schedule.total or '?'}: loss {row['loss']:.3f}, top-1 {acc:.3f}, lr {row['lr']:.2e}, "
+        f"{row['supervised_tok_s']} supervised tok/s, {row['seconds']:.0f} s")
+    return time.time(), n
 
 
 def save(run, step, sup_this_leg=0):
