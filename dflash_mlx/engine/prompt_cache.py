@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import CacheList, ChunkedKVCache, can_trim_prompt_cache, trim_prompt_cache
 
 from dflash_mlx.speculation.copies import ContextIndex
 from dflash_mlx.models.target.adapter import target_for
@@ -176,7 +176,8 @@ class PromptCache:
             return n
         if shared == 0 or not can_trim_prompt_cache(snap.target_cache):
             return 0
-        return shared - _draft_replay(snap, shared, draft)
+        keep = shared - _draft_replay(snap, shared, draft)
+        return keep if trims_to(snap.target_cache, keep) else 0
 
     def _restore(self, snap: Snapshot, keep: int, draft):
         """Make `snap` (owned by this call) the live caches, trimmed to `keep` tokens."""
@@ -223,6 +224,21 @@ def _draft_replay(snap: Snapshot, keep: int, draft) -> int:
         return 0  # only waiting features are dropped
     windows = [c.window for c in snap.draft_cache if not c.trimmable(draft_len - keep)]
     return min(max(windows) - 1, keep) if windows else 0
+
+
+def trims_to(caches: Sequence[Any], keep: int) -> bool:
+    """Whether trimming `caches` to their first `keep` tokens leaves what the next forward reads.
+
+    mlx-lm's `ChunkedKVCache` (Llama 4's chunked layers) says it is always trimmable, but it drops
+    keys off its front as a decode goes on (`maybe_trim_front`) and `trim` stops at what it still
+    holds: trimmed back past that, it would keep more tokens than the full-attention caches beside
+    it and lack keys of the chunk position `keep` is in. Back to the start of that chunk it holds them.
+    """
+    for c in caches:
+        for sub in (c.caches if isinstance(c, CacheList) else (c,)):
+            if isinstance(sub, ChunkedKVCache) and sub.start_position > keep // sub.chunk_size * sub.chunk_size:
+                return False
+    return True
 
 
 def _pending_len(snap: Snapshot) -> int:

@@ -40,6 +40,7 @@ for _key, _cfg in TINY_CONFIGS.items():
     DEEP.add(_key)
 ARCHITECTURES.update(more_archs.TEXT_CONFIGS)
 ARCHITECTURES.update(more_archs.WRAPPER_CONFIGS)
+ARCHITECTURES.update(more_archs.OPTION_VARIANTS)
 QUICK = [k for k in ARCHITECTURES if k not in DEEP]
 
 
@@ -94,9 +95,11 @@ def build(key: str, seed: int = 0):
     cfg = copy.deepcopy(ARCHITECTURES[key])
     with _importable(key):
         model_class, args_class = _get_classes(cfg)
-    mx.random.seed(seed + more_archs.SEEDS.get(key, 0))
+    base = key.split("/")[0]  # an option variant (more_archs.OPTION_VARIANTS) takes its architecture's knobs
+    mx.random.seed(seed + more_archs.SEEDS.get(key, more_archs.SEEDS.get(base, 0)))
     model = model_class(args_class.from_dict(cfg))
-    return archs.finish(model, more_archs.EMBED_SCALE.get(key, 4.0), more_archs.TWEAKS.get(key, {}),
+    return archs.finish(model, more_archs.EMBED_SCALE.get(key, more_archs.EMBED_SCALE.get(base, 4.0)),
+                        more_archs.TWEAKS.get(key, more_archs.TWEAKS.get(base, {})),
                         more_archs.EMBEDDINGS, matrices_only=True)
 
 

@@ -24,8 +24,9 @@ def _text_type(key: str, module: str) -> str:
     one of several of a module (gemma4_text_moe)."""
     cfg = arch_check.ARCHITECTURES[key]
     text = cfg.get("text_config")
+    named = f" ({key})" if key in more_archs.OPTION_VARIANTS else ""
     if text and "model_type" in text:
-        return f"`{cfg['model_type']}` → `{text['model_type']}`"
+        return f"`{cfg['model_type']}` → `{text['model_type']}`" + named
     return f"`{cfg['model_type']}`" + (f" ({key})" if key != module else "")
 
 

@@ -251,6 +251,13 @@ WRAPPER_CONFIGS: Dict[str, dict] = {
         altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0, laurel_rank=4)),
 }
 
+# Options of one architecture our tiny configs above did not hold, named "<key>/<option>": each
+# once made DFlash's greedy output differ from mlx-lm's (issue 47; tests/test_option_variants.py).
+OPTION_VARIANTS: Dict[str, dict] = {
+    # chunks shorter than the prompt: the chunked layers' caches drop keys off their front
+    "llama4/chunk4": _c(WRAPPER_CONFIGS["llama4"], text_config=_c(
+        WRAPPER_CONFIGS["llama4"]["text_config"], attention_chunk_size=4, interleave_moe_layer_step=1)),
+}
 
 # Where these models keep their token embedding (scaled by EMBED_SCALE after init).
 EMBEDDINGS = ("embed_tokens.weight", "embeddings.weight", "wte.weight", "embedding.weight", "embed.weight",
