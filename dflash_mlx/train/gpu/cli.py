@@ -46,7 +46,9 @@ def parser(doc):
     a("--calib-steps", type=int, default=3, help="with --minutes: steps timed after the first to fit the schedule")
     a("--refit-every", type=int, default=100, help="with --minutes: refit the step count every N steps")
     a("--seq-len", type=int, default=4096, help="tokens per pack")
-    a("--packs-per-step", type=int, default=4, help="packs concatenated into one step (one forward, one backward)")
+    a("--packs-per-step", type=int, default=None,
+      help="packs concatenated into one step, one forward and backward (default: 4 on CUDA, whose flex attention "
+           "skips the masked blocks; 1 on the CPU, whose eager attention is dense: ~P^2)")
     a("--feature-batch-tokens", type=int, default=0, help="padded tokens per target pass (0: a step's at once)")
     a("--blocks-per-seq", type=int, default=16, help="anchors per record (the recipe's density)")
     a("--lr", type=float, default=5e-4)
@@ -82,6 +84,7 @@ def main(argv=None, doc=None):
     budget = Budget(args.minutes, gen_share=args.gen_share)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args.packs_per_step = args.packs_per_step or (4 if device.type == "cuda" else 1)
     out = Path(args.out)
     work = Path(args.work or str(out) + ".work")
     work.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,8 @@ def train(run, step):
     first = step
     t_first = None  # when the first step (compile included) ended
     graphs_first = sup_first = 0
+    t_fit = time.time()
+    refit_s = 0.05 * (budget.train_deadline - budget.start) if budget.end is not None else 0.0
     sup = torch.zeros((), device=run.device, dtype=torch.long)
     t_log, sup_log = time.time(), 0
     while sched.total is None or step < sched.total:
@@ -107,9 +109,11 @@ def train(run, step):
         if step == first + 1:
             t_first, graphs_first, sup_first = time.time(), graphs_compiled(), int(sup.item())
             log(f"first step: {t_first - t0:.1f} s (compiling, where CUDA compiles)")
-        refit = min(a.refit_every, max(5, (sched.total or 0) // 10))  # often enough to track a slowing machine
+        # refit every --refit-every steps, and every 5% of the training window (a machine that slows)
         if budget.end is not None and step > first + 1 and (
-                (sched.total is None and step == first + 1 + a.calib_steps) or step % refit == 0):
+                (sched.total is None and step == first + 1 + a.calib_steps)
+                or (sched.total is not None and (step % a.refit_every == 0 or time.time() > t_fit + refit_s))):
+            t_fit = time.time()
             per = (time.time() - t_first) / (step - first - 1)
             fit = step + budget.steps_that_fit(per)
             total = min(fit, a.steps) if a.steps else fit
