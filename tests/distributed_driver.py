@@ -140,7 +140,7 @@ def counted_answer(model, draft, tok, prompt, **kw) -> tuple:
 AFTER = ("glm_moe_dsa",)
 
 
-def after_generate(model, target, prompt, taps, whole_features, tries: int = 10) -> list:
+def after_generate(model, target, prompt, taps, whole_features, tries: int = 6) -> list:
     """How far from the whole model's features a Target forward from the default stream lands,
     started right after mlx-lm's `generate_step` on the split model (which returns with its next
     step's forward still running on the generation stream), `tries` times: the two forwards'

@@ -145,7 +145,7 @@ def test_a_forward_right_after_mlx_lms_own_decoding_is_exact(ranks):
         after = rank["after_generate"]
         assert sorted(after) == ["glm_moe_dsa/pipeline", "glm_moe_dsa/tensor"]
         for name, diffs in after.items():
-            assert len(diffs) >= 10 and max(diffs) < 1e-4, (name, diffs)  # (a tensor split: rounding)
+            assert len(diffs) >= 6 and max(diffs) < 1e-4, (name, diffs)  # (a tensor split: rounding)
 
 
 def test_a_family_mlx_lm_cannot_split_is_refused_in_one_line(ranks):
