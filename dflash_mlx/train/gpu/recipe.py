@@ -9,10 +9,8 @@ import hashlib
 import importlib.metadata
 import importlib.util
 import json
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 
 TRAIN_DIR = Path(__file__).resolve().parent.parent
 GSM8K_TRAIN = TRAIN_DIR / "data" / "gsm8k_train.jsonl.gz"
@@ -122,25 +120,16 @@ def choose_mask_token(tokenizer, records, vocab_size, eos_ids):
     return next(i for i in range(vocab_size - 1, -1, -1) if i not in used and i not in reserved)
 
 
-def build_vocab(records, size, vocab_size, always=()):
-    if size >= vocab_size:
-        return np.arange(vocab_size, dtype=np.int32)
-    counts = Counter(t for r in records for t in r["response"])
-    chosen = [int(t) for t in always if 0 <= t < vocab_size]
-    seen = set(chosen)
-    for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
-        if len(chosen) >= size:
-            break
-        if t not in seen and 0 <= t < vocab_size:
-            chosen.append(int(t))
-            seen.add(t)
-    t = 0
-    while len(chosen) < size:
-        if t not in seen:
-            chosen.append(t)
-            seen.add(t)
-        t += 1
-    return np.array(sorted(chosen[:size]), dtype=np.int32)
+def _numpy_only(name: str):
+    """A numpy-only module of the MLX recipe (`dflash_mlx/train/<name>.py`), loaded from its file:
+    importing it as `dflash_mlx.train.<name>` would run `dflash_mlx/__init__`, which imports MLX."""
+    spec = importlib.util.spec_from_file_location(f"_dflash_recipe_{name}", TRAIN_DIR / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build_vocab = _numpy_only("vocab").build_vocab  # the recipe's own: the most frequent response tokens
 
 
 def held_out(record_id, frac=0.03):
