@@ -57,7 +57,7 @@ def stream_generate(
     prompt_cache: Optional[PromptCache] = None,
     baseline: bool = False,
     profile: bool = False,
-    prefill_step_size: int = 512,
+    prefill_step_size: int = 2048,
     draft_sampling: str = "argmax",
     split_head: Optional[bool] = None,
     logprobs: Optional[int] = None,

@@ -13,7 +13,8 @@ from dflash_mlx import stream_generate
 from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.target.adapter import Target
-from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP, prefill_bounds
+from dflash_mlx.engine.cycle import prefill_bounds
+from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, greedy_reference, tiny_target
 
@@ -103,7 +104,9 @@ def test_prefill_bounds_follow_mlx_lm():
     n = MLX_LM_PREFILL_STEP + 52
     assert prefill_bounds(n, 512, True) == [(0, MLX_LM_PREFILL_STEP), (MLX_LM_PREFILL_STEP, n - 1), (n - 1, n)]
     assert prefill_bounds(1, 512, True) == [(0, 1)]
-    assert prefill_bounds(1100, 512, False) == [(0, 512), (512, 1024), (1024, 1100)]
+    # every mode runs the last prompt token alone, as mlx-lm does
+    assert prefill_bounds(1100, 512, False) == [(0, 512), (512, 1024), (1024, 1099), (1099, 1100)]
+    assert prefill_bounds(1025, 512, False) == [(0, 512), (512, 1024), (1024, 1025)]
 
 
 def test_targets_deterministic_mode_cannot_run_are_refused_in_one_line():
@@ -180,3 +183,29 @@ def test_the_server_refuses_deterministic_mode_for_a_recurrent_target_in_one_lin
     model, tok = _model("qwen3_5", mx.float32)
     with pytest.raises(UnsupportedTargetError, match="recurrent state"):
         Worker(model, None, tok, model_name="tiny", deterministic=True)
+
+
+def test_every_mode_runs_the_last_prompt_token_alone_as_mlx_lm_does():
+    """The first token's logits and the last prompt token's cache entry come from a one-row
+    forward, as in mlx-lm's generate_step, also outside deterministic mode."""
+    model, tok = _model("qwen3", mx.float32)
+    target = Target(model)
+    seen = []
+    layer = target.layers[0]
+
+    class Spy:
+        def __call__(self, x, *args, **kwargs):
+            seen.append(x.shape[1])
+            return layer(x, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(layer, name)
+
+    prompt = list(range(30, 50))
+    target.layers[0] = Spy()
+    try:
+        list(stream_generate(model, ScriptedDraft(target, prompt, lambda c: 0, block_size=8), tok, prompt,
+                             max_tokens=1, stop_token_ids=[]))
+    finally:
+        target.layers[0] = layer
+    assert seen[-2:] == [len(prompt) - 1, 1]  # (forwards before them: the tree probe, once per target)

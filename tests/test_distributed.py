@@ -167,13 +167,14 @@ def test_every_rank_accepts_the_same_lengths(ranks):
 
 def test_a_pipeline_cycle_builds_exactly_the_models_own_collectives(ranks):
     """The taps and rank 0's cycle times ride on the model's own hop and gather (two collectives a
-    forward): an answer builds them once for its prefill and once a cycle, and one all_sum for the
-    request (its shared seed), nothing else."""
+    forward): an answer builds them twice for its prefill (all but the last prompt token, then the
+    last alone, as mlx-lm runs a prompt) and once a cycle, and one all_sum for the request (its
+    shared seed), nothing else."""
     counted = [(r, k, v) for r in (0, 1) for k, v in ranks[r]["collectives"].items() if k.endswith("/pipeline")]
     assert {k.split("/")[0] for _, k, _ in counted} >= {"qwen3_5", "qwen3_next"}
     for rank, key, c in counted:
         assert c["carries"] and sum(c["forward"].values()) == 2, (rank, key, c)
-        hops = {op: n * (c["cycles"] + 1) for op, n in c["forward"].items()}
+        hops = {op: n * (c["cycles"] + 2) for op, n in c["forward"].items()}
         assert c["answer"] == dict(hops, all_sum=1), (rank, key, c)
 
 
@@ -192,13 +193,13 @@ def test_a_pipeline_sends_the_taps_share_of_fc_in_fewer_bytes_than_the_taps(rank
 
 def test_a_tensor_cycle_builds_exactly_the_models_own_sums(ranks):
     """Rank 0's cycle times ride on one of the layers' own all_sums (`tensor_ride`): an answer
-    builds the forward's all_sums once for its prefill and once a cycle, and one for the request
-    (its shared seed), nothing else."""
+    builds the forward's all_sums twice for its prefill (the last prompt token alone, as mlx-lm)
+    and once a cycle, and one for the request (its shared seed), nothing else."""
     counted = [(r, k, v) for r in (0, 1) for k, v in ranks[r]["collectives"].items() if k.endswith("/tensor")]
     assert {k.split("/")[0] for _, k, _ in counted} >= {"qwen3_5", "gpt_oss"}
     for rank, key, c in counted:
         assert c["carries"] and c["forward"]["all_sum"] > 0, (rank, key, c)
-        assert c["answer"]["all_sum"] == c["forward"]["all_sum"] * (c["cycles"] + 1) + 1, (rank, key, c)
+        assert c["answer"]["all_sum"] == c["forward"]["all_sum"] * (c["cycles"] + 2) + 1, (rank, key, c)
 
 
 def test_where_nothing_rides_the_taps_and_times_go_by_all_sum_and_stay_exact(ranks):

@@ -18,7 +18,7 @@ from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
-from dflash_mlx.models.target.exact_rows import prefill_bounds
+from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.policy.copies import CopyPolicy
 from dflash_mlx.policy.copy_trees import CopyTreePolicy
@@ -61,6 +61,20 @@ class HeadRows:
 
     def update(self, accept_length: int):
         self.mean_accept += 0.1 * (accept_length - self.mean_accept)
+
+
+def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool = False) -> List[Tuple[int, int]]:
+    """(start, stop) of each prefill forward over `num_tokens` new prompt tokens: all but the last
+    in chunks of `step_size` (mlx-lm's own in deterministic mode), then the last token alone, as
+    mlx-lm's `generate_step` runs it. The first token's logits and the last prompt token's cache
+    entry are then a one-row forward's, as in plain decoding: a row of a wider forward rounds
+    differently (on a GPU by much, on this CPU by ~1e-6 in float32), and a near-tie there would
+    part the answer from mlx-lm's from its first token, at every width."""
+    if num_tokens < 1:
+        return []
+    step = MLX_LM_PREFILL_STEP if deterministic else step_size
+    body = [(s, min(s + step, num_tokens - 1)) for s in range(0, num_tokens - 1, step)]
+    return body + [(num_tokens - 1, num_tokens)]
 
 
 def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],

@@ -8,7 +8,7 @@ later near-tie can flip too. Nothing short of the decode's own shapes is bit-ide
 it, so deterministic mode (`Target.deterministic`) runs:
 
   the prompt      as mlx-lm's `generate_step` does: all but its last token in chunks of
-                  `MLX_LM_PREFILL_STEP`, then the last token alone (`prefill_bounds`);
+                  `MLX_LM_PREFILL_STEP`, then the last token alone (`engine.cycle.prefill_bounds`, which runs the last token alone in every mode);
   a verify        as one-token forwards, one per row, each on the caches the previous one
                   left (`forward_rows`), queued as one graph: no host sync between rows;
   the LM head     row by row (`logits_rows`).
@@ -95,15 +95,6 @@ class RowsRecord:
                     break
                 getattr(c, name)(*args)
                 updates += name == "update_and_fetch"
-
-
-def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool) -> List[Tuple[int, int]]:
-    """(start, stop) of each prefill forward over `num_tokens` new prompt tokens: `step_size`
-    at a time, or plain decoding's chunks in deterministic mode."""
-    if not deterministic or num_tokens < 1:
-        return [(s, min(s + step_size, num_tokens)) for s in range(0, num_tokens, step_size)]
-    body = [(s, min(s + MLX_LM_PREFILL_STEP, num_tokens - 1)) for s in range(0, num_tokens - 1, MLX_LM_PREFILL_STEP)]
-    return body + [(num_tokens - 1, num_tokens)]
 
 
 def forward_rows(one_forward, tokens: mx.array, cache: List[Any], num_layer_ids: int):
