@@ -9,6 +9,7 @@ import numpy as np
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import tiny_target
 from dflash_mlx.train import data as D
+from dflash_mlx.train.packed import unpack_responses
 
 
 def _conv(i, human, gpt="ok"):
@@ -125,7 +126,7 @@ def test_run_format_data_rebuilds_null_prompts_by_id_and_counts_the_rest(tmp_pat
     with gzip.open(path, "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in recs))
     logs = []
-    got = {r["id"]: r for r in D.unpack_responses(path, tok, log=logs.append)}
+    got = {r["id"]: r for r in unpack_responses(path, tok, log=logs.append)}
     assert set(got) == {"gsm8k-train:5", "sharegpt:c1:1"}
     assert got["gsm8k-train:5"]["prompt"] == [1, 2, 3]
     assert got["sharegpt:c1:1"]["prompt"] == D.chat_prompt_ids(tok, "Count to three.")

@@ -13,6 +13,7 @@ from dflash_mlx.models.draft.checkpoints import load_draft
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import greedy_reference, tiny_target
 from dflash_mlx.train import data as D
+from dflash_mlx.train.packed import pack_responses, unpack_responses
 from dflash_mlx.train import init as I
 from dflash_mlx.train.export import export_draft
 from dflash_mlx.train.grow import grow_draft
@@ -213,9 +214,9 @@ def test_packed_responses_round_trip(tmp_path):
             for i, p in enumerate(prompts)]
     recs.append({"id": "gsm8k-train:999999", "prompt": [1, 2], "response": [3], "finish": "stop"})
     path = tmp_path / "r.jsonl.gz"
-    D.pack_responses(recs, path)
+    pack_responses(recs, path)
     msgs = []
-    back = D.unpack_responses(path, tok, log=msgs.append)
+    back = unpack_responses(path, tok, log=msgs.append)
     assert back == recs[:3]
     assert msgs and "1 records without their prompt source" in msgs[0]
 
@@ -235,7 +236,7 @@ def _long_gsm8k_responses(tok, tmp_path, n=4):
     for start in range(0, len(lines), n):  # (a record is skipped if its prompt cannot be rebuilt)
         with gzip.open(tmp_path / "subset.jsonl.gz", "wt", encoding="utf-8") as f:
             f.writelines(lines[start : start + n])
-        out += D.unpack_responses(tmp_path / "subset.jsonl.gz", tok)
+        out += unpack_responses(tmp_path / "subset.jsonl.gz", tok)
         if len(out) >= n:
             return out[:n]
     return out

@@ -275,10 +275,11 @@ def main(argv=None) -> int:
 
     from dflash_mlx import load
     from dflash_mlx.train import data as D
+    from dflash_mlx.train.packed import unpack_responses
 
     model, tokenizer = load(args.target, quiet=True)
     packed = getattr(args, "responses", None) or str(Path(__file__).parent / "data" / "smollm2-135m-responses.jsonl.gz")
-    records = D.unpack_responses(packed, tokenizer)
+    records = unpack_responses(packed, tokenizer)
     if args.cmd == "recipe":
         cuts = [int(x) for x in args.doc_cuts.split(",") if x]
         recipe = make_recipe(records, tokenizer, args.train_chats, args.eval_chats, cuts, args.max_len,

@@ -31,11 +31,12 @@ SEQ_LEN = 8192
 def recipe_records(args, tokenizer, log) -> List[dict]:
     """The training records: the committed responses (or `--data`), prompts rebuilt."""
     from dflash_mlx.train import data as D
+    from dflash_mlx.train.packed import unpack_responses
 
     packed = Path(args.data) if args.data else D.DATA_DIR / "smollm2-135m-responses.jsonl.gz"
     if not packed.is_file():
         raise SystemExit(f"--data {packed}: no such file (a packed responses file, .jsonl.gz)")
-    records = [r for r in D.unpack_responses(packed, tokenizer, log=log) if len(r["response"]) >= 2]
+    records = [r for r in unpack_responses(packed, tokenizer, log=log) if len(r["response"]) >= 2]
     if not records:
         raise SystemExit(f"{packed}: no record could be rebuilt (its prompt sources are missing)")
     return records
@@ -161,7 +162,7 @@ def write_speculators(out, args, records, draft, vocab, target, tokenizer, hf_ta
 
 def write_specforge(out, args, records, draft, vocab, target, tokenizer, hf_target):
     hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    from dflash_mlx.train.data import prompt_texts
+    from dflash_mlx.train.packed import prompt_texts
 
     texts = prompt_texts(r["id"] for r in records)
     with (out / "data.jsonl").open("w") as f:

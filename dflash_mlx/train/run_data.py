@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import List
 
 from dflash_mlx.train import data as D
+from dflash_mlx.train.packed import pack_responses, unpack_responses
 from dflash_mlx.train.split import split_by_hash, split_records
 
 
@@ -30,7 +31,7 @@ class Records:
 def merge_packed(packed, responses: Path, tokenizer, log):
     """Append the packed records the run does not have yet (generation then skips them)."""
     have = {r["id"] for r in D.read_records(responses)}
-    new = [r for r in D.unpack_responses(packed, tokenizer, log=log) if r["id"] not in have]
+    new = [r for r in unpack_responses(packed, tokenizer, log=log) if r["id"] not in have]
     responses.parent.mkdir(parents=True, exist_ok=True)
     with responses.open("a") as f:
         for r in new:
@@ -41,7 +42,7 @@ def merge_packed(packed, responses: Path, tokenizer, log):
 def pack(run, path):
     """`--pack`: the run's responses, compactly (token ids only, committable), into `path`."""
     packed = D.read_records(run.responses)
-    n = D.pack_responses(packed, path)
+    n = pack_responses(packed, path)
     run.log(f"packed {len(packed)} records into {path} ({n / 1e6:.1f} MB)")
 
 
