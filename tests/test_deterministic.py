@@ -5,6 +5,7 @@ a GPU where MLX has one), in float32 and bfloat16; targets it cannot run so are 
 """
 
 import random
+from contextlib import contextmanager
 
 import mlx.core as mx
 import pytest
@@ -16,7 +17,7 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.engine.cycle import prefill_bounds
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
-from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, greedy_reference, tiny_target
+from dflash_mlx.testing.targets import ScriptedDraft, greedy_reference, tiny_target
 
 FULL_LLAMA = dict(layer_types=["full_attention"] * 4, sliding_window=None)
 
@@ -36,6 +37,26 @@ def _decode(model, draft, tok, prompt, width, max_tokens, stops=()):
         out += r.tokens
         accepts = r.accept_lengths
     return out, accepts
+
+@contextmanager
+def rows_seen(target):
+    """The row count of every forward through the target's first layer, while in the block."""
+    seen, layer = [], target.layers[0]
+
+    class Spy:
+        def __call__(self, x, *args, **kwargs):
+            seen.append(x.shape[1])
+            return layer(x, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(layer, name)
+
+    target.layers[0] = Spy()
+    try:
+        yield seen
+    finally:
+        target.layers[0] = layer
+
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
@@ -76,25 +97,11 @@ def test_deterministic_stops_where_plain_decoding_stops():
 def test_a_deterministic_verify_runs_one_token_forwards():
     model, tok = _model("qwen3", mx.float32)
     target = Target(model)
-    seen = []
-    layer = target.layers[0]
-
-    class Spy:
-        def __call__(self, x, *args, **kwargs):
-            seen.append(x.shape[1])
-            return layer(x, *args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(layer, name)
-
     prompt = list(range(30, 50))
     ref = greedy_reference(model, prompt, 16)
     draft = ScriptedDraft(target, prompt + ref, lambda c: 10**9, block_size=8)
-    target.layers[0] = Spy()
-    try:
+    with rows_seen(target) as seen:
         out, accepts = _decode(model, draft, tok, prompt, "draft", 16)
-    finally:
-        target.layers[0] = layer
     assert out == ref and max(accepts) == 7
     # the prompt as mlx-lm runs it (all but the last token, then the last alone), then single rows
     assert seen[:2] == [len(prompt) - 1, 1] and set(seen[2:]) == {1}
@@ -190,22 +197,8 @@ def test_every_mode_runs_the_last_prompt_token_alone_as_mlx_lm_does():
     forward, as in mlx-lm's generate_step, also outside deterministic mode."""
     model, tok = _model("qwen3", mx.float32)
     target = Target(model)
-    seen = []
-    layer = target.layers[0]
-
-    class Spy:
-        def __call__(self, x, *args, **kwargs):
-            seen.append(x.shape[1])
-            return layer(x, *args, **kwargs)
-
-        def __getattr__(self, name):
-            return getattr(layer, name)
-
     prompt = list(range(30, 50))
-    target.layers[0] = Spy()
-    try:
+    with rows_seen(target) as seen:
         list(stream_generate(model, ScriptedDraft(target, prompt, lambda c: 0, block_size=8), tok, prompt,
                              max_tokens=1, stop_token_ids=[]))
-    finally:
-        target.layers[0] = layer
     assert seen[-2:] == [len(prompt) - 1, 1]  # (forwards before them: the tree probe, once per target)
