@@ -159,7 +159,7 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer):
     until it lands (the prompt cache is not valid meanwhile)."""
     plan = make_plan(ctx, budget)
     state = ctx.state
-    if plan.tree is not None or (plan.width == 1 and not plan.copy_length and _rotating(state.target_cache)):
+    if plan.tree is not None or (plan.width == 1 and not plan.copy_length and ctx.target.rotating):
         # a one-token update of a full sliding window overwrites the entry a discard would need back
         state.ahead = plan
         return
@@ -168,14 +168,6 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer):
     # (MLX's CPU backend runs the graph inside async_eval: there the whole cycle is counted here)
     launched.built = time.perf_counter()
     state.ahead, state.valid = launched, False
-
-
-def _rotating(cache) -> bool:
-    from mlx_lm.models.cache import RotatingKVCache
-
-    from dflash_mlx.models.target.rollback import sub_caches
-
-    return any(isinstance(s, RotatingKVCache) for c in cache for s in sub_caches(c))
 
 
 def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:
@@ -189,7 +181,7 @@ def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:
 
 def discard(target, state):
     """Roll back a cycle launched ahead that will not land (its rows leave the caches whole)."""
-    pending, state.ahead = getattr(state, "ahead", None), None
+    pending, state.ahead = state.ahead, None
     if isinstance(pending, Launched):
         with mx.stream(generation_stream):
             target.rollback(state.target_cache, pending.width, pending.width, pending.record)

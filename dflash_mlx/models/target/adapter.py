@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx.models.draft.config import validate_for_target
 from dflash_mlx.models.target.tree_attention import rope_slots, tree_caches
@@ -117,6 +117,8 @@ class Target:
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
         self._quantized = [x for layer in self.layers if layer is not None for x in quantized_linears(layer)]
         self._replay_kinds = self._check_caches()
+        # whether a one-token update can overwrite a sliding window's oldest entry (`engine.ahead`)
+        self.rotating = any(isinstance(s, RotatingKVCache) for c in self.make_cache() for s in sub_caches(c))
         # The embedding and LM head: `embed`, `head` and `logits` are its.
         self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
                                 self.arch, self.hidden_size)
