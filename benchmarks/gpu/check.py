@@ -113,9 +113,9 @@ def run_part(name, smoke, deadline, log, dtypes=("bfloat16",), progress=None):
         res = {}
         for label, cfg in (("qwen3-8b-shaped 4-bit", parts.QWEN3_8B), ("qwen3-30b-a3b-shaped 4-bit", parts.QWEN3_30B_A3B)):
             if smoke:
-                cfg = dict(parts.TINY, model_type=cfg["model_type"], **({k: v for k, v in dict(
-                    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
-                    mlp_only_layers=[], norm_topk_prob=True).items()} if cfg["model_type"] == "qwen3_moe" else {}))
+                moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, decoder_sparse_step=1,
+                           mlp_only_layers=[], norm_topk_prob=True)
+                cfg = dict(parts.TINY, model_type=cfg["model_type"], **(moe if cfg["model_type"] == "qwen3_moe" else {}))
             if time.perf_counter() > deadline:
                 res[label] = {"skipped": "out of time"}
                 continue
