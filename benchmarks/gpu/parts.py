@@ -212,11 +212,12 @@ def verify_costs(model, contexts=(128, 2048, 8192), widths=range(1, 17), reps: i
     """t(k) in ms: one forward of k tokens on a cache holding `context` tokens (restored between reps)."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    vocab = model.model.embed_tokens.weight.shape[0]
     out = {}
     for context in contexts:
         cache = make_prompt_cache(model)
         for s in range(0, context, 2048):
-            model(mx.arange(s, min(s + 2048, context))[None] % 1000, cache=cache)
+            model(mx.arange(s, min(s + 2048, context))[None] % min(vocab, 1000), cache=cache)
             mx.eval([c.state for c in cache])
         times = {}
         for k in widths:
@@ -239,7 +240,7 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
     """(c): plain decoding against DFlash with an oracle draft at width tau (every block accepted:
     tau tokens a cycle), both through the engine and mlx-lm's own plain decode."""
     vocab = model.model.embed_tokens.weight.shape[0]
-    prompt = [random.Random(1).randrange(0, 30000) for _ in range(prompt_len)]
+    prompt = [random.Random(1).randrange(0, min(vocab, 30000)) for _ in range(prompt_len)]
     ref = greedy_reference(model, prompt, tokens + 16)
     plain_tokens, plain_s, _ = decode(model, None, tok, prompt, tokens, 1, baseline=True)
     _, plain_s, _ = decode(model, None, tok, prompt, tokens, 1, baseline=True)  # warm
