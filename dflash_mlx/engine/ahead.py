@@ -93,6 +93,7 @@ def make_plan(ctx: Context, budget: int) -> Plan:
     """The policies' choice for the next cycle (`budget`: tokens it may commit)."""
     widths, copies, index, shared = ctx.widths, ctx.copies, ctx.index, ctx.shared
     widths.at_context(len(ctx.state.tokens))
+    budget = min(budget, ctx.target.verify_room(len(ctx.state.tokens)))  # the rows it may verify
     width = widths.choose(budget)
     plan = Plan(width)
     if copies is not None:

@@ -234,30 +234,34 @@ class BatchEngine:
             self._leave([row])
         return [event]
 
-    def _copies(self, width: int, context: int) -> Tuple[int, List[int], List]:
+    def _copies(self, width: int, context: int, room: int) -> Tuple[int, List[int], List]:
         """This batched cycle's width and copy tokens per row (0: the row drafts), with each
-        row's match (`BatchCopyPolicy`); the draft's width and no copies when copies are off."""
+        row's match (`BatchCopyPolicy`); the draft's width and no copies when copies are off.
+        `room`: the most rows a verify may hold."""
         rows = self.rows
         if self.batch_copies is None or not any(r.copies is not None for r in rows):
             return width, [0] * len(rows), [None] * len(rows)
         policy, sizer, lone = self.batch_copies, self.widths.current, self.widths.sizer(1)
-        matches = [policy.pick(r.copy_matches(policy.max_length), r.budget) if r.copies is not None else None
-                   for r in rows]
+        budgets = [min(r.budget, room) for r in rows]
+        matches = [policy.pick(r.copy_matches(policy.max_length), b) if r.copies is not None else None
+                   for r, b in zip(rows, budgets)]
         policy.at_context(context)
         lone.at_context(context)
         policy.seed({w: t * lone.load for w, t in lone.times.items()})
-        width, copied = policy.plan(matches, [r.budget for r in rows], width, sizer.chain_tokens)
+        width, copied = policy.plan(matches, budgets, width, sizer.chain_tokens)
         return width, copied, matches
 
     def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
         rows = self.rows
         if not self.batched:
             return self._cycle_alone(rows[0])
-        remaining = max(r.budget for r in rows)
+        # every row's verify rows stay within its position limit (`Target.verify_room`)
+        room = min(self.target.verify_room(len(r.state.tokens)) for r in rows)
+        remaining = min(max(r.budget for r in rows), room)
         context = max(len(r.state.tokens) for r in rows)
         width = (self.widths.choose(len(rows), remaining, context) if self.widths is not None
                  else self.fixed.choose(remaining))
-        width, copied, matches = self._copies(width, context)
+        width, copied, matches = self._copies(width, context, room)
         if self.widths is not None:
             self.widths.tally(self.widths.key, width)
         steps, accepts, seconds = batch_cycle(self.target, self.draft, rows, self.cache, self.kinds, self.head_axis,

@@ -73,10 +73,7 @@ class Row:
         self.shared = engine.suffix_index if self.copies is not None and request.global_copies else None
         self.index = None  # the context's copy index (`context_index`), kept up to date by every cycle
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
-        max_tokens = opts.max_tokens
-        if engine.target.max_context:
-            max_tokens = min(max_tokens, engine.target.max_context - len(request.prompt_ids))
-        self.budget = max_tokens
+        self.budget = opts.max_tokens  # (past the model's position limit it decodes on, as mlx-lm does)
         self.first_logits: Optional[list] = [] if request.logprobs is not None else None
         self.prefill = prefill_chunks(engine.target, self.drafter, self.acceptor, self.state, request.prompt_ids,
                                       engine.prefill_chunk, self.first_logits)

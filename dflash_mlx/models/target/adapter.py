@@ -35,6 +35,9 @@ EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
 
 
+NO_LIMIT = 1 << 30  # `verify_room` of a model with no position limit
+
+
 def _find_text_model(model) -> Tuple[Any, Optional[Tuple[Any, str]]]:
     """(the inner module that owns the token embedding and the decoder `layers` list,
     (its parent, the parent's key for it) or None when it is the model itself)."""
@@ -180,6 +183,16 @@ class Target:
             if reason is not None:
                 raise UnsupportedTargetError(f"deterministic mode: {reason}")
         self._deterministic = bool(on)
+
+    def verify_room(self, position: int) -> int:
+        """The most rows a verify whose first row sits at `position` may hold. Past the model's
+        position limit (`max_context`) mlx-lm's own forwards are one row wide, and what some
+        models compute there depends on the forward's width (dynamic NTK RoPE sizes its base
+        from offset + rows; a window's mask outgrows its cache): one row at a time there,
+        exactly as mlx-lm runs it, rather than a stop mlx-lm would not make."""
+        if not self.max_context:
+            return NO_LIMIT
+        return max(1, self.max_context - position)
 
     # -- caches ---------------------------------------------------------------
 

@@ -60,7 +60,7 @@ def check_forward(target) -> None:
         target.context_note = (
             f"{target.arch}: its sliding-window masks reach past its caches' window of {window} tokens, so past "
             f"{window} tokens mlx-lm's own greedy decode depends on how many tokens each forward takes; DFlash "
-            f"serves contexts of up to {window} tokens")
+            f"takes prompts of up to {window} tokens and decodes past it one token a cycle, as mlx-lm does")
 
 
 class _MaskWindows(StandIn):
