@@ -47,12 +47,38 @@ def top_gap(model, context):
     return float((top[-1] - top[-2]).item())
 
 
+def row_rounding(model, prompts, starts=(0, 16, 32)) -> dict:
+    """How far a 16-row verify's logits are from mlx-lm's one-token steps over the same tokens,
+    against the top-two gaps those steps meet: a flip needs a gap below the difference."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    diffs, gaps = [], []
+    for _, prompt in prompts:
+        ref = greedy_reference(model, prompt, max(starts) + 16)
+        for start in starts:
+            context = prompt + ref[:start]
+            steps, verify = make_prompt_cache(model), make_prompt_cache(model)
+            for cache in (steps, verify):
+                model(mx.array(context[:-1])[None], cache=cache)
+            block = [context[-1]] + ref[start : start + 15]
+            wide = model(mx.array(block)[None], cache=verify)[0]
+            for i, token in enumerate(block):
+                one = model(mx.array([token])[None], cache=steps)[0, -1]
+                top = mx.sort(one)
+                diffs.append(float(mx.abs(one - wide[i]).max().item()))
+                gaps.append(float((top[-1] - top[-2]).item()))
+    diffs.sort(), gaps.sort()
+    return dict(rows=len(diffs), max_logit_diff=diffs[-1], median_logit_diff=diffs[len(diffs) // 2],
+                smallest_top_gap=gaps[0], top_gap_1st_percentile=gaps[len(gaps) // 100])
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=4, help="prompts per suite (gsm8k, humaneval, mtbench)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--widths", default="1,4,16,auto")
     ap.add_argument("--deterministic-widths", default="16", help="widths deterministic mode runs at")
+    ap.add_argument("--parts", default="exactness,rounding")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     from dflash_mlx.cli.common import load_model_and_draft
@@ -67,7 +93,7 @@ def main(argv=None):
     rows = {f"{w}{' deterministic' if d else ''}": dict(width=str(w), deterministic=d, answers=0, diverged=0,
                                                        tokens=0, gaps=[]) for w, d in runs}
     t0 = time.perf_counter()
-    for name, prompt in prompts:
+    for name, prompt in (prompts if "exactness" in args.parts else []):
         ref = greedy_reference(model, prompt, args.tokens)
         done += 1
         progress.update(done)
@@ -89,12 +115,17 @@ def main(argv=None):
         row["per_1000"] = round(1000 * row["diverged"] / max(row["tokens"], 1), 2)
     out = Path(args.out or HERE / "results" / f"{datetime.date.today():%Y%m%d}-cpu-exactness")
     out.mkdir(parents=True, exist_ok=True)
-    result = dict(command=" ".join(["python", "benchmarks/cpu_exactness.py"] + (argv or sys.argv[1:])),
-                  environment=environment(), prompts=len(prompts), tokens=args.tokens,
-                  seconds=round(time.perf_counter() - t0, 1), rows=list(rows.values()))
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    _plot(rows, out / "divergences.png")
-    print(json.dumps(result["rows"], indent=1))
+    path = out / "results.json"
+    result = json.loads(path.read_text()) if path.exists() else {}  # a run of one part keeps the other's
+    if "exactness" in args.parts:
+        result.update(command=" ".join(["python", "benchmarks/cpu_exactness.py"] + (argv or sys.argv[1:])),
+                      environment=environment(), prompts=len(prompts), tokens=args.tokens,
+                      seconds=round(time.perf_counter() - t0, 1), rows=list(rows.values()))
+        _plot(rows, out / "divergences.png")
+    if "rounding" in args.parts:
+        result["rounding"] = row_rounding(model, prompts)
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result.get(k) for k in ("rows", "rounding")}, indent=1))
 
 
 def _plot(rows, path):
