@@ -77,3 +77,32 @@ def test_batch_rows_decode_past_the_position_limit_as_mlx_lm():
         for row, event in engine.step():
             outs[row.uid] += event.tokens
     assert list(outs.values()) == [ref for _, ref in cases]
+
+
+@pytest.mark.parametrize("width", [1, 4, "auto"])
+def test_hunyuan_ntk_alpha_past_a_short_position_limit(width):
+    """The issue's case as a new user builds it: hunyuan_v1_dense, NTK-alpha RoPE (`rope_scaling`
+    type `dynamic` with `alpha`), q/k norms, a tiny config's short `max_position_embeddings`, and an
+    answer that runs past it."""
+    import copy
+
+    import mlx.core as mx
+    from mlx_lm.utils import _get_classes
+
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.testing import arch_check
+    from dflash_mlx.testing.targets import byte_tokenizer
+
+    cfg = copy.deepcopy(arch_check.ARCHITECTURES["hunyuan_v1_dense"])
+    cfg.update(max_position_embeddings=32, use_qk_norm=True,
+               rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0})
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    model.eval()
+    prompt, ref = _case(model, 20, 30)
+    draft = random_draft(model, num_layers=1, block_size=8, seed=3)
+    out = [t for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=len(ref), block_size=width,
+                                      stop_token_ids=[]) for t in r.tokens]
+    assert out == ref
