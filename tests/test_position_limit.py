@@ -63,7 +63,11 @@ def test_decodes_past_the_position_limit_as_mlx_lm(rope_scaling, width):
 
 def test_batch_rows_decode_past_the_position_limit_as_mlx_lm():
     """Two rows of one batch at different positions, one of them crossing the limit (a batch
-    of dynamic NTK rows is refused: its RoPE takes one offset for the batch)."""
+    of dynamic NTK rows is refused in one line: its RoPE takes one offset for the batch)."""
+    from dflash_mlx.models.target.rollback import UnsupportedTargetError
+
+    with pytest.raises(UnsupportedTargetError, match=r"rotary embedding \(DynamicNTKScalingRoPE\) takes one position"):
+        BatchEngine(_model(DYNAMIC_NTK)[0], None, _model(None)[1], max_batch=2)
     model, tok = _model(None)
     cases = [_case(model, 30, 24), _case(model, 11, 24, seed=1)]
     draft = RowScriptedDrafts(Target(model), cases, lambda c: 10**9, block_size=8)

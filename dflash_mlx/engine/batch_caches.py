@@ -26,6 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, CacheList, KVCache, RotatingKVCache
 
 from dflash_mlx.identity import IdentityMap
+from dflash_mlx.models.rope_offsets import takes_offset_arrays
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import (StandIn, VerifyRecord, recorded_apart, replay_gdn_rows,
                                                replay_layer_rows, rollback_batch_rows, sub_caches)
@@ -123,6 +124,11 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
         if (mx.abs(together.astype(mx.float32) - alone).max() > tight * (1.0 + mx.abs(alone).max())).item():
             return "its rows do not come out of a batch as they do alone"
     except Exception as e:  # model code that cannot take a batch of different lengths
+        single = sorted({type(parent[key]).__name__ for parent, key in target.rope_slots
+                         if not takes_offset_arrays(parent[key])})
+        if single:  # e.g. mlx-lm's dynamic NTK RoPE, which sizes its base from one offset
+            return (f"its rotary embedding ({', '.join(single)}) takes one position offset per call, and a "
+                    f"batch's rows sit at different positions")
         return f"a batch of rows failed ({type(e).__name__}: {e})"
     return None
 
