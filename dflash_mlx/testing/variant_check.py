@@ -99,6 +99,7 @@ def _turns(model, prompt, ref) -> Optional[str]:
     the first's prompt and answer, so it runs on caches the first left (trimmed windows too)."""
     from dflash_mlx.generate import make_prompt_cache
     from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.testing.targets import greedy_reference
 
     draft = random_draft(model, num_layers=1, block_size=16, seed=4)
@@ -108,6 +109,9 @@ def _turns(model, prompt, ref) -> Optional[str]:
     if wrong is not None:
         return wrong
     turn2 = prompt + first + prompt[:10]
+    limit = Target(model).max_context
+    if limit and len(turn2) >= limit:  # a prompt past the window is refused: the turn runs on past it
+        turn2 = turn2[: limit - 1]
     # the engine stops at the tokenizer's EOS, as mlx-lm's own generate does; the first turn's
     # reference has none (`clean_case`), the second's may
     want = greedy_reference(model, turn2, 12, stop_ids=(EOS_ID,))
@@ -134,7 +138,9 @@ def _batches(model, length) -> Optional[str]:
     from dflash_mlx.policy.sizer import forget_sizers
 
     forget_sizers()
-    cases = [clean_case(model, length + 7 * i, MAX_TOKENS, seed=i) for i in range(3)]
+    limit = Target(model).max_context  # every prompt inside the window (a longer one is refused)
+    step = max(1, min(7, (limit - 1 - length) // 2)) if limit else 7
+    cases = [clean_case(model, length + step * i, MAX_TOKENS, seed=i) for i in range(3)]
     draft = RowScriptedDrafts(Target(model), cases, lambda c: (c * 3) % 5, block_size=8)
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
     index, tokens = {}, {}
@@ -159,7 +165,8 @@ def _logits(model, prompt):
 
 
 def _inert(variant, model, seed, prompt) -> bool:
-    """The variant's logits on `prompt` equal the base config's (same weights): nothing bit."""
+    """The variant's logits on `prompt` (the check's whole first context) equal the base
+    config's (same weights): nothing bit."""
     from mlx.utils import tree_flatten
 
     base = variants.build(variant.key, arch_check.ARCHITECTURES[variant.key], seed)
@@ -214,7 +221,7 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
         if len(ref) < MAX_TOKENS:
             prompt, ref = clean_case(model, len(prompt), MAX_TOKENS, seed=0)
         result.seed = seed
-        if _inert(variant, model, seed, prompt):
+        if _inert(variant, model, seed, prompt + ref):
             result.status = "inert"
             result.reason = "the model's logits on the prompt equal the base config's"
             break

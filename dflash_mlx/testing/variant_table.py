@@ -40,12 +40,13 @@ def markdown(rows: List[dict], source: str = "") -> str:
         f"{len(rows)} variants of {len({r['key'] for r in rows})} architectures: "
         + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s]) + ". "
         "Each switches on one option that changes attention, positions or caches, at a value that bites in a "
-        "20-token prompt (windows and chunks of 5, scaled RoPEs whose original context is 8 positions, ...), "
+        "20-token prompt (windows and chunks of 5, scaled RoPEs whose original context is 8 positions, dynamic NTK "
+        "with `max_position_embeddings` 30 so that answers run past it, ...), "
         "generated from the fields of the model's `ModelArgs` (`dflash_mlx/testing/variants.py`), and is checked "
         "(`variant_check.py`) against mlx-lm's own greedy decode at widths 1, 4, 16 and `auto` (a scripted draft "
         "with partial accepts), over two chat turns on one prompt cache, under token trees and in a batch of three "
-        "rows where the model takes them. \"Inert\": the variant's logits on the prompt equal the base config's "
-        "(the model's code ignores the option there, e.g. dynamic NTK, which moves only past the context window); "
+        "rows where the model takes them. \"Inert\": the variant's logits on the prompt and its answer equal "
+        "the base config's (the model's code ignores the option there); "
         "\"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output on 3 seeds."
         + (f" Source: `{source}`." if source else ""),
         "",

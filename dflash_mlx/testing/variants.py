@@ -26,6 +26,8 @@ from dflash_mlx.testing import arch_check, archs, more_archs
 
 WINDOW = 5  # windows and chunks: a quarter of arch_check.PROMPT_LEN, so prompt and answer cross several
 SHORT_POSITIONS = 8  # "original" context lengths of scaled RoPEs: the prompt runs past them
+# dynamic NTK moves only past max_position_embeddings: one past the 20-token prompt, inside its answer
+POSITION_LIMIT = 30
 
 
 @dataclass
@@ -145,9 +147,7 @@ def _rope_spec(kind: str, o: Options) -> List[Dict[str, object]]:
     n = SHORT_POSITIONS
     if kind == "linear":
         return [{"factor": 4.0}]
-    if kind == "dynamic":
-        # (its base moves only past max_position_embeddings, which the engine refuses as past the
-        # context window: inert within it, which the check reports)
+    if kind == "dynamic":  # (its base moves only past max_position_embeddings: `POSITION_LIMIT`)
         return [{"factor": 4.0}]
     if kind == "ntk-alpha":  # Hunyuan's: the base times alpha ** (d / (d - 2)), named "dynamic"
         return [{"type": "dynamic", "alpha": 1000.0, "factor": 1.0}]
@@ -188,6 +188,8 @@ def _rope(o: Options) -> List[Variant]:
             over = {slot: value}
             if kind == "longrope" and o.has("max_position_embeddings"):
                 over["max_position_embeddings"] = 8 * SHORT_POSITIONS
+            if kind == "dynamic" and o.has("max_position_embeddings"):
+                over["max_position_embeddings"] = POSITION_LIMIT
             candidates.append(over)
         out.append(Variant(o.key, f"rope:{kind}", candidates[0], candidates[1:]))
     return out
