@@ -38,6 +38,17 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> Lis
     return [int(t) for t in prompt]
 
 
+def tokens_to_window(model, draft, prompt_ids: Sequence[int], max_tokens: int) -> int:
+    """`max_tokens`, cut to what fits in the model's context window after `prompt_ids`: what a
+    front end asks for (the CLI, the chat app; the server its own way), since `stream_generate`
+    decodes on past the window, as mlx-lm does. A prompt that fills the window is left to
+    `stream_generate` to refuse."""
+    window = target_for(model, draft).max_context
+    if window and len(prompt_ids) < window:
+        return min(max_tokens, window - len(prompt_ids))
+    return max_tokens
+
+
 # -- the response layer: arguments, text, statistics -------------------------------
 
 

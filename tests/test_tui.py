@@ -498,6 +498,14 @@ def test_session_without_textual(tiny):
     assert seen == [1, 2, 3, 4, 5] and t.prompt_ids == encode_prompt(tok, "Be brief.\n\nUser: hi\nAssistant:")
 
 
+def test_an_answer_stops_where_the_context_window_does():
+    """The library decodes past `max_position_embeddings` as mlx-lm does; a chat answer stops there."""
+    model, tok = targets.tiny_target("qwen3", seed=0, max_position_embeddings=40)
+    s = ChatSession(model, tok, random_draft(model, num_layers=1, block_size=4), Settings(max_tokens=100))
+    t = s.turn("hi", lambda turn, new: None, lambda: False)
+    assert len(t.prompt_ids) + len(t.tokens) == 40 and t.stats.finish == "length"
+
+
 def test_model_that_fails_to_load_is_reported(tmp_path):
     app = ChatApp(model_name=str(tmp_path / "no-such-model"))
 

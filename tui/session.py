@@ -7,7 +7,8 @@ call them directly. Every MLX call of a session must happen on one thread.
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
-from dflash_mlx.generate import encode_prompt, make_prompt_cache, make_suffix_index, stop_ids, stream_generate
+from dflash_mlx.generate import (encode_prompt, make_prompt_cache, make_suffix_index, stop_ids, stream_generate,
+                                 tokens_to_window)
 from dflash_mlx.policy.copies import NO_DRAFT_MAX_COPY
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 
@@ -102,9 +103,11 @@ class ChatSession:
         self.last = turn
         if self.cache is None:
             self.cache = make_prompt_cache(self.model, self.draft)
+        kwargs = s.generate_kwargs()  # the answer stops where the model's context window does
+        kwargs["max_tokens"] = tokens_to_window(self.model, self.draft, turn.prompt_ids, s.max_tokens)
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
-            suffix_index=self.suffix_index, **s.generate_kwargs(),
+            suffix_index=self.suffix_index, **kwargs,
         )
         try:
             for r in stream:

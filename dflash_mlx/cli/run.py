@@ -87,10 +87,9 @@ def run(args) -> int:
         print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
 
     from dflash_mlx import stream_generate
-    from dflash_mlx.generate import encode_prompt
     from dflash_mlx.engine.responses import wrap_tokenizer
+    from dflash_mlx.generate import encode_prompt, tokens_to_window
     from dflash_mlx.models.loading import apply_chat_template
-    from dflash_mlx.models.target.adapter import target_for
 
     if args.no_chat_template:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
@@ -99,10 +98,8 @@ def run(args) -> int:
 
     # The library decodes past the model's context window as mlx-lm does; the CLI stops there.
     prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)
-    window = target_for(model, draft).max_context
     kwargs = options.generate_kwargs()
-    if window and len(prompt_ids) < window:
-        kwargs["max_tokens"] = min(options.max_tokens, window - len(prompt_ids))
+    kwargs["max_tokens"] = tokens_to_window(model, draft, prompt_ids, options.max_tokens)
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
