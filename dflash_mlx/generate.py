@@ -38,14 +38,13 @@ def encode_prompt(tokenizer, prompt: Union[str, Sequence[int], mx.array]) -> Lis
     return [int(t) for t in prompt]
 
 
-def tokens_to_window(model, draft, prompt_ids: Sequence[int], max_tokens: int) -> int:
-    """`max_tokens`, cut to what fits in the model's context window after `prompt_ids`: what a
-    front end asks for (the CLI, the chat app; the server its own way), since `stream_generate`
-    decodes on past the window, as mlx-lm does. A prompt that fills the window is left to
-    `stream_generate` to refuse."""
-    window = target_for(model, draft).max_context
-    if window and len(prompt_ids) < window:
-        return min(max_tokens, window - len(prompt_ids))
+def tokens_to_window(window: Optional[int], prompt_length: int, max_tokens: int) -> int:
+    """`max_tokens`, cut to what fits in a context `window` (a target's `max_context`; None: no
+    limit) after a prompt of `prompt_length` tokens: where a front end stops (the CLI, the chat
+    app, the server), since `stream_generate` decodes on past the window, as mlx-lm does. A
+    prompt that fills the window is left to the engine to refuse."""
+    if window and prompt_length < window:
+        return min(max_tokens, window - prompt_length)
     return max_tokens
 
 
@@ -132,12 +131,7 @@ def stream_generate(
         raise ValueError("prompt_cache was made for another model/draft; make a new one")
     elif not use_draft and state.draft is not None:
         raise ValueError("prompt_cache holds a draft context; use it with the same draft")
-    if target.max_context and len(prompt_ids) >= target.max_context:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens but {target.name} has a context window "
-            f"of {target.max_context} tokens: shorten the prompt"
-            + (f" ({target.context_note})" if target.context_note else "")
-        )
+    # (a prompt past the context window is refused by `engine.add`)
     # One sequence is the batch-of-one case of the engine: alone, a row runs `cycle` on its own
     # caches, with trees, copies and a split head.
     engine = BatchEngine(model, draft if use_draft else None, tokenizer, max_batch=1, target=target,

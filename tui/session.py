@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Union
 
 from dflash_mlx.generate import (encode_prompt, make_prompt_cache, make_suffix_index, stop_ids, stream_generate,
-                                 tokens_to_window)
+                                 target_for, tokens_to_window)
 from dflash_mlx.policy.copies import NO_DRAFT_MAX_COPY
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 
@@ -60,6 +60,7 @@ class ChatSession:
         self.last: Optional[Turn] = None
         # earlier turns of every conversation of the session, for copies (kept by "new chat")
         self.suffix_index = make_suffix_index(model)
+        self.context_window = target_for(model, draft).max_context  # where an answer stops
 
     @property
     def draft_block_size(self) -> int:
@@ -104,7 +105,7 @@ class ChatSession:
         if self.cache is None:
             self.cache = make_prompt_cache(self.model, self.draft)
         kwargs = s.generate_kwargs()  # the answer stops where the model's context window does
-        kwargs["max_tokens"] = tokens_to_window(self.model, self.draft, turn.prompt_ids, s.max_tokens)
+        kwargs["max_tokens"] = tokens_to_window(self.context_window, len(turn.prompt_ids), s.max_tokens)
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
             suffix_index=self.suffix_index, **kwargs,

@@ -90,6 +90,7 @@ def run(args) -> int:
     from dflash_mlx.engine.responses import wrap_tokenizer
     from dflash_mlx.generate import encode_prompt, tokens_to_window
     from dflash_mlx.models.loading import apply_chat_template
+    from dflash_mlx.models.target.adapter import target_for
 
     if args.no_chat_template:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
@@ -99,7 +100,8 @@ def run(args) -> int:
     # The library decodes past the model's context window as mlx-lm does; the CLI stops there.
     prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)
     kwargs = options.generate_kwargs()
-    kwargs["max_tokens"] = tokens_to_window(model, draft, prompt_ids, options.max_tokens)
+    kwargs["max_tokens"] = tokens_to_window(target_for(model, draft).max_context, len(prompt_ids),
+                                            options.max_tokens)
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,

@@ -32,7 +32,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.batch_caches import batch_support
-from dflash_mlx.generate import encode_prompt, stream_generate
+from dflash_mlx.generate import encode_prompt, stream_generate, tokens_to_window
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
@@ -230,9 +230,8 @@ class Worker:
 
     def _options(self, req: GenerationRequest) -> GenerationOptions:
         options = req.options
-        if self.context_window:
-            options = replace(options, max_tokens=min(options.max_tokens, self.context_window - len(req.prompt_ids)))
-        return options
+        return replace(options, max_tokens=tokens_to_window(self.context_window, len(req.prompt_ids),
+                                                            options.max_tokens))
 
     # -- one at a time
 
