@@ -138,10 +138,11 @@ def _batches(model, length) -> Optional[str]:
     from dflash_mlx.policy.sizer import forget_sizers
 
     forget_sizers()
-    limit = Target(model).max_context  # every prompt inside the window (a longer one is refused)
+    target = Target(model)
+    limit = target.max_context  # every prompt inside the window (a longer one is refused)
     step = max(1, min(7, (limit - 1 - length) // 2)) if limit else 7
     cases = [clean_case(model, length + step * i, MAX_TOKENS, seed=i) for i in range(3)]
-    draft = RowScriptedDrafts(Target(model), cases, lambda c: (c * 3) % 5, block_size=8)
+    draft = RowScriptedDrafts(target, cases, lambda c: (c * 3) % 5, block_size=8)
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
     index, tokens = {}, {}
     for i, (prompt, ref) in enumerate(cases):
