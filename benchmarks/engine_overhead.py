@@ -103,15 +103,7 @@ def not_ahead(widths, tokens: int, reps: int) -> dict:
     launches = cycle.may_launch
     cycle.may_launch = lambda *args: False  # this process only, for the comparison
     try:
-        best = {}
-        for w in widths:
-            times = []
-            for _ in range(reps):
-                draft = parts.OracleDraft(model, prompt + ref, parts.TINY["vocab_size"], lambda c: 10**9, block_size=w)
-                _, secs, accepts = parts.decode(model, draft, tok, prompt, tokens, w)
-                times.append(secs / max(len(accepts) - 1, 1))
-            best[w] = 1000 * min(times)
-        return best
+        return parts.oracle_cycles(model, tok, prompt, ref, widths, tokens, reps)
     finally:
         cycle.may_launch = launches
 

@@ -287,14 +287,19 @@ def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
     best["mlx_lm_step_ms"] = 1000 * min(mlx_lm_step() for _ in range(reps))
     best["engine_plain_step_ms"] = 1000 * min(decode(model, None, tok, prompt, tokens, 1, baseline=True)[1] / (tokens - 1)
                                               for _ in range(reps))
+    best["cycles"] = {w: dict(cycle_ms=ms, speedup=round(best["mlx_lm_step_ms"] * w / ms, 2))
+                      for w, ms in oracle_cycles(model, tok, prompt, ref, widths, tokens, reps).items()}
+    return best
+
+
+def oracle_cycles(model, tok, prompt, ref, widths, tokens: int, reps: int) -> Dict[int, float]:
+    """ms a cycle at each width, best of `reps`, with an oracle draft (every block accepted)."""
     cycles = {}
     for w in widths:
         times = []
         for _ in range(reps):
-            draft = OracleDraft(model, prompt + ref, TINY["vocab_size"], lambda c: 10**9, block_size=w)
-            out, secs, accepts = decode(model, draft, tok, prompt, tokens, w)
+            draft = OracleDraft(model, prompt + ref, model.args.vocab_size, lambda c: 10**9, block_size=w)
+            _, secs, accepts = decode(model, draft, tok, prompt, tokens, w)
             times.append(secs / max(len(accepts) - 1, 1))
-        cycles[w] = dict(cycle_ms=1000 * min(times),
-                         speedup=round(best["mlx_lm_step_ms"] * w / (1000 * min(times)), 2))
-    best["cycles"] = cycles
-    return best
+        cycles[w] = 1000 * min(times)
+    return cycles
