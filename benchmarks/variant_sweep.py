@@ -37,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--out", default="")
     ap.add_argument("--docs", action="store_true", help="rewrite the variant section of docs/targets.md")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --out")
+    ap.add_argument("--combined", action="store_true",
+                    help="the options of each architecture switched on together (`variants.combined`)")
     args = ap.parse_args(argv)
 
     keys = [k for k in args.keys.split(",") if k] or list(arch_check.ARCHITECTURES)
@@ -44,8 +46,10 @@ def main(argv=None):
     if unknown:
         sys.exit(f"unknown architectures: {', '.join(unknown)}")
     kinds = [k for k in args.kinds.split(",") if k]
-    todo = [v for v in variants.all_variants(keys) if not kinds or any(v.kind.startswith(k) for k in kinds)]
-    out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d") + "-variant-sweep")
+    generate = variants.all_combined if args.combined else variants.all_variants
+    todo = [v for v in generate(keys) if not kinds or any(v.kind.startswith(k) for k in kinds)]
+    out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d")
+                                            + ("-variant-combined" if args.combined else "-variant-sweep"))
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "results.json")
     rows = []
@@ -81,11 +85,11 @@ def main(argv=None):
              "",
              f"Command: `{doc['command']}`. Prompt {arch_check.PROMPT_LEN} tokens, {variant_check.MAX_TOKENS} "
              f"generated; seconds per variant in `results.json`.", "",
-             variant_table.markdown(rows, rel)] + results_footer(load_start, os.getloadavg())
+             variant_table.markdown(rows, rel, args.combined)] + results_footer(load_start, os.getloadavg())
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines))
     if args.docs:
-        variant_table.write(rows, source=rel)
+        variant_table.write(rows, source=rel, combined=args.combined)
     bad = [r for r in rows if r["status"] == "mismatch"]
     print(f"{len(rows)} variants in {format_duration(elapsed)}: "
           + ", ".join(f"{sum(r['status'] == s for r in rows)} {s}" for s in variant_check.STATUSES)

@@ -154,3 +154,30 @@ def test_a_mask_wider_than_the_cache_window_caps_the_context_at_the_window():
     prompt, ref = clean_case(model, 5, 15, seed=0)
     assert Target(model).max_context == 20
     assert variant_check._widths(model, prompt, ref, [1, 4, 16]) is None
+
+
+# options switched on together (`variants.combined`): windows with sinks and no-RoPE layers,
+# soft-caps with traditional RoPE, chunks with MoE and q/k norms, partial rotary with sparse MoE
+# under a linear-attention hybrid, sparse attention with MoE on some layers; the sweep checks all
+COMBINED = ["llama4/combined:yarn", "gemma2/combined", "smollm3/combined", "qwen3_next/combined:yarn",
+            "gpt_oss/combined:yarn", "deepseek_v32/combined:longrope", "mimo_v2_flash/combined"]
+
+
+def test_combined_variants_merge_every_option_kind_of_a_model():
+    combos = {v.name: v for v in variants.all_combined()}
+    assert set(COMBINED) <= set(combos)
+    smollm3 = combos["smollm3/combined"].overrides
+    assert smollm3["sliding_window"] == variants.WINDOW and "no_rope_layers" in smollm3
+    assert {"sliding_window", "rope_scaling"} <= set(combos["gpt_oss/combined:yarn"].overrides)
+    # fallbacks give up kinds from the end of COMBINED_ORDER; the last is the RoPE scaling alone
+    v = combos["qwen3_next/combined:yarn"]
+    assert set(v.candidates[-1]) == {"rope_scaling"} and "partial_rotary_factor" in v.overrides
+    assert len(combos) >= 200 and not any(v.kind == "combined" and len(v.overrides) < 2 for v in combos.values())
+
+
+@pytest.mark.parametrize("name", COMBINED)
+def test_options_switched_on_together_are_exact(name):
+    v = next(v for v in variants.all_combined() if v.name == name)
+    r = variant_check.check(v)
+    assert r.status == "exact", (r.status, r.reason)
+    assert r.checked[:5] == ["1", "4", "16", "auto", "turns"]
