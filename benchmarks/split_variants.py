@@ -1,0 +1,166 @@
+"""Config variants of the seed families under every split mlx-lm gives them, on two ranks (issue 47).
+
+    OPENBLAS_NUM_THREADS=1 python benchmarks/split_variants.py [--families gpt_oss,kimi_k25] [--out DIR]
+
+For each seed family that mlx-lm splits, every config variant `dflash_mlx.testing.variants` gives it
+(one option, and the options together: `variants.combined`) is built, split over two ranks
+(`mlx.launch -n 2 --backend ring` on this machine) under each parallelism mlx-lm gives it, and
+decoded by DFlash at widths 1 and 16 (a random draft tapping layers on both ranks) and 4 and `auto`
+(a scripted draft right for a random number of tokens each cycle: every rollback length), each
+against the split model's own greedy decode. The two-rank launch in the tests runs each family's
+own tiny config; this runs the options those configs leave off. Writes `results.json` (both ranks)
+and `README.md` to `--out` (default `benchmarks/results/<UTC date>-split-variants/`). Exit status 1
+when a case differs on either rank.
+"""
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAMILIES = ["qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gpt_oss", "minimax", "kimi_k25",
+            "glm_moe_dsa"]
+WIDTHS = (1, 4, 16, "auto")
+PROMPT_LEN, MAX_TOKENS = 12, 14
+
+
+def _decode(model, draft, prompt, max_tokens, **kw):
+    from dflash_mlx import stream_generate
+    from dflash_mlx.testing.targets import byte_tokenizer
+
+    out = []
+    for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=max_tokens, stop_token_ids=[], **kw):
+        out += r.tokens
+    return out
+
+
+def check_split(v, over, mode) -> str:
+    """"exact", or the first width whose tokens part from the split model's greedy decode, and where."""
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.models.sharded import split
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.policy.sizer import forget_sizers
+    from dflash_mlx.testing import variants
+    from dflash_mlx.testing.targets import ScriptedDraft, clean_case
+
+    model = variants.build(v.key, v.config(over), 0)
+    split(model, mode)
+    n = Target(model).num_layers
+    taps = sorted({0, n // 2, n - 1})
+    prompt, ref = clean_case(model, PROMPT_LEN, MAX_TOKENS, seed=1)  # the split model's own greedy decode
+    for width in WIDTHS:
+        forget_sizers()
+        if width in (1, 16):
+            draft = random_draft(model, num_layers=1, block_size=16, seed=3, target_layer_ids=taps)
+            out = _decode(model, draft, prompt, len(ref), block_size=1 if width == 1 else "draft")
+        else:
+            rng = random.Random(7)
+            right = [rng.randrange(0, 16) for _ in range(100)]
+            draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c],
+                                  block_size=16 if width == "auto" else width)
+            out = _decode(model, draft, prompt, len(ref), block_size="auto" if width == "auto" else "draft")
+        if out != ref:
+            i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            return f"width {width}: first difference at token {i} of {len(ref)}"
+    return "exact"
+
+
+def rank_main(out_dir: str, families):
+    import dflash_mlx  # noqa: F401  (before mlx.core)
+    import mlx.core as mx
+
+    from dflash_mlx.models.sharded import modes_of
+    from dflash_mlx.testing import variant_check, variants
+
+    rank = mx.distributed.init().rank()
+    cases = {}
+    for v in variants.all_variants(families) + variants.all_combined(families):
+        model, over, error = variant_check._built(v, 0)
+        if model is None:
+            continue
+        tensor, pipeline = modes_of(model)
+        for mode in [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]:
+            start = time.perf_counter()
+            try:
+                outcome = check_split(v, over, mode)
+            except Exception as e:  # failing where mlx-lm's split model runs: as wrong as a wrong token
+                outcome = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            cases[f"{v.name}/{mode}"] = {"option": variants.Variant(v.key, v.kind, over).option(),
+                                         "outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}
+            if rank == 0:
+                print(f"{v.name}/{mode}: {outcome}", file=sys.stderr, flush=True)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(cases, f, indent=1)
+
+
+def _port_pair() -> int:
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise SystemExit("no two free consecutive ports on localhost")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--out", default="")
+    ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # what mlx.launch runs
+    args = ap.parse_args(argv)
+    families = [f for f in args.families.split(",") if f]
+    out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d") + "-split-variants")
+    if args.rank:
+        return rank_main(out, families)
+    os.makedirs(out, exist_ok=True)
+    launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    start = time.perf_counter()
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_port_pair()), "--python", sys.executable,
+           os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out]
+    proc = subprocess.run(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    ranks = []
+    for r in range(2):
+        path = os.path.join(out, f"rank{r}.json")
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise SystemExit(f"the two-rank launch failed (exit {proc.returncode}); see its output above")
+        with open(path) as f:
+            ranks.append(json.load(f))
+        os.remove(path)
+    elapsed = time.perf_counter() - start
+    names = sorted(ranks[0])
+    bad = [n for n in names if any(r.get(n, {}).get("outcome") != "exact" for r in ranks)]
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump({"schema": "dflash-mlx-split-variants/1", "command": " ".join(sys.argv), "widths": [str(w) for w in WIDTHS],
+                   "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "elapsed_s": round(elapsed, 1),
+                   "ranks": ranks}, f, indent=1)
+    from dflash_mlx.cli.doctor import machine_line
+
+    lines = [f"# Seed families' config variants on two ranks: {len(names) - len(bad)} of {len(names)} exact",
+             "", f"Command: `{' '.join(sys.argv)}`; {elapsed / 60:.1f} min. Machine: {machine_line()}.", "",
+             f"Each case: a variant of a seed family (`dflash_mlx.testing.variants`, single options and `combined`), "
+             f"split over 2 ranks (`mlx.launch --backend ring`, one process a core), DFlash at widths "
+             f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode ({PROMPT_LEN}-token prompt, "
+             f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Both ranks must agree.", "",
+             "| case | config | rank 0 | rank 1 |", "|---|---|---|---|"]
+    for n in names:
+        lines.append(f"| `{n}` | `{ranks[0][n]['option']}` | {ranks[0][n]['outcome']} | "
+                     f"{ranks[1].get(n, {}).get('outcome', 'missing')} |")
+    with open(os.path.join(out, "README.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"{len(names) - len(bad)} of {len(names)} exact on both ranks; report in {out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
