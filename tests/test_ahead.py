@@ -23,18 +23,28 @@ FULL = dict(layer_types=["full_attention"] * 4, sliding_window=None)
 @pytest.fixture
 def launches(monkeypatch):
     """Counts the cycles launched ahead and discarded."""
-    counts = {"launched": 0, "discarded": 0}
+    counts = {"launched": 0, "discarded": 0, "before_reading": 0}
     real_ahead, real_discard = ahead_mod.ahead, ahead_mod.discard
 
-    def counting_ahead(ctx, *args):
-        real_ahead(ctx, *args)
+    def counting_ahead(ctx, *args, **kwargs):
+        real_ahead(ctx, *args, **kwargs)
         counts["launched"] += isinstance(ctx.state.ahead, ahead_mod.Launched)
 
     def counting_discard(target, state):
         counts["discarded"] += isinstance(getattr(state, "ahead", None), ahead_mod.Launched)
         real_discard(target, state)
 
+    real_before = ahead_mod.before_reading
+
+    def counting_before(*args):
+        early = real_before(*args)
+        counts["before_reading"] += early
+        return early
+
     monkeypatch.setattr(cycle_mod, "ahead", counting_ahead)
+    monkeypatch.setattr(cycle_mod, "before_reading", counting_before)
+    # plain steps queued before their token is read: the GPU's path, run here on the CPU
+    monkeypatch.setattr(ahead_mod, "BEFORE_READING_ON_CPU", True)
     monkeypatch.setattr(cycle_mod, "discard", counting_discard)
     import dflash_mlx.engine.engine as engine_mod
 
@@ -125,3 +135,53 @@ def test_nothing_is_launched_where_a_cycle_syncs_twice_or_state_cannot_roll_back
     assert out == ref
     assert launches["launched"] == 0
     mx.eval(mx.zeros(1))
+
+
+def test_a_plain_step_queues_the_next_before_the_host_reads_it(launches, monkeypatch):
+    """As mlx-lm's generate_step: when the host reads a plain step's token, the next step's graph
+    (built on that token's lazy value) is already queued behind it."""
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=24)
+    queued_at_read = []
+    real_eval = cycle_mod.mx.eval
+
+    class Spy:  # cycle's mx.eval: the read of a step's token
+        def __getattr__(self, name):
+            return getattr(mx, name)
+
+        @staticmethod
+        def eval(*arrays):
+            queued_at_read.append(isinstance(state_of[0].ahead, ahead_mod.Launched))
+            return real_eval(*arrays)
+
+    state_of = []
+    cache = make_prompt_cache(model, None)
+    state_of.append(cache)
+    monkeypatch.setattr(cycle_mod, "mx", Spy())
+    out = [t for r in stream_generate(model, None, tok, prompt, max_tokens=len(ref), block_size=1,
+                                      stop_token_ids=[], prompt_cache=cache) for t in r.tokens]
+    assert out == ref
+    assert launches["before_reading"] == len(ref) - 2  # every step but the last (and the first, from prefill)
+    assert sum(queued_at_read) >= len(ref) - 3 and launches["discarded"] == 0
+
+
+@pytest.mark.parametrize("drafted", [False, True])
+def test_a_stop_token_discards_the_step_queued_behind_it(launches, drafted):
+    """The step queued before its token is read goes when that token is a stop: the prompt cache
+    stays whole, and the next call on it answers as mlx-lm does (with a draft: its taps kept)."""
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=30)
+    stop = ref[9]
+    cut = ref[: ref.index(stop) + 1]
+    draft = ScriptedDraft(Target(model), prompt + ref + [0] * 40, lambda c: 3, block_size=4) if drafted else None
+    cache = make_prompt_cache(model, draft)
+    out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=30, block_size=1,
+                                      stop_token_ids=[stop], prompt_cache=cache) for t in r.tokens]
+    assert out == cut
+    assert launches["discarded"] == 1 and cache.valid
+    follow = prompt + cut + ref[:2]
+    want = greedy_reference(model, follow, 12)
+    rs = list(stream_generate(model, draft, tok, follow, max_tokens=12, block_size=1, stop_token_ids=[],
+                              prompt_cache=cache))
+    assert [t for r in rs for t in r.tokens] == want
+    assert rs[0].prefill_tokens < len(follow)  # the whole prefix reused

@@ -89,11 +89,13 @@ class Launched:
         return (self.built - self.started) + (now - self.landing)
 
 
-def make_plan(ctx: Context, budget: int) -> Plan:
-    """The policies' choice for the next cycle (`budget`: tokens it may commit)."""
+def make_plan(ctx: Context, budget: int, unread: int = 0) -> Plan:
+    """The policies' choice for the next cycle (`budget`: tokens it may commit; `unread`: fed
+    tokens not yet in `state.tokens`, a plain step's that the host has not read yet)."""
     widths, copies, index, shared = ctx.widths, ctx.copies, ctx.index, ctx.shared
-    widths.at_context(len(ctx.state.tokens))
-    budget = min(budget, ctx.target.verify_room(len(ctx.state.tokens)))  # the rows it may verify
+    context = len(ctx.state.tokens) + unread
+    widths.at_context(context)
+    budget = min(budget, ctx.target.verify_room(context))  # the rows it may verify
     width = widths.choose(budget)
     plan = Plan(width)
     if copies is not None:
@@ -155,10 +157,10 @@ def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:
             and not target.recurrent and target.sharding is None)
 
 
-def ahead(ctx: Context, budget: int, last: mx.array, timer):
+def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
     """Plan the next cycle now; launch it unless it is a token tree. Its rows are in the caches
     until it lands (the prompt cache is not valid meanwhile)."""
-    plan = make_plan(ctx, budget)
+    plan = make_plan(ctx, budget, unread)
     state = ctx.state
     if plan.tree is not None or (plan.width == 1 and not plan.copy_length and ctx.target.rotating):
         # a one-token update of a full sliding window overwrites the entry a discard would need back
@@ -169,6 +171,24 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer):
     # (MLX's CPU backend runs the graph inside async_eval: there the whole cycle is counted here)
     launched.built = time.perf_counter()
     state.ahead, state.valid = launched, False
+
+
+# On MLX's CPU backend a plain step queued behind the one being read costs 0.19 ms a step on one
+# core and gains nothing on two (the oracle probe, 9 interleaved runs): there it waits for the read.
+BEFORE_READING_ON_CPU = False
+
+
+def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprobs: Optional[int]) -> bool:
+    """Whether the cycle after `launched` can be planned and launched before the host reads it,
+    as mlx-lm's `generate_step` queues its next step before it reads the last (on a GPU the host
+    then builds the next graph while the device runs this one): a plain step commits its one
+    token whatever it is, so the next cycle needs only its lazy value, where no policy reads the
+    token (copies, trees) and a discard can take the step back (a stop token)."""
+    if mx.default_device() == mx.cpu and not BEFORE_READING_ON_CPU:
+        return False
+    return (launched.width == 1 and not launched.copy_length and budget > 1 and ctx.copies is None
+            and ctx.trees is None and ctx.copy_trees is None and not ctx.target.rotating
+            and may_launch(ctx, timer, logprobs))
 
 
 def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:

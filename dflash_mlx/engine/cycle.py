@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_mlx.engine.ahead import Context, ahead, discard, launch, make_plan, may_launch, take
+from dflash_mlx.engine.ahead import Context, ahead, before_reading, discard, launch, make_plan, may_launch, take
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
@@ -148,6 +148,13 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             launched = launch(ctx, plan, last, timer, logprobs)
     state.valid = False
     tree_run = None
+    early = launched is not None and before_reading(ctx, launched, budget, timer, logprobs)
+    if early:  # the next plain step (or cycle) queued behind this one before the host reads it
+        with mx.stream(generation_stream):
+            target.rollback(cache, 1, 0, launched.record)
+            if launched.feats is not None:
+                drafter.keep(launched.feats)
+        ahead(ctx, budget - 1, launched.committed[:, 0], timer, unread=1)
     if launched is None:  # a token tree: its own verify, two host syncs
         t0 = time.perf_counter()
         width = plan.width
@@ -203,13 +210,13 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             compact_cache(cache, tree_run.start, rows[:kept], len(tree_run.tree))
             if feats is not None:
                 drafter.keep(feats[:, mx.array(rows[:kept])])
-        else:
+        elif not early:
             target.rollback(cache, width, width - kept, record)
             if feats is not None:
                 drafter.keep(feats[:, :kept])
     timer.mark("rollback", lambda: [c.state for c in cache])
     state.tokens.extend(verified[:kept])
-    state.valid = True
+    state.valid = state.ahead is None
     if index is not None:
         index.extend(tokens[:kept])
     kind = ("copy_tree" if plan is not None and plan.copy_tree is not None else "tree" if tree_run is not None
@@ -217,7 +224,10 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
     new_last = mx.array([tokens[a]], dtype=mx.int32)
-    if finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
+    if early:
+        if finish is not None:  # a stop token: the step queued behind it goes
+            discard(target, state)
+    elif finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
         ahead(ctx, budget - kept, new_last, timer)
     return step, new_last
 
