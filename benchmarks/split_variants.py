@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -99,20 +98,6 @@ def rank_main(out_dir: str, families):
         json.dump(cases, f, indent=1)
 
 
-def _port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise SystemExit("no two free consecutive ports on localhost")
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
@@ -124,9 +109,14 @@ def main(argv=None):
     if args.rank:
         return rank_main(out, families)
     os.makedirs(out, exist_ok=True)
+    from dflash_mlx.testing.ports import free_port_pair
+
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
+    port = free_port_pair()
+    if port is None:
+        raise SystemExit("no two free consecutive ports on localhost")
     start = time.perf_counter()
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(_port_pair()), "--python", sys.executable,
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable,
            os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out]
     proc = subprocess.run(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     ranks = []
