@@ -10,6 +10,7 @@ import pytest
 
 import dflash_mlx.engine.ahead as ahead_mod
 import dflash_mlx.engine.cycle as cycle_mod
+from dflash_mlx.kernels import argmax
 from dflash_mlx import make_prompt_cache, stream_generate
 from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.rows import BatchRequest
@@ -43,8 +44,9 @@ def launches(monkeypatch):
 
     monkeypatch.setattr(cycle_mod, "ahead", counting_ahead)
     monkeypatch.setattr(cycle_mod, "before_reading", counting_before)
-    # plain steps queued before their token is read: the GPU's path, run here on the CPU
+    # plain steps queued before their token is read, and the exact argmax: the GPU's path, run here on the CPU
     monkeypatch.setattr(ahead_mod, "BEFORE_READING_ON_CPU", True)
+    monkeypatch.setattr(argmax, "pays", lambda logits: False)
     monkeypatch.setattr(cycle_mod, "discard", counting_discard)
     import dflash_mlx.engine.engine as engine_mod
 
@@ -143,21 +145,14 @@ def test_a_plain_step_queues_the_next_before_the_host_reads_it(launches, monkeyp
     model, tok = tiny_target("llama", **FULL)
     prompt, ref = _case(model, tokens=24)
     queued_at_read = []
-    real_eval = cycle_mod.mx.eval
+    real_land = cycle_mod.land
 
-    class Spy:  # cycle's mx.eval: the read of a step's token
-        def __getattr__(self, name):
-            return getattr(mx, name)
+    def land(launched):  # the read of a step's token
+        queued_at_read.append(isinstance(cache.ahead, ahead_mod.Launched))
+        return real_land(launched)
 
-        @staticmethod
-        def eval(*arrays):
-            queued_at_read.append(isinstance(state_of[0].ahead, ahead_mod.Launched))
-            return real_eval(*arrays)
-
-    state_of = []
     cache = make_prompt_cache(model, None)
-    state_of.append(cache)
-    monkeypatch.setattr(cycle_mod, "mx", Spy())
+    monkeypatch.setattr(cycle_mod, "land", land)
     out = [t for r in stream_generate(model, None, tok, prompt, max_tokens=len(ref), block_size=1,
                                       stop_token_ids=[], prompt_cache=cache) for t in r.tokens]
     assert out == ref

@@ -76,6 +76,8 @@ class Launched:
     match: Optional[CopyMatch]
     copy_length: int
     pieces: List[Tuple[int, mx.array]] = field(default_factory=list)  # (first row, logits) for logprobs
+    unsure: Optional[mx.array] = None  # the acceptance took raw argmaxes and may differ from the exact one
+    redo: Any = None  # () -> (accept_len, committed), the exact way (`GreedyAcceptor.exact`)
     started: float = 0.0
     built: float = 0.0
     landing: Optional[float] = None  # when the next call took it (launched ahead)
@@ -138,16 +140,35 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
         h, feats, record = target.forward(verify_in, ctx.state.target_cache, drafter.layer_ids, record=width > 1,
                                           fuse=drafter.fuse)
 
-        def row_logits(start, stop):
-            out = target.logits(h[:, start:stop])
-            if logprobs is not None:
-                pieces.append((start, out))
-            return out
+        computed = {}  # a redo reuses the pieces of logits already computed
 
-        accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, ctx.head_rows.first(width),
-                                                 drafter.draft)
+        def row_logits(start, stop):
+            if (start, stop) not in computed:
+                computed[start, stop] = target.logits(h[:, start:stop])
+                if logprobs is not None:
+                    pieces.append((start, computed[start, stop]))
+            return computed[start, stop]
+
+        first = ctx.head_rows.first(width)
+        accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, first, drafter.draft)
+        unsure = acceptor.take_unsure()
+
+    def redo():
+        with mx.stream(generation_stream):
+            return accept_in_pieces(acceptor.exact(), proposal, row_logits, first, drafter.draft)
+
     return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, pieces,
-                    started=started, built=time.perf_counter())
+                    unsure, redo, started=started, built=time.perf_counter())
+
+
+def land(launched: Launched):
+    """The cycle's host sync: its accept length, tokens and inputs evaluated, and, where the
+    acceptance took raw argmaxes that may differ from the exact ones (rare), the exact acceptance."""
+    unsure = [] if launched.unsure is None else [launched.unsure]
+    mx.eval(launched.accept_len, launched.committed, launched.verify_in, *unsure)
+    if unsure and launched.unsure.item():
+        launched.accept_len, launched.committed = launched.redo()
+        mx.eval(launched.accept_len, launched.committed)
 
 
 def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:
@@ -167,7 +188,8 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
         state.ahead = plan
         return
     launched = launch(ctx, plan, last, timer)
-    mx.async_eval(launched.accept_len, launched.committed, launched.verify_in)
+    mx.async_eval(launched.accept_len, launched.committed, launched.verify_in,
+                  *([] if launched.unsure is None else [launched.unsure]))
     # (MLX's CPU backend runs the graph inside async_eval: there the whole cycle is counted here)
     launched.built = time.perf_counter()
     state.ahead, state.valid = launched, False
@@ -183,10 +205,11 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     as mlx-lm's `generate_step` queues its next step before it reads the last (on a GPU the host
     then builds the next graph while the device runs this one): a plain step commits its one
     token whatever it is, so the next cycle needs only its lazy value, where no policy reads the
-    token (copies, trees) and a discard can take the step back (a stop token)."""
+    token (copies, trees) and a discard can take the step back (a stop token), and where the token
+    is sure: not a raw argmax that may be done again the exact way (`land`)."""
     if mx.default_device() == mx.cpu and not BEFORE_READING_ON_CPU:
         return False
-    return (launched.width == 1 and not launched.copy_length and budget > 1 and ctx.copies is None
+    return (launched.width == 1 and launched.unsure is None and not launched.copy_length and budget > 1 and ctx.copies is None
             and ctx.trees is None and ctx.copy_trees is None and not ctx.target.rotating
             and may_launch(ctx, timer, logprobs))
 

@@ -74,14 +74,15 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
         h, feats, record = target.forward(verify_in, for_forward(cache, kinds, head_axis), layer_ids,
                                           record=width > 1, fuse=fuse)
         logits = target.logits(h)  # [B, width, V]
-        if all(isinstance(r.acceptor, GreedyAcceptor) for r in rows):  # one acceptance for the batch
-            accept_len, committed = rows[0].acceptor.accept(
-                Proposal(verify_in[:, 1:]) if width > 1 else None, logits, draft)
-        else:  # each row with its own sampling
-            each = [r.acceptor.accept(p, logits[b : b + 1], draft) for b, (r, p) in enumerate(zip(rows, proposals))]
-            accept_len = mx.concatenate([a for a, _ in each])
-            committed = mx.concatenate([c[:, :width] for _, c in each])
-    mx.eval(verify_in, accept_len, committed)  # the cycle's host sync
+        acceptors = [r.acceptor for r in rows]
+        accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)
+        unsure = [u for u in (a.take_unsure() for a in acceptors) if u is not None]
+    mx.eval(verify_in, accept_len, committed, *unsure)  # the cycle's host sync
+    if unsure and any(u.item() for u in unsure):  # raw argmaxes that may not be exact (rare): the exact way
+        with mx.stream(generation_stream):
+            accept_len, committed = _accept([a.exact() for a in acceptors], proposals, verify_in, logits, width,
+                                            draft)
+        mx.eval(accept_len, committed)
     seconds = time.perf_counter() - t0  # (a split target's ranks learn rank 0's: engine.distributed)
     fed, accepts, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
@@ -95,3 +96,12 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
             for b, r in enumerate(rows):
                 r.drafter.keep(feats[b : b + 1, : width - rejected[b]])
     return steps, accepts, seconds
+
+
+def _accept(acceptors, proposals, verify_in, logits, width: int, draft):
+    """(accept_len [B], committed [B, width]) of a batch's verify, one acceptance for greedy rows."""
+    if all(isinstance(a, GreedyAcceptor) for a in acceptors):  # one acceptance for the batch
+        return acceptors[0].accept(Proposal(verify_in[:, 1:]) if width > 1 else None, logits, draft)
+    # each row with its own sampling
+    each = [a.accept(p, logits[b : b + 1], draft) for b, (a, p) in enumerate(zip(acceptors, proposals))]
+    return mx.concatenate([a for a, _ in each]), mx.concatenate([c[:, :width] for _, c in each])

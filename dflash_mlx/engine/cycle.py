@@ -13,7 +13,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_mlx.engine.ahead import Context, ahead, before_reading, discard, launch, make_plan, may_launch, take
+from dflash_mlx.engine.ahead import Context, ahead, before_reading, discard, land, launch, make_plan, may_launch, take
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
@@ -178,7 +178,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             share_seconds(target, seconds, widths.count(width, a, chain=False))
     else:
         width, feats, record = launched.width, launched.feats, launched.record
-        mx.eval(launched.accept_len, launched.committed, launched.verify_in)  # the cycle's host sync
+        land(launched)  # the cycle's host sync
         a = launched.accept_len.item()
         # whole arrays to lists, sliced on the host: a slice in MLX would be one more op to run
         tokens = launched.committed.tolist()[0][: a + 1]

@@ -40,6 +40,8 @@ from typing import Callable, Optional
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
+from dflash_mlx.kernels import argmax
+
 DRAFT_SAMPLING_MODES = ("argmax", "sample")
 
 
@@ -125,7 +127,27 @@ def greedy_choice(logits: mx.array) -> mx.array:
 
 
 class GreedyAcceptor:
-    """temperature 0: accept the longest prefix where the draft equals the target's argmax."""
+    """temperature 0: accept the longest prefix where the draft equals the target's argmax.
+
+    Where it pays (`kernels.argmax`: float32 logits on the CPU) `accept` takes the raw argmax and
+    records which calls had a row whose raw argmax may differ from `greedy_choice`'s; the caller
+    takes that flag (`take_unsure`) right after it builds its acceptance, and where it is set once
+    read, does the acceptance again with `exact()`, which always takes the log-probabilities."""
+
+    def __init__(self, cheap: bool = True):
+        self.cheap = cheap
+        self._unsure = []
+
+    def exact(self) -> "GreedyAcceptor":
+        return GreedyAcceptor(cheap=False)
+
+    def take_unsure(self) -> Optional[mx.array]:
+        """Whether an `accept` since the last call may differ from the exact one (a lazy bool
+        scalar), or None when none took the raw argmax."""
+        flags, self._unsure = self._unsure, []
+        if not flags:
+            return None
+        return flags[0] if len(flags) == 1 else mx.any(mx.stack(flags))
 
     def propose(self, draft, draft_logits: mx.array) -> Proposal:
         return deterministic_proposal(draft, draft_logits)
@@ -140,7 +162,11 @@ class GreedyAcceptor:
         Returns (accept_length [B], committed [B, n+1]): committed[:, :a] are the
         accepted drafts, committed[:, a] is the target's own token (the bonus).
         """
-        choice = greedy_choice(logits)
+        if self.cheap and argmax.pays(logits):
+            choice, unsure = argmax.argmax_or_unsure(logits)
+            self._unsure.append(unsure.any())
+        else:
+            choice = greedy_choice(logits)
         if proposal is None or proposal.tokens.shape[1] == 0:
             return mx.zeros((logits.shape[0],), dtype=mx.int32), choice
         matches = (proposal.tokens == choice[:, :-1]).astype(mx.int32)
@@ -181,6 +207,12 @@ class SamplingAcceptor:
 
     def logprobs(self, logits: mx.array) -> mx.array:
         return sampling_logprobs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
+
+    def exact(self) -> "SamplingAcceptor":
+        return self
+
+    def take_unsure(self) -> None:
+        return None
 
     def propose(self, draft, draft_logits: mx.array) -> Proposal:
         """draft_logits [B, n, V_draft] -> proposal in target ids."""
