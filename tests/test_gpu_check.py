@@ -26,7 +26,8 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     assert all(r["diverged"] == 0 for r in rows if r["deterministic"])
     for label, shape in parts["shapes"].items():
         assert shape["verify_ms"] and all(r["measured_tau"] >= 0.75 * r["tau"] for r in shape["speedups"]), label
-    assert parts["host"]["cycles"]
+    assert parts["host"]["cycles"] and parts["host"]["engine_plain_step_read_first_ms"] > 0
     readme = (tmp_path / "README.md").read_text()
     assert "(a) Divergence" in readme and "(d) Host time" in readme and "cpu backend" in readme.lower()
+    assert "queued only after the last is read" in readme
     assert (tmp_path / "shapes.png").exists() and (tmp_path / "host.png").exists()
