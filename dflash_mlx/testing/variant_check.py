@@ -1,6 +1,7 @@
 """The check of one config variant (`testing.variants`): DFlash greedy against mlx-lm's own
-greedy decode at widths 1, 4, 16 and `auto`, over two chat turns on one prompt cache, under
-token trees and in a batch where the model takes them, or the one line `Target` refuses it with.
+greedy decode at widths 1, 4, 16 and `auto`, over two chat turns on one prompt cache, on prompts
+no longer than its window or chunk where it has one, under token trees and in a batch where the
+model takes them, or the one line `Target` refuses it with.
 
 A variant's random model whose greedy continuations are near-constant, or whose top two logits
 tie where DFlash's tokens part from mlx-lm's, is built again from the next seed (up to `SEEDS`),
@@ -38,7 +39,7 @@ class Result:
     option: str
     status: str
     reason: str = ""
-    checked: List[str] = field(default_factory=list)  # what ran exact: widths, "trees", "batches"
+    checked: List[str] = field(default_factory=list)  # what ran exact: widths, "turns", "short prompts", ...
     seed: int = 0
     seconds: float = 0.0
 
@@ -91,6 +92,21 @@ def _widths(model, prompt, ref, widths) -> Optional[str]:
         wrong = _wrong(model, prompt, out, ref, f"width {width}")
         if wrong is not None:
             return wrong
+    return None
+
+
+WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size",
+                 "attention_chunk_size")
+
+
+def _short_prompts(model) -> Optional[str]:
+    """Prompts no longer than the window or chunk (2, its size, one past it), answers that cross
+    it, at widths 4 and 16: the caches fill while the engine verifies and rolls back."""
+    for length in (2, variants.WINDOW, variants.WINDOW + 1):
+        prompt, ref = clean_case(model, length, MAX_TOKENS, seed=length)
+        wrong = _widths(model, prompt, ref, [4, 16])
+        if wrong is not None:
+            return wrong if wrong == TIE else f"prompt of {length} tokens: {wrong}"
     return None
 
 
@@ -230,6 +246,8 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
         steps = [(str(w), lambda w=w: _widths(model, prompt, ref, [w])) for w in widths]
         if turns:
             steps.append(("turns", lambda: _turns(model, prompt, ref)))
+        if any(f in (over or {}) for f in WINDOW_FIELDS):
+            steps.append(("short prompts", lambda: _short_prompts(model)))
         if trees and tree_support(target) is None:
             steps.append(("trees", lambda: _trees(model, prompt, ref)))
         if batches and batch_support(target) is None:

@@ -53,8 +53,8 @@ def markdown(rows: List[dict], source: str = "", combined: bool = False) -> str:
         "with `max_position_embeddings` 30 so that answers run past it, ...), "
         "generated from the fields of the model's `ModelArgs` (`dflash_mlx/testing/variants.py`), and is checked "
         "(`variant_check.py`) against mlx-lm's own greedy decode at widths 1, 4, 16 and `auto` (a scripted draft "
-        "with partial accepts), over two chat turns on one prompt cache, under token trees and in a batch of three "
-        "rows where the model takes them. \"Inert\": the variant's logits on the prompt and its answer equal "
+        "with partial accepts), over two chat turns on one prompt cache, on prompts of 2, 5 and 6 tokens where it "
+        "has a window or chunk, under token trees and in a batch of three rows where the model takes them. \"Inert\": the variant's logits on the prompt and its answer equal "
         "the base config's (the model's code ignores the option there); "
         "\"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output on 3 seeds.")
         + (f" Source: `{source}`." if source else ""),
