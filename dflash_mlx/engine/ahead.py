@@ -209,8 +209,8 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     is sure: not a raw argmax that may be done again the exact way (`land`)."""
     if mx.default_device() == mx.cpu and not BEFORE_READING_ON_CPU:
         return False
-    return (launched.width == 1 and launched.unsure is None and not launched.copy_length and budget > 1 and ctx.copies is None
-            and ctx.trees is None and ctx.copy_trees is None and not ctx.target.rotating
+    return (launched.width == 1 and launched.unsure is None and not launched.copy_length and budget > 1
+            and ctx.copies is None and ctx.trees is None and ctx.copy_trees is None and not ctx.target.rotating
             and may_launch(ctx, timer, logprobs))
 
 
