@@ -131,9 +131,9 @@ def main(argv=None):
     names = sorted(ranks[0])
     bad = [n for n in names if any(r.get(n, {}).get("outcome") != "exact" for r in ranks)]
     with open(os.path.join(out, "results.json"), "w") as f:
-        json.dump({"schema": "dflash-mlx-split-variants/1", "command": " ".join(sys.argv), "widths": [str(w) for w in WIDTHS],
-                   "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS, "elapsed_s": round(elapsed, 1),
-                   "ranks": ranks}, f, indent=1)
+        json.dump({"schema": "dflash-mlx-split-variants/1", "command": " ".join(sys.argv),
+                   "widths": [str(w) for w in WIDTHS], "prompt_len": PROMPT_LEN, "max_tokens": MAX_TOKENS,
+                   "elapsed_s": round(elapsed, 1), "ranks": ranks}, f, indent=1)
     from dflash_mlx.cli.doctor import machine_line
 
     lines = [f"# Seed families' config variants on two ranks: {len(names) - len(bad)} of {len(names)} exact",
