@@ -6,8 +6,8 @@ model takes them, or the one line `Target` refuses it with.
 A variant's random model whose greedy continuations are near-constant, or whose top two logits
 tie where DFlash's tokens part from mlx-lm's, is built again from the next seed (up to `SEEDS`),
 not counted; a variant whose logits equal the base config's on the test prompt (`inert`: the
-option does not bite at this length, or the model's code ignores it) is reported as such; a
-config mlx-lm itself rejects or cannot run is `not built`.
+option does not bite at this length, or the model's code ignores it) is checked all the same and
+marked so; a config mlx-lm itself rejects or cannot run is `not built`.
 """
 
 import random
@@ -28,7 +28,8 @@ MAX_TOKENS = 16
 TIE_GAP = 1e-3  # mlx-lm's top two logits closer than this: a tie, not a test of the engine
 TIE = "tie"
 CONTEXT = arch_check.PROMPT_LEN + 30  # the longest context a check runs (second turns, the batch's longest row)
-STATUSES = ("exact", "refused", "mismatch", "inert", "degenerate", "not built")
+STATUSES = ("exact", "refused", "mismatch", "inert", "degenerate", "not built")  # ("inert": older sweeps)
+INERT = "inert: the model's logits on the prompt and its answer equal the base config's"
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Result:
     status: str
     reason: str = ""
     checked: List[str] = field(default_factory=list)  # what ran exact: widths, "turns", "short prompts", ...
+    inert: bool = False  # its logits equal the base config's: the option does not bite here
     seed: int = 0
     seconds: float = 0.0
 
@@ -238,10 +240,7 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
         if len(ref) < MAX_TOKENS:
             prompt, ref = clean_case(model, len(prompt), MAX_TOKENS, seed=0)
         result.seed = seed
-        if _inert(variant, model, seed, prompt + ref):
-            result.status = "inert"
-            result.reason = "the model's logits on the prompt equal the base config's"
-            break
+        result.inert = _inert(variant, model, seed, prompt + ref)
         target = Target(model)
         steps = [(str(w), lambda w=w: _widths(model, prompt, ref, [w])) for w in widths]
         if turns:
@@ -265,6 +264,8 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
             result.checked, result.reason = [], f"mlx-lm's top two logits tie on seeds 0-{seed}"
             continue
         result.status, result.reason = ("exact", "") if wrong is None else ("mismatch", wrong)
+        if result.inert:
+            result.reason = (result.reason + "; " if result.reason else "") + INERT
         break
     else:
         result.reason = result.reason or f"greedy continuations near-constant for seeds 0-{SEEDS - 1}"

@@ -30,7 +30,7 @@ SINGLE_INTRO = (
     "with partial accepts), over two chat turns on one prompt cache, on prompts of 2, 5 and 6 tokens where it "
     "has a window or chunk, under token trees and in a batch of three rows where the model takes them. "
     "\"Inert\": the variant's logits on the prompt and its answer equal the base config's (the model's code "
-    "ignores the option there); \"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output "
+    "ignores the option there; checked all the same); \"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output "
     "on 3 seeds.")
 COMBINED_INTRO = (
     "Options switched on together, as real configs have them (a chunked, MoE-interleaved, q/k-normed llama4): "
@@ -46,12 +46,13 @@ def _esc(text: str) -> str:
 
 def _outcome(r: dict) -> str:
     if r["status"] == "exact":
-        return "exact: " + ", ".join(r["checked"])
+        return ("exact (inert): " if r.get("inert") else "exact: ") + ", ".join(r["checked"])
     return f"**{r['status']}**" if r["status"] == "mismatch" else r["status"]
 
 
 def markdown(rows: List[dict], source: str = "", combined: bool = False) -> str:
     counts = Counter(r["status"] for r in rows)
+    inert = sum(bool(r.get("inert")) and r["status"] == "exact" for r in rows)
     per_kind: Dict[str, Counter] = defaultdict(Counter)
     for r in rows:
         per_kind[r["kind"].split(":")[0] if r["kind"].startswith("rope_traditional") else r["kind"]][r["status"]] += 1
@@ -59,7 +60,8 @@ def markdown(rows: List[dict], source: str = "", combined: bool = False) -> str:
         COMBINED_START if combined else START,
         (COMBINED_INTRO + " " if combined else "")
         + f"{len(rows)} variants of {len({r['key'] for r in rows})} architectures: "
-        + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s]) + ". "
+        + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
+        + (f" ({inert} of the exact ones inert)" if inert else "") + ". "
         + ("" if combined else SINGLE_INTRO)
         + (f" Source: `{source}`." if source else ""),
         "",
@@ -76,7 +78,7 @@ def markdown(rows: List[dict], source: str = "", combined: bool = False) -> str:
     lines += ["", "<details><summary>Every variant</summary>", "",
               "| architecture | option kind | config | outcome | note |", "|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["key"].lower(), r["kind"])):
-        note = "" if r["status"] == "exact" else r["reason"]
+        note = "" if r["status"] == "exact" and not r.get("inert") else r["reason"]
         lines.append(f"| `{r['key']}` | `{r['kind']}` | `{_esc(r['option'])}` | {_outcome(r)} | {_esc(note)} |")
     lines += ["", "</details>", COMBINED_END if combined else END]
     return "\n".join(lines) + "\n"
