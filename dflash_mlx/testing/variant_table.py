@@ -61,8 +61,8 @@ def markdown(rows: List[dict], source: str = "", combined: bool = False) -> str:
         (COMBINED_INTRO + " " if combined else "")
         + f"{len(rows)} variants of {len({r['key'] for r in rows})} architectures: "
         + ", ".join(f"{counts[s]} {s}" for s in STATUSES if counts[s])
-        + (f" ({inert} of the exact ones inert)" if inert else "") + ". "
-        + ("" if combined else SINGLE_INTRO)
+        + (f" ({inert} of the exact ones inert)" if inert else "") + "."
+        + ("" if combined else " " + SINGLE_INTRO)
         + (f" Source: `{source}`." if source else ""),
         "",
         "| option kind | " + " | ".join(STATUSES) + " |",
