@@ -29,16 +29,6 @@ WIDTHS = (1, 4, 16, "auto")
 PROMPT_LEN, MAX_TOKENS = 12, 14
 
 
-def _decode(model, draft, prompt, max_tokens, **kw):
-    from dflash_mlx import stream_generate
-    from dflash_mlx.testing.targets import byte_tokenizer
-
-    out = []
-    for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=max_tokens, stop_token_ids=[], **kw):
-        out += r.tokens
-    return out
-
-
 def check_split(v, over, mode) -> str:
     """"exact", or the first width whose tokens part from the split model's greedy decode, and where."""
     from dflash_mlx.models.draft.checkpoints import random_draft
@@ -47,6 +37,7 @@ def check_split(v, over, mode) -> str:
     from dflash_mlx.policy.sizer import forget_sizers
     from dflash_mlx.testing import variants
     from dflash_mlx.testing.targets import ScriptedDraft, clean_case
+    from dflash_mlx.testing.variant_check import _decode
 
     model = variants.build(v.key, v.config(over), 0)
     split(model, mode)

@@ -97,10 +97,6 @@ def _widths(model, prompt, ref, widths) -> Optional[str]:
     return None
 
 
-WINDOW_FIELDS = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size",
-                 "attention_chunk_size")
-
-
 def _short_prompts(model) -> Optional[str]:
     """Prompts no longer than the window or chunk (2, its size, one past it), answers that cross
     it, at widths 4 and 16: the caches fill while the engine verifies and rolls back."""
@@ -245,7 +241,7 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
         steps = [(str(w), lambda w=w: _widths(model, prompt, ref, [w])) for w in widths]
         if turns:
             steps.append(("turns", lambda: _turns(model, prompt, ref)))
-        if any(f in (over or {}) for f in WINDOW_FIELDS):
+        if any(f in over for f in variants.WINDOW_NAMES + (variants.CHUNK_NAME,)):
             steps.append(("short prompts", lambda: _short_prompts(model)))
         if trees and tree_support(target) is None:
             steps.append(("trees", lambda: _trees(model, prompt, ref)))

@@ -28,6 +28,8 @@ WINDOW = 5  # windows and chunks: a quarter of arch_check.PROMPT_LEN, so prompt 
 SHORT_POSITIONS = 8  # "original" context lengths of scaled RoPEs: the prompt runs past them
 # dynamic NTK moves only past max_position_embeddings: one past the 20-token prompt, inside its answer
 POSITION_LIMIT = 30
+WINDOW_NAMES = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size")  # set to WINDOW
+CHUNK_NAME = "attention_chunk_size"  # set to WINDOW too
 
 
 @dataclass
@@ -197,7 +199,7 @@ def _rope(o: Options) -> List[Variant]:
 
 def _window(o: Options) -> List[Variant]:
     over = {}
-    for name in ("sliding_window", "sliding_window_size", "attention_window_size", "window_size"):
+    for name in WINDOW_NAMES:
         if o.has(name):
             over[name] = WINDOW
     if not over:
@@ -256,7 +258,7 @@ def _kv_shared(o: Options) -> List[Variant]:
 # option kind -> rule; a rule returns the variants of one model (none when it lacks the option)
 RULES: Dict[str, Callable[[Options], List[Variant]]] = {
     "window": _window,
-    "chunk": _set("chunk", "attention_chunk_size", lambda o: WINDOW),
+    "chunk": _set("chunk", CHUNK_NAME, lambda o: WINDOW),
     "rope": _rope,
     "rope_traditional": _set("rope_traditional", ["rope_traditional", "rope_interleave"], lambda o: True),
     "partial_rotary": lambda o: (
