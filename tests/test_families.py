@@ -73,7 +73,7 @@ def test_greedy_equals_mlx_lm(key):
         assert out == ref, f"width {width}"
     rng = random.Random(key)
     wrong = [rng.randrange(0, 16) for _ in range(100)]
-    scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=16)
+    scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=16, layer_ids="every")
     out, responses = decode(model, scripted, prompt, max_tokens=MAX_TOKENS, block_size="draft", stop_token_ids=[])
     assert out == ref
     accepts = responses[-1].accept_lengths

@@ -97,3 +97,28 @@ def test_taps_are_scoped():
     target.forward(mx.array([[1, 2, 3]]), cache, layer_ids=[0, 2], record=True)
     assert all(a is b for a, b in zip(layers_before, target.text_model.layers))
     assert type(model.language_model.model.layers[0]).__name__ == "DecoderLayer"
+
+
+def test_nested_stand_ins_keep_the_layers_class():
+    """A tapped layer whose calls are also recorded sits behind two stand-ins. Models that pick a
+    layer's mask by its class (OLMo hybrid: causal for full attention, the SSM mask otherwise)
+    must still see the layer's own class, or a verify's full-attention rows see later rows."""
+    from dflash_mlx.models.target.rollback import ReplayTap
+    from dflash_mlx.models.target.taps import _LayerTap
+
+    model, _ = tiny_target("qwen3_5")
+    layer = Target(model).layers[0]
+    nested = _LayerTap(ReplayTap(layer, {}, lambda entry: None), lambda out: None)
+    assert isinstance(nested, type(layer)) and nested.__class__ is type(layer)
+
+
+def test_a_tapped_full_attention_layer_among_recurrent_ones_stays_exact():
+    """OLMo hybrid's full-attention layer tapped between two linear-attention layers (a draft's
+    middle tap on a 3-layer target): it gave other tokens than mlx-lm's from width 2 up."""
+    from dflash_mlx.testing import variant_check, variants
+
+    v = next(v for v in variants.variants("olmo_hybrid") if v.kind == "layers3")
+    assert v.overrides["layer_types"] == ["linear_attention", "full_attention", "linear_attention"]
+    r = variant_check.check(v, widths=(1, 4), batches=False)
+    assert r.status == "exact", r.reason
+    assert r.checked == ["1", "4", "turns"]

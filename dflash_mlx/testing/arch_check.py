@@ -135,7 +135,8 @@ def refusal(model) -> Optional[str]:
 
 def quick_check(model, prompt, ref) -> Outcome:
     """DFlash greedy against `ref` (mlx-lm's own greedy decode of `prompt`): a random draft at
-    width 1 and `auto`, then a scripted draft right for a random number of tokens each cycle."""
+    width 1 and `auto`, then a scripted draft right for a random number of tokens each cycle,
+    tapping every layer."""
     from dflash_mlx import stream_generate
     from dflash_mlx.models.draft.checkpoints import random_draft
     from dflash_mlx.models.target.adapter import Target
@@ -159,7 +160,7 @@ def quick_check(model, prompt, ref) -> Outcome:
             return Outcome("mismatch", f"width {width}: {out} != mlx-lm's {ref}")
     rng = random.Random(len(prompt))
     right = [rng.randrange(0, BLOCK) for _ in range(100)]
-    scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=BLOCK)
+    scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=BLOCK, layer_ids="every")
     out, accepts = decode(scripted, "draft")
     if out != ref:
         return Outcome("mismatch", f"scripted draft: {out} != mlx-lm's {ref}")

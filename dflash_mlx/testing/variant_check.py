@@ -85,10 +85,11 @@ def _widths(model, prompt, ref, widths) -> Optional[str]:
         if width == 1:
             out = _decode(model, random_draft(model, num_layers=1, block_size=16, seed=3), prompt, len(ref),
                           block_size=1)
-        else:  # a scripted draft right for a random number of tokens each cycle: every rollback length
+        else:  # a scripted draft right for a random number of tokens each cycle: every rollback length;
+            # it taps every layer, so each layer runs behind the stand-in that keeps its output
             block = 16 if width == "auto" else width
             right = [rng.randrange(0, block) for _ in range(200)]
-            draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=block)
+            draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=block, layer_ids="every")
             out = _decode(model, draft, prompt, len(ref), block_size="draft" if width != "auto" else "auto",
                           token_trees=False)
         wrong = _wrong(model, prompt, out, ref, f"width {width}")

@@ -32,13 +32,14 @@ class UnsupportedTargetError(ValueError):
 class StandIn:
     """Base of the wrappers swapped into a model for one forward: attribute reads pass
     through to the wrapped module, and `isinstance` sees its class (some models pick a
-    layer's mask by the layer's class, e.g. OLMo hybrid)."""
+    layer's mask by the layer's class, e.g. OLMo hybrid), through stand-ins nested in one
+    another (a tapped layer whose calls are also recorded)."""
 
     _wrapped: Any
 
     @property
     def __class__(self):
-        return type(self._wrapped)
+        return self._wrapped.__class__  # not type(): a nested stand-in's type is its own class
 
     def __getattr__(self, name):
         return getattr(self._wrapped, name)
