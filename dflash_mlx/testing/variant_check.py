@@ -139,7 +139,8 @@ def _trees(model, prompt, ref) -> Optional[str]:
     from dflash_mlx.policy.sizer import forget_sizers
 
     forget_sizers()
-    draft = RankedDraft(Target(model), prompt + ref, lambda c, i: (c + 2 * i) % 5 if i < 6 else 0, block_size=8)
+    draft = RankedDraft(Target(model), prompt + ref, lambda c, i: (c + 2 * i) % 5 if i < 6 else 0, block_size=8,
+                        layer_ids="every")
     out = _decode(model, draft, prompt, len(ref), block_size="auto", copy_proposals=False)
     return _wrong(model, prompt, out, ref, "token trees at auto")
 
@@ -157,7 +158,7 @@ def _batches(model, length) -> Optional[str]:
     limit = target.max_context  # every prompt inside the window (a longer one is refused)
     step = max(1, min(7, (limit - 1 - length) // 2)) if limit else 7
     cases = [clean_case(model, length + step * i, MAX_TOKENS, seed=i) for i in range(3)]
-    draft = RowScriptedDrafts(target, cases, lambda c: (c * 3) % 5, block_size=8)
+    draft = RowScriptedDrafts(target, cases, lambda c: (c * 3) % 5, block_size=8, layer_ids="every")
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
     index, tokens = {}, {}
     for i, (prompt, ref) in enumerate(cases):
