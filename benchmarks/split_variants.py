@@ -3,10 +3,11 @@
     OPENBLAS_NUM_THREADS=1 python benchmarks/split_variants.py [--families gpt_oss,kimi_k25] [--out DIR]
 
 For each seed family that mlx-lm splits, every config variant `dflash_mlx.testing.variants` gives it
-(one option, and the options together: `variants.combined`) is built, split over two ranks
+(one option, and the options together: `combined_variants.combined`) is built, split over two ranks
 (`mlx.launch -n 2 --backend ring` on this machine) under each parallelism mlx-lm gives it, and
 decoded by DFlash at widths 1 and 16 (a random draft tapping layers on both ranks) and 4 and `auto`
-(a scripted draft right for a random number of tokens each cycle: every rollback length), each
+(a scripted draft right for a random number of tokens each cycle, every rollback length, tapping
+every layer), each
 against the split model's own greedy decode. The two-rank launch in the tests runs each family's
 own tiny config; this runs the options those configs leave off. Writes `results.json` (both ranks)
 and `README.md` to `--out` (default `benchmarks/results/<UTC date>-split-variants/`). Exit status 1
@@ -53,7 +54,7 @@ def check_split(v, over, mode) -> str:
             rng = random.Random(7)
             right = [rng.randrange(0, 16) for _ in range(100)]
             draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c],
-                                  block_size=16 if width == "auto" else width)
+                                  block_size=16 if width == "auto" else width, layer_ids="every")
             out = _decode(model, draft, prompt, len(ref), block_size="auto" if width == "auto" else "draft")
         if out != ref:
             i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
@@ -66,11 +67,11 @@ def rank_main(out_dir: str, families):
     import mlx.core as mx
 
     from dflash_mlx.models.sharded import modes_of
-    from dflash_mlx.testing import variant_check, variants
+    from dflash_mlx.testing import combined_variants, variant_check, variants
 
     rank = mx.distributed.init().rank()
     cases = {}
-    for v in variants.all_variants(families) + variants.all_combined(families):
+    for v in variants.all_variants(families) + combined_variants.all_combined(families):
         model, over, error = variant_check._built(v, 0)
         if model is None:
             continue

@@ -25,7 +25,7 @@ import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 from dflash_mlx.bench.environment import environment, loadavg
 from dflash_mlx.cli.doctor import results_footer
 from dflash_mlx.progress import Progress, format_duration
-from dflash_mlx.testing import arch_check, variant_check, variant_table, variants
+from dflash_mlx.testing import arch_check, combined_variants, variant_check, variant_table, variants
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,7 +38,7 @@ def main(argv=None):
     ap.add_argument("--docs", action="store_true", help="rewrite the variant section of docs/targets.md")
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --out")
     ap.add_argument("--combined", action="store_true",
-                    help="the options of each architecture switched on together (`variants.combined`)")
+                    help="the options of each architecture switched on together (`combined_variants.combined`)")
     args = ap.parse_args(argv)
 
     keys = [k for k in args.keys.split(",") if k] or list(arch_check.ARCHITECTURES)
@@ -46,7 +46,7 @@ def main(argv=None):
     if unknown:
         sys.exit(f"unknown architectures: {', '.join(unknown)}")
     kinds = [k for k in args.kinds.split(",") if k]
-    generate = variants.all_combined if args.combined else variants.all_variants
+    generate = combined_variants.all_combined if args.combined else variants.all_variants
     todo = [v for v in generate(keys) if not kinds or any(v.kind.startswith(k) for k in kinds)]
     out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d")
                                             + ("-variant-combined" if args.combined else "-variant-sweep"))

@@ -8,7 +8,7 @@ from functools import lru_cache
 import pytest
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
-from dflash_mlx.testing import arch_check, variant_check, variants
+from dflash_mlx.testing import arch_check, combined_variants, variant_check, variants
 
 # Mismatches the sweep finds, by variant name: kept here as expected failures until fixed (none now).
 KNOWN = {}
@@ -55,7 +55,10 @@ def test_variants_come_from_the_fields_each_model_has():
     assert "rope:longrope" in by_key["phi3"] and "window" in by_key["gemma3"]
     assert "chunk" not in by_key["llama"] and "rope:ntk-alpha" not in by_key["llama"]
     assert {"window", "rope", "partial_rotary", "qk_norm", "sinks", "softcap", "kv_sharing", "moe_layers",
-            "nope"} <= {v.kind.split(":")[0] for v in every_variant()}
+            "nope", "conv2", "conv6", "sparse_topk", "attn_temperature", "kv_heads"} <= \
+        {v.kind.split(":")[0] for v in every_variant()}
+    assert "attn_temperature" in by_key["llama4"] and "conv2:linear_conv_kernel_dim" in by_key["qwen3_next"]
+    assert "sparse_topk:index_topk" in by_key["glm_moe_dsa"]
     assert len(every_variant()) >= 300
 
 
@@ -156,7 +159,7 @@ def test_a_mask_wider_than_the_cache_window_caps_the_context_at_the_window():
     assert variant_check._widths(model, prompt, ref, [1, 4, 16]) is None
 
 
-# options switched on together (`variants.combined`): windows with sinks and no-RoPE layers,
+# options switched on together (`combined_variants.combined`): windows with sinks and no-RoPE layers,
 # soft-caps with traditional RoPE, chunks with MoE and q/k norms, partial rotary with sparse MoE
 # under a linear-attention hybrid, sparse attention with MoE on some layers; the sweep checks all
 COMBINED = ["llama4/combined:yarn", "gemma2/combined", "smollm3/combined", "qwen3_next/combined:yarn",
@@ -164,7 +167,7 @@ COMBINED = ["llama4/combined:yarn", "gemma2/combined", "smollm3/combined", "qwen
 
 
 def test_combined_variants_merge_every_option_kind_of_a_model():
-    combos = {v.name: v for v in variants.all_combined()}
+    combos = {v.name: v for v in combined_variants.all_combined()}
     assert set(COMBINED) <= set(combos)
     smollm3 = combos["smollm3/combined"].overrides
     assert smollm3["sliding_window"] == variants.WINDOW and "no_rope_layers" in smollm3
@@ -177,7 +180,7 @@ def test_combined_variants_merge_every_option_kind_of_a_model():
 
 @pytest.mark.parametrize("name", COMBINED)
 def test_options_switched_on_together_are_exact(name):
-    v = next(v for v in variants.all_combined() if v.name == name)
+    v = next(v for v in combined_variants.all_combined() if v.name == name)
     r = variant_check.check(v)
     assert r.status == "exact", (r.status, r.reason)
     assert r.checked[:5] == ["1", "4", "16", "auto", "turns"]

@@ -24,10 +24,11 @@ COMBINED_END = "<!-- /combined variants -->"
 SINGLE_INTRO = (
     "Each switches on one option that changes attention, positions or caches, at a value that bites in a "
     "20-token prompt (windows and chunks of 5, scaled RoPEs whose original context is 8 positions, dynamic NTK "
-    "with `max_position_embeddings` 30 so that answers run past it, ...), "
+    "with `max_position_embeddings` 30 so that answers run past it, short convolutions of width 2 and 6, sparse "
+    "attention's indexer keeping 3 keys, one KV head, one layer or three with the per-layer lists cut to match, ...), "
     "generated from the fields of the model's `ModelArgs` (`dflash_mlx/testing/variants.py`), and is checked "
     "(`variant_check.py`) against mlx-lm's own greedy decode at widths 1, 4, 16 and `auto` (a scripted draft "
-    "with partial accepts), over two chat turns on one prompt cache, on prompts of 2, 5 and 6 tokens where it "
+    "with partial accepts that taps every layer), over two chat turns on one prompt cache, on prompts of 2, 5 and 6 tokens where it "
     "has a window or chunk, under token trees and in a batch of three rows where the model takes them. "
     "\"Inert\": the variant's logits on the prompt and its answer equal the base config's (the model's code "
     "ignores the option there; checked all the same); \"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output "
@@ -35,7 +36,7 @@ SINGLE_INTRO = (
 COMBINED_INTRO = (
     "Options switched on together, as real configs have them (a chunked, MoE-interleaved, q/k-normed llama4): "
     "per architecture, one variant of every option kind above merged into one config, once per RoPE scaling type "
-    "the model reads (`variants.combined`; where mlx-lm rejects the whole, kinds are given up from the end of "
+    "the model reads (`combined_variants.combined`; where mlx-lm rejects the whole, kinds are given up from the end of "
     "`COMBINED_ORDER` until it builds), checked the same way.")
 DOCS = os.path.normpath(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "targets.md"))
 

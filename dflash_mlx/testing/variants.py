@@ -1,7 +1,8 @@
 """Config variants of every architecture in `testing.arch_check`, generated from the options
 each model's `ModelArgs` actually has: windows and chunks shorter than the test prompt, every
 RoPE scaling type the model's code reads, partial rotary, q/k norms, attention sinks, logit
-soft-caps, KV sharing, no-RoPE layers, MoE on some layers only.
+soft-caps, KV sharing, no-RoPE layers, MoE on some layers only, short-convolution widths, sparse
+attention's top-k, llama4's attention temperature, one KV head, one layer or three.
 
 A tiny config leaves most such options at their defaults, or sets them where a short prompt
 never reaches them (a window of 4096), so a mismatch in how DFlash handles them stays silent.
@@ -28,7 +29,8 @@ WINDOW = 5  # windows and chunks: a quarter of arch_check.PROMPT_LEN, so prompt 
 SHORT_POSITIONS = 8  # "original" context lengths of scaled RoPEs: the prompt runs past them
 # dynamic NTK moves only past max_position_embeddings: one past the 20-token prompt, inside its answer
 POSITION_LIMIT = 30
-WINDOW_NAMES = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size")  # set to WINDOW
+WINDOW_NAMES = ("sliding_window", "sliding_window_size", "attention_window_size", "window_size",
+                "loop_window_size")  # set to WINDOW
 CHUNK_NAME = "attention_chunk_size"  # set to WINDOW too
 
 
@@ -255,6 +257,54 @@ def _kv_shared(o: Options) -> List[Variant]:
     return out
 
 
+CONV_NAMES = ("conv_kernel", "linear_conv_kernel_dim", "mamba_d_conv", "conv_L_cache", "conv1d_width",
+              "short_conv_kernel_size")
+CONV_WIDTHS = (2, 6)  # the narrowest conv state (one input kept), and one wider than a width-4 verify
+
+
+def _conv(o: Options) -> List[Variant]:
+    """Short-convolution widths other than the tiny config's: the conv state a rollback puts back
+    keeps width - 1 inputs, fewer or more than a verify's rows."""
+    out = []
+    for width in CONV_WIDTHS:
+        for v in _set(f"conv{width}", CONV_NAMES, lambda o: width)(o):
+            out.append(v)
+    return out
+
+
+def _temperature(o: Options) -> List[Variant]:
+    """llama4's attention temperature: NoPE layers scale queries by a log of their position over
+    `floor_scale` (8192 by default: never reached in a test), so a tree node's position must reach it."""
+    if not (o.has("floor_scale") and o.has("attn_temperature_tuning")):
+        return []
+    return [Variant(o.key, "attn_temperature", {"floor_scale": 4, "attn_temperature_tuning": True})]
+
+
+def _fewer(n: int) -> Callable[[Options], Callable[[Options], object]]:
+    return lambda name: (lambda o: n if isinstance(o.get(name), int) and o.get(name) > n else None)
+
+
+LAYER_COUNTS = (1, 3)  # one layer (every tap on it), and an odd count (patterns cut mid-period)
+LAYER_COUNT_NAMES = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
+
+
+def _layers(o: Options) -> List[Variant]:
+    """Other layer counts, with the per-layer lists (layer types, no-RoPE flags) cut or repeated to
+    match: a list longer than the layers leaves caches no layer writes, which no real config has."""
+    name = next((n for n in LAYER_COUNT_NAMES if o.has(n)), None)
+    if name is None:
+        return []
+    lists = {k: v for k, v in o.values.items() if isinstance(v, list) and len(v) == o.layers and o.layers > 1}
+    out = []
+    for count in LAYER_COUNTS:
+        if count == o.layers:
+            continue
+        heads = dict({name: count}, **{k: (v * count)[:count] for k, v in lists.items()})
+        tails = dict({name: count}, **{k: (v * count)[-count:] for k, v in lists.items()})
+        out.append(Variant(o.key, f"layers{count}", heads, [tails] if tails != heads else []))
+    return out
+
+
 # option kind -> rule; a rule returns the variants of one model (none when it lacks the option)
 RULES: Dict[str, Callable[[Options], List[Variant]]] = {
     "window": _window,
@@ -281,6 +331,15 @@ RULES: Dict[str, Callable[[Options], List[Variant]]] = {
         ("is_moe_layer", _alternate(False, True)))
         for v in _set("moe_layers", name, value, only_if=_moe)(o)],
     "bidirectional": _set("bidirectional", "use_bidirectional_attention", lambda o: True),
+    "conv": _conv,
+    # sparse attention's indexer keeps fewer keys (or key blocks) than the prompt has
+    "sparse_topk": lambda o: [v for name in ("index_topk", "index_topk_blocks", "candidate_topk_blocks")
+                              for v in _set(f"sparse_topk:{name}", name,
+                                            _fewer(1 if "blocks" in name else 3)(name))(o)],
+    "attn_temperature": _temperature,
+    "layers": _layers,
+    "kv_heads": lambda o: [v for name in ("num_key_value_heads", "num_kv_heads")  # one KV head for all queries
+                           for v in _set(f"kv_heads:{name}", name, _fewer(1)(name))(o)],
 }
 
 
@@ -300,53 +359,6 @@ def variants(key: str) -> List[Variant]:
 
 def all_variants(keys=None) -> List[Variant]:
     return [v for key in (keys or arch_check.ARCHITECTURES) for v in variants(key)]
-
-
-# kinds merged into one config, in the order they are given up when mlx-lm rejects the whole:
-# the last first. Kinds of several fields (qk norms, sinks, soft-caps) merge every field.
-COMBINED_ORDER = ("window", "chunk", "qk_norm", "softcap", "sinks", "partial_rotary", "nope", "rope_traditional",
-                  "moe_layers", "kv_sharing")
-_MERGE_ALL = ("qk_norm", "softcap", "sinks")
-
-
-def combined(key: str) -> List[Variant]:
-    """The options of `key` switched on together, as real configs have them (a chunked, MoE-
-    interleaved, q/k-normed llama4): one variant per RoPE scaling type the model reads (its
-    kind "combined:<type>"), or one "combined" where it reads none, on top of one variant of
-    every other kind. Fallbacks give up kinds from the end of `COMBINED_ORDER` until mlx-lm
-    builds the config."""
-    parts: Dict[str, List[Dict[str, object]]] = {}
-    ropes: List[Variant] = []
-    for v in variants(key):
-        kind = v.kind.split(":")[0]
-        if kind == "rope":
-            ropes.append(v)
-        elif kind in COMBINED_ORDER and (kind in _MERGE_ALL or kind not in parts):
-            parts.setdefault(kind, []).append(v.overrides)
-    kinds = [k for k in COMBINED_ORDER if k in parts]
-    if len(kinds) + bool(ropes) < 2:
-        return []  # one option alone: `variants` has it
-
-    def merged(kept, rope_over):
-        over: Dict[str, object] = {}
-        for kind in kept:
-            for part in parts[kind]:
-                over.update(copy.deepcopy(part))
-        over.update(copy.deepcopy(rope_over))
-        return over
-
-    out = []
-    for rope in ropes or [None]:
-        rope_overs = [rope.overrides] + rope.candidates if rope else [{}]
-        configs = [merged(kinds[:n], r) for n in range(len(kinds), -1, -1) for r in rope_overs]
-        configs = [c for c in configs if c]
-        name = "combined" + (":" + rope.kind.split(":", 1)[1] if rope else "")
-        out.append(Variant(key, name, configs[0], configs[1:]))
-    return out
-
-
-def all_combined(keys=None) -> List[Variant]:
-    return [v for key in (keys or arch_check.ARCHITECTURES) for v in combined(key)]
 
 
 # -- building ---------------------------------------------------------------------------------
