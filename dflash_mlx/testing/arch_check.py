@@ -6,7 +6,7 @@ config it is built from, as a checkpoint's `config.json` would give it: mlx-lm's
 `_get_classes` picks the module from `model_type`, and `ModelArgs.from_dict` builds a
 wrapper's language model from its `text_config`. `quick_check` decodes one prompt greedily
 with DFlash (a random draft at width 1 and `auto`, a scripted draft right for a random number
-of tokens each cycle) against mlx-lm's own greedy decode. The families z-lab drafts for, and
+of tokens each cycle, tapping every layer) against mlx-lm's own greedy decode. The families z-lab drafts for, and
 the other architectures of `testing.archs`, keep their deeper checks (`tests/test_families.py`).
 """
 

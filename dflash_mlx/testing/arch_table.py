@@ -86,8 +86,9 @@ def markdown(found: List[Dict[str, str]]) -> str:
         f"{len(found)} configurations of {modules} mlx-lm model modules: **{exact} exact**, {refused} refused "
         f"when the target is built, {len(found) - exact - refused} not run on this machine. "
         "\"Exact\": greedy DFlash equals mlx-lm's own greedy decode on a tiny random float32 model "
-        "(a random draft at width 1 and `auto`, a scripted draft with partial accepts); \"deep checks\": "
-        "the families of [the table above](#target-families), with `auto` (a random draft), a scripted draft at 16 (partial accepts of every length), stop ids and a second turn. "
+        "(a random draft at width 1 and `auto`, a scripted draft with partial accepts that taps every layer); "
+        "\"deep checks\": the families of [the table above](#target-families), with `auto` (a random draft), a "
+        "scripted draft at 16 (partial accepts of every length), stop ids and a second turn. "
         "Trees and batches: the model takes a token tree's mask and positions (`tree_support`), rows of "
         "different lengths in one batch (`batch_support`). Distributed: what mlx-lm offers for the model "
         "(`Model.shard`: tensor parallel; a `pipeline` method: pipeline parallel).",

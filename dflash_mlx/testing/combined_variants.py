@@ -10,9 +10,11 @@ from typing import Dict, List
 from dflash_mlx.testing import arch_check, variants
 
 # kinds merged into one config, in the order they are given up when mlx-lm rejects the whole:
-# the last first. Kinds of several fields (qk norms, sinks, soft-caps) merge every field.
+# the last first. Kinds of several fields (qk norms, sinks, soft-caps) merge every field. One KV
+# head and other layer counts stay single options: a tensor split needs heads to split, a
+# pipeline layers to split.
 COMBINED_ORDER = ("window", "chunk", "qk_norm", "softcap", "sinks", "partial_rotary", "nope", "rope_traditional",
-                  "moe_layers", "kv_sharing", "attn_temperature", "sparse_topk", "conv6", "kv_heads")
+                  "moe_layers", "kv_sharing", "attn_temperature", "sparse_topk", "conv6")
 _MERGE_ALL = ("qk_norm", "softcap", "sinks")
 
 

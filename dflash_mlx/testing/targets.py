@@ -127,7 +127,7 @@ class ScriptedDraft:
 
     def __init__(self, target: Target, reference: Sequence[int], wrong_from, block_size: int = 16, layer_ids=(0,)):
         if layer_ids == "every":  # every layer runs behind the stand-in that keeps its output
-            layer_ids = range(len(target.layers))
+            layer_ids = range(target.num_layers)  # (a pipeline rank's list stops at its last layer)
         self.target = target
         self.reference = list(reference)
         self.wrong_from = wrong_from
