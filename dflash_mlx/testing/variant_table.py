@@ -28,8 +28,8 @@ SINGLE_INTRO = (
     "attention's indexer keeping 3 keys, one KV head, one layer or three with the per-layer lists cut to match, ...), "
     "generated from the fields of the model's `ModelArgs` (`dflash_mlx/testing/variants.py`), and is checked "
     "(`variant_check.py`) against mlx-lm's own greedy decode at widths 1, 4, 16 and `auto` (a scripted draft "
-    "with partial accepts that taps every layer), over two chat turns on one prompt cache, on prompts of 2, 5 and 6 tokens where it "
-    "has a window or chunk, under token trees and in a batch of three rows where the model takes them. "
+    "with partial accepts that taps every layer), over two chat turns on one prompt cache, on prompts of 2, 5 "
+    "and 6 tokens where it has a window or chunk, under token trees and in a batch of three rows where the model takes them. "
     "\"Inert\": the variant's logits on the prompt and its answer equal the base config's (the model's code "
     "ignores the option there; checked all the same); \"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output "
     "on 3 seeds.")

@@ -265,22 +265,20 @@ CONV_WIDTHS = (2, 6)  # the narrowest conv state (one input kept), and one wider
 def _conv(o: Options) -> List[Variant]:
     """Short-convolution widths other than the tiny config's: the conv state a rollback puts back
     keeps width - 1 inputs, fewer or more than a verify's rows."""
-    out = []
-    for width in CONV_WIDTHS:
-        for v in _set(f"conv{width}", CONV_NAMES, lambda o: width)(o):
-            out.append(v)
-    return out
+    return [v for width in CONV_WIDTHS for v in _set(f"conv{width}", CONV_NAMES, lambda o, width=width: width)(o)]
 
 
 def _temperature(o: Options) -> List[Variant]:
     """llama4's attention temperature: NoPE layers scale queries by a log of their position over
-    `floor_scale` (8192 by default: never reached in a test), so a tree node's position must reach it."""
+    `floor_scale` (8192 by default: constant over a test's positions); at 4 the scale moves every few
+    positions, so each verify row must get its own position's scale."""
     if not (o.has("floor_scale") and o.has("attn_temperature_tuning")):
         return []
     return [Variant(o.key, "attn_temperature", {"floor_scale": 4, "attn_temperature_tuning": True})]
 
 
-def _fewer(n: int) -> Callable[[Options], Callable[[Options], object]]:
+def _fewer(n: int) -> Callable[[str], Callable[[Options], object]]:
+    """A value rule for field `name`: n where the model's value is a larger int, else none."""
     return lambda name: (lambda o: n if isinstance(o.get(name), int) and o.get(name) > n else None)
 
 
