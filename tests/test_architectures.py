@@ -99,3 +99,24 @@ def test_a_mixer_replayed_alone_must_rebuild_the_state():
     assert not rwkv.replay_mixers
     rwkv.replay_mixers = True
     assert "cannot be re-run alone" in probe._mixers_replay(rwkv)
+
+
+@pytest.mark.parametrize("key,name,tied", [("gpt_neox", "embed_out", False), ("lille-130m", "tok_embeddings", True)])
+def test_a_text_model_that_applies_its_head_itself_runs_exact(key, name, tied):
+    """GPT-NeoX applies `embed_out` inside its text model, Lille its tied `as_linear`: during a
+    forward that step passes the final hidden states through, DFlash applies the same head, and
+    greedy DFlash is mlx-lm's greedy decode at every width, over two turns, in trees and batches."""
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing import variant_check, variants
+
+    model = model_for(key)
+    target = Target(model)
+    assert (target.inner_head.name, target.inner_head.tied) == (name, tied)
+    h, _, _ = target.forward(mx.array([[1, 2, 3]]), target.make_cache(), layer_ids=[0])
+    assert h.shape == (1, 3, target.hidden_size)  # hidden states, not logits
+    assert type(target.text_model[name]).__name__ in ("Linear", "Embedding")  # put back after the forward
+    logits = model(mx.array([[1, 2, 3]]))
+    assert mx.allclose(target.logits(h), logits, atol=1e-4).item()
+    r = variant_check.check(variants.Variant(key, "base", {}))
+    assert r.status == "exact", r.reason
+    assert r.checked[:7] == ["1", "4", "16", "auto", "turns", "trees", "batches"]

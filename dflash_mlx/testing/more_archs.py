@@ -265,7 +265,7 @@ EMBEDDINGS = ("embed_tokens.weight", "embeddings.weight", "wte.weight", "embeddi
 # Knobs per key, so that the random model's greedy continuations are varied (a model that
 # repeats one token tests nothing): seed offsets, embedding scales (default 4), parameter tweaks.
 SEEDS: Dict[str, int] = {"gpt2": 2, "gpt_bigcode": 2, "openelm": 2, "afm7": 2, "hunyuan": 2, "lfm2_moe": 4,
-                         "gemma4": 2, "lfm2-vl": 2, "glm4": 2, "qwen3": 4}
+                         "gemma4": 2, "lfm2-vl": 2, "glm4": 2, "qwen3": 4, "lille-130m": 1}
 EMBED_SCALE: Dict[str, float] = {"gpt2": 0.25, "gpt_bigcode": 0.25, "openelm": 0.05, "afm7": 0.1, "hunyuan": 0.25,
                                  "lfm2_moe": 0.1, "gemma4": 0.25, "lfm2-vl": 0.05, "glm4": 16.0,
                                  "qwen3": 0.25, "gemma4_text": 0.25}
@@ -288,6 +288,7 @@ _SHARPER = {"q_proj.weight": _x3, "k_proj.weight": _x3}  # sharper random attent
 TWEAKS: Dict[str, Dict[str, Callable]] = {
     "prism_hadamard_qwen35": {"gate_proj.weight": _packed},
     "talkie": {"lm_head": _normal},  # a bare parameter that starts at zeros
+    "lille-130m": {"norm.weight": lambda p: mx.random.normal(p.shape)},  # (with norms of ones: one token forever)
     "qwen3": {"q_norm.weight": _x3, "k_norm.weight": _x3},  # (q/k are normalized per head)
     "lfm2_moe": _SHARPER,
     "lfm2-vl": _SHARPER,
@@ -302,8 +303,6 @@ NOT_RUN: Dict[str, str] = {
 
 # Keys DFlash refuses when the target is built, with a fragment of the one line it gives.
 REFUSED: Dict[str, str] = {
-    "gpt_neox": "applies the LM head itself",
-    "lille-130m": "applies the LM head itself",
     "olmo": "applies the LM head itself",
     "gemma3n": "applies the LM head itself",
     "iquestloopcoder": "never called whole",

@@ -17,8 +17,8 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx.models.draft.config import validate_for_target
 from dflash_mlx.models.target.tree_attention import rope_slots, tree_caches
-from dflash_mlx.models.target.head import TargetHead, find_lm_head
-from dflash_mlx.models.target import exact_rows
+from dflash_mlx.models.target.head import HEAD_NAMES, HeadInsideTextModel, TargetHead, find_lm_head
+from dflash_mlx.models.target import exact_rows, inner_head
 from dflash_mlx.models.target.probe import check_forward
 from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
@@ -123,14 +123,35 @@ class Target:
         # whether a one-token update can overwrite a sliding window's oldest entry (`engine.ahead`)
         self.rotating = any(isinstance(s, RotatingKVCache) for c in self.make_cache() for s in sub_caches(c))
         # The embedding and LM head: `embed`, `head` and `logits` are its.
-        self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
-                                self.arch, self.hidden_size)
+        self.inner_head = None  # the text model's own head step, passed through in forwards (`inner_head`)
+        try:
+            self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
+                                    self.arch, self.hidden_size)
+        except HeadInsideTextModel as refusal:
+            self.vocab = self._head_inside(model, self.text_model, text_parent, refusal)
         self._rope_slots = None
         self._deterministic = False  # every row in plain decoding's shapes (`exact_rows`)
         # whether a rollback re-runs the module a layer hands its recurrent state to, not the
         # layer (set by check_forward for layers whose calls a replay cannot cut, e.g. Kimi K3's)
         self.replay_mixers = False
         check_forward(self)  # once per model: what only a forward shows is refused here, in one line
+
+    def _head_inside(self, model, text_model, text_parent, refusal: Exception) -> TargetHead:
+        """The `TargetHead` of a text model that applies its LM head itself (GPT-NeoX, Lille): the
+        head step it passes through in forwards, found by the logits it gives; else its refusal."""
+        def head_of(inner):
+            return TargetHead(model, text_model, text_parent, self.embed_tokens, None if inner.tied else inner.module,
+                              self.arch, self.hidden_size, inner=True)
+
+        found = inner_head.candidates(text_model, self._embedding_name, HEAD_NAMES, self.vocab_size)
+        inner = inner_head.find(model, text_model, found, self.hidden_size, self.vocab_size,
+                                lambda inner, h: head_of(inner).logits(h))
+        if inner is None:
+            raise refusal
+        self.inner_head = inner
+        if not inner.tied:
+            self._lm_head = inner.module
+        return head_of(inner)
 
     def _check_caches(self) -> List[Optional[str]]:
         """Each cache entry's rollback ("trim" | "gdn" | "replay"); refuses what has none."""

@@ -29,6 +29,10 @@ def find_lm_head(model) -> Optional[nn.Module]:
     return next((holder[n] for n in HEAD_NAMES if isinstance(holder.get(n), nn.Module)), None)
 
 
+class HeadInsideTextModel(UnsupportedTargetError):
+    """The text model applies the LM head itself (`inner_head`): the model returns its output."""
+
+
 class _HiddenStates(StandIn):
     """Stands in for the text model inside the model's own forward and returns given
     final hidden states, so `Model.__call__` applies exactly its own head and output
@@ -58,7 +62,8 @@ class TargetHead:
     # A dense head up to this size gets a transposed copy on the CPU (see _transposed_head).
     MAX_TRANSPOSED_HEAD_BYTES = 1 << 30
 
-    def __init__(self, model, text_model, text_parent, embed_tokens, lm_head, arch: str, hidden_size: int):
+    def __init__(self, model, text_model, text_parent, embed_tokens, lm_head, arch: str, hidden_size: int,
+                 inner: bool = False):
         self.model = model
         self.text_model = text_model
         self._text_parent = text_parent
@@ -71,7 +76,9 @@ class TargetHead:
         self._vocab_group = head_group(lm_head) if lm_head is not None else None
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None
-        self._own_head = self._needs_own_head()
+        # inner: the text model applies this head itself, passed through in forwards (`inner_head`),
+        # which checked that the head on what comes out is the model's own logits
+        self._own_head = False if inner else self._needs_own_head()
 
     @property
     def embed_tokens_dtype(self):
@@ -190,9 +197,10 @@ class TargetHead:
         ours = self.logits(probe, own_head=False).astype(mx.float32)
         theirs = self._model_logits(probe).astype(mx.float32) if self._text_parent is not None else ours
         if ours.shape != theirs.shape and theirs.shape == probe.shape:
-            raise UnsupportedTargetError(f"{self.arch}: its text model applies the LM head itself (the model "
-                                         "returns its output unchanged), so DFlash gets no final hidden states "
-                                         "to apply the head to")
+            raise HeadInsideTextModel(f"{self.arch}: its text model applies the LM head itself (the model "
+                                        "returns its output unchanged), and no step of it passes the final "
+                                        "hidden states through to the same logits, so DFlash gets none to "
+                                        "apply the head to")
         if ours.shape != theirs.shape:
             raise UnsupportedTargetError(f"{self.arch}: the model's logits have shape {theirs.shape}, "
                                          f"its LM head gives {ours.shape}")

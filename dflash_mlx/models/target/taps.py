@@ -10,6 +10,7 @@ windows, shared KV, embedding scales) runs unchanged around them:
   other recurrence    its layer is recorded, so a rollback re-runs it (`ReplayTap`)
   quantized linears   go through the small-M kernel at verify widths (`_SmallMQuantizedLinear`)
   rotary embeddings   take a token tree's positions (`TreeRoPE`)
+  an inner LM head    passes the final hidden states through (`inner_head`)
 """
 
 from contextlib import contextmanager
@@ -139,4 +140,6 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
                 put(parent, key, TreeRoPE(parent[key], tree))
         for idx in slot:
             put(layers, idx, make_tap(idx, layers[idx]))
+        if target.inner_head is not None:  # a text model that applies its LM head itself
+            put(target.text_model, target.inner_head.name, target.inner_head.stand_in())
         yield

@@ -1,0 +1,106 @@
+"""Text models that apply their LM head themselves.
+
+Most mlx-lm text models return final hidden states and their `Model` applies the LM head.
+A few apply it inside the text model: GPT-NeoX's `embed_out` after its final norm, Lille's
+tied `tok_embeddings.as_linear`. DFlash needs the final hidden states (the draft's features,
+the split LM head, a reduced draft vocabulary), so during each forward the head step passes
+its input through (a stand-in swapped in for the forward, put back after: nothing patches
+mlx-lm) and `TargetHead` applies the same head to what comes out.
+
+Which step is the head is found, not assumed (`find`): each candidate is passed through on a
+two-token forward, and kept only where the hidden states it then gives, through the head,
+are the model's own logits.
+"""
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from dflash_mlx.models.target.rollback import StandIn, swaps
+
+
+class _PassThrough(StandIn):
+    """Stands in for a head layer inside the text model: returns its input."""
+
+    def __init__(self, module):
+        self._wrapped = module
+
+    def __call__(self, x, *args, **kwargs):
+        return x
+
+
+class _EmbeddingWithoutHead(StandIn):
+    """Stands in for a tied embedding inside the text model: embeds as it does, but its
+    `as_linear` (the head) returns its input."""
+
+    def __init__(self, module):
+        self._wrapped = module
+
+    def __call__(self, *args, **kwargs):
+        return self._wrapped(*args, **kwargs)
+
+    def as_linear(self, x):
+        return x
+
+
+@dataclass
+class InnerHead:
+    """The text model's child that applies the head: `module` itself (a linear layer) or,
+    `tied`, the embedding's `as_linear`."""
+
+    name: str
+    module: nn.Module
+    tied: bool
+
+    def stand_in(self):
+        return _EmbeddingWithoutHead(self.module) if self.tied else _PassThrough(self.module)
+
+
+def candidates(text_model, embedding_name: str, head_names, vocab_size: int) -> List[InnerHead]:
+    """Children of the text model that may apply the head: linear layers named as heads with one
+    output per token id, then the tied embedding."""
+    found = []
+    for name in head_names:
+        module = text_model.get(name) if name != embedding_name else None
+        if isinstance(module, nn.Module) and "weight" in module and module["weight"].shape[0] == vocab_size:
+            found.append(InnerHead(name, module, tied=False))
+    found.append(InnerHead(embedding_name, text_model[embedding_name], tied=True))
+    return found
+
+
+@contextmanager
+def passing_through(text_model, inner: Optional[InnerHead]):
+    """The text model's head step passes its input through for the duration (None: nothing)."""
+    if inner is None:
+        yield
+        return
+    with swaps() as put:
+        put(text_model, inner.name, inner.stand_in())
+        yield
+
+
+def find(model, text_model, found: List[InnerHead], hidden_size: int, vocab_size: int,
+         logits_of: Callable[[InnerHead, mx.array], mx.array]) -> Optional[InnerHead]:
+    """The candidate that, passed through, leaves final hidden states [.., hidden_size] from which
+    `logits_of(candidate, h)` gives the model's own logits (apart from rounding), else None."""
+    tokens = mx.array([[1 % vocab_size, 2 % vocab_size]])
+    try:
+        theirs = model(tokens).astype(mx.float32)
+    except Exception:  # the model does not run on two tokens alone: nothing to match
+        return None
+    scale = mx.abs(theirs).max().item() or 1.0
+    for inner in found:
+        try:
+            with passing_through(text_model, inner):
+                h = text_model(tokens)
+            if h.shape[-1] != hidden_size:
+                continue
+            ours = logits_of(inner, h).astype(mx.float32)
+        except Exception:  # this candidate is not the head step
+            continue
+        if ours.shape == theirs.shape and mx.abs(ours - theirs).max().item() <= 1e-3 * scale:
+            return inner
+    return None
