@@ -1,15 +1,16 @@
 """Config variants of the seed families under every split mlx-lm gives them, on two ranks (issue 47).
 
-    OPENBLAS_NUM_THREADS=1 python benchmarks/split_variants.py [--families gpt_oss,kimi_k25] [--out DIR]
+    OPENBLAS_NUM_THREADS=1 python benchmarks/split_variants.py [--families gpt_oss,kimi_k25] [--ranks 3] [--out DIR]
 
 For each seed family that mlx-lm splits, every config variant `dflash_mlx.testing.variants` gives it
 (one option, and the options together: `combined_variants.combined`) is built, split over two ranks
 (`mlx.launch -n 2 --backend ring` on this machine) under each parallelism mlx-lm gives it, and
-decoded by DFlash at widths 1 and 16 (a random draft tapping layers on both ranks) and 4 and `auto`
+decoded by DFlash at widths 1 and 16 (a random draft tapping layers on every rank) and 4 and `auto`
 (a scripted draft right for a random number of tokens each cycle, every rollback length, tapping
 every layer), each
 against the split model's own greedy decode. The two-rank launch in the tests runs each family's
-own tiny config; this runs the options those configs leave off. Writes `results.json` (both ranks)
+own tiny config; this runs the options those configs leave off. `--ranks 3` splits over three
+(a pipeline's middle rank, and ranks that hold only some kinds of layer). Writes `results.json` (every rank)
 and `README.md` to `--out` (default `benchmarks/results/<UTC date>-split-variants/`). Exit status 1
 when a case differs on either rank.
 """
@@ -98,6 +99,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--out", default="")
+    ap.add_argument("--ranks", type=int, default=2, help="processes to split over (default 2)")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # what mlx.launch runs
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
@@ -108,15 +110,15 @@ def main(argv=None):
     from dflash_mlx.testing.ports import free_port_pair
 
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
-    port = free_port_pair()
+    port = free_port_pair(ranks=args.ranks)
     if port is None:
         raise SystemExit("no two free consecutive ports on localhost")
     start = time.perf_counter()
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(port), "--python", sys.executable,
+    cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port", str(port), "--python", sys.executable,
            os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out]
     proc = subprocess.run(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     ranks = []
-    for r in range(2):
+    for r in range(args.ranks):
         path = os.path.join(out, f"rank{r}.json")
         if proc.returncode != 0 or not os.path.exists(path):
             raise SystemExit(f"the two-rank launch failed (exit {proc.returncode}); see its output above")
@@ -134,20 +136,21 @@ def main(argv=None):
                    "elapsed_s": round(elapsed, 1), "ranks": ranks}, f, indent=1)
     from dflash_mlx.cli.doctor import machine_line
 
-    lines = [f"# Seed families' config variants on two ranks: {checked - len(bad)} of {checked} exact"
+    lines = [f"# Seed families' config variants on {args.ranks} ranks: {checked - len(bad)} of {checked} exact"
              + (f" ({len(not_run)} more that mlx-lm's own split model does not run)" if not_run else ""),
              "", f"Command: `{' '.join(sys.argv)}`; {elapsed / 60:.1f} min. Machine: {machine_line()}.", "",
              f"Each case: a variant of a seed family (`dflash_mlx.testing.variants`, single options and `combined`), "
-             f"split over 2 ranks (`mlx.launch --backend ring`, one process a core), DFlash at widths "
+             f"split over {args.ranks} ranks (`mlx.launch --backend ring`), DFlash at widths "
              f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode ({PROMPT_LEN}-token prompt, "
-             f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Both ranks must agree.", "",
-             "| case | config | rank 0 | rank 1 |", "|---|---|---|---|"]
+             f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Every rank must agree.", "",
+             "| case | config | " + " | ".join(f"rank {r}" for r in range(args.ranks)) + " |",
+             "|---|---|" + "---|" * args.ranks]
     for n in names:
-        lines.append(f"| `{n}` | `{ranks[0][n]['option']}` | {ranks[0][n]['outcome']} | "
-                     f"{ranks[1].get(n, {}).get('outcome', 'missing')} |")
+        lines.append(f"| `{n}` | `{ranks[0][n]['option']}` | "
+                     + " | ".join(r.get(n, {}).get("outcome", "missing") for r in ranks) + " |")
     with open(os.path.join(out, "README.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print(f"{checked - len(bad)} of {checked} exact on both ranks ({len(not_run)} not run by mlx-lm); report in {out}")
+    print(f"{checked - len(bad)} of {checked} exact on every rank ({len(not_run)} not run by mlx-lm); report in {out}")
     return 1 if bad else 0
 
 

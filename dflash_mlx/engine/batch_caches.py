@@ -28,6 +28,7 @@ from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache,
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.rope_offsets import takes_offset_arrays
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.sharding import agreed_reason, on_every_rank
 from dflash_mlx.models.target.rollback import (StandIn, VerifyRecord, recorded_apart, replay_gdn_rows,
                                                replay_layer_rows, rollback_batch_rows, sub_caches)
 
@@ -52,7 +53,8 @@ def _support(target: Target) -> Tuple[Optional[str], bool]:
     if found is None:
         reason = _check(target)
         found = (reason, False)
-        if reason is not None and reason.startswith(("its rows", "a batch of rows")):
+        retry = reason is not None and reason.startswith(("its rows", "a batch of rows"))
+        if not on_every_rank(target.sharding, [not retry])[0]:  # (where one rank of a split retries, all do)
             # mlx-lm's Gemma 2 splits the query heads into (kv heads, repeats) before it applies
             # the mask, which a batch's per-row mask [B, 1, L, K] does not broadcast against
             if _check(target, head_axis=True) is None:
@@ -82,6 +84,21 @@ def for_forward(caches: List, kinds: Sequence[str], head_axis: bool) -> List:
 
 
 def _check(target: Target, head_axis: bool = False) -> Optional[str]:
+    """Why `target` cannot be batched, or None. A split target's ranks hold different layers:
+    each step's answer is the same on every rank, and the probe forwards (collectives) run only
+    where every rank runs them."""
+    sharding = target.sharding
+    elsewhere = "another process's layers of this split model cannot be batched"
+    reason = agreed_reason(sharding, _caches_reason(target), elsewhere)
+    listed = _listed(target)
+    if reason is None and not on_every_rank(sharding, [not listed])[0]:
+        reason = agreed_reason(sharding, _recorded_apart_reason(target, listed), elsewhere)
+    if reason is None:
+        reason = agreed_reason(sharding, _rows_reason(target, head_axis), elsewhere)
+    return reason
+
+
+def _caches_reason(target: Target) -> Optional[str]:
     def batchable(c):
         return type(c) in (KVCache, RotatingKVCache, ArraysCache) or (
             type(c) is CacheList and all(batchable(s) and type(s) is not CacheList for s in c.caches))
@@ -96,17 +113,31 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     if blocks is not None:
         return (f"its sparse attention keeps the top key blocks of {blocks} cache slots (index_block_size), and a "
                 "batch's left padding moves those blocks off the row's own, so rows would not attend as alone")
+    return None
+
+
+def _listed(target: Target) -> List[int]:
+    """Caches that hold recurrent state beside attention in one CacheList (replayed)."""
+    return [i for i, (c, kind) in enumerate(zip(target.make_cache(), target.rollback_kinds()))
+            if kind == "replay" and type(c) is CacheList]
+
+
+def _recorded_apart_reason(target: Target, listed: List[int]) -> Optional[str]:
+    # a batch re-runs recurrent state per group of rows, which for state beside attention
+    # in one CacheList needs the module that state is handed to, recorded on its own
     vocab = target.vocab_size
-    listed = [i for i, (c, kind) in enumerate(zip(target.make_cache(), kinds))
-              if kind == "replay" and type(c) is CacheList]
-    if listed:
-        # a batch re-runs recurrent state per group of rows, which for state beside attention
-        # in one CacheList needs the module that state is handed to, recorded on its own
-        cache = target.make_cache()
-        _, _, record = target.forward(mx.array([[1 % vocab, 2 % vocab]]), cache, record=True)
-        if not all(recorded_apart(cache[i], record) for i in listed):
-            return ("its CacheList's recurrent state is not handed to a module of its own, so it cannot be "
-                    "re-run per row beside the list's attention")
+    cache = target.make_cache()
+    _, _, record = target.forward(mx.array([[1 % vocab, 2 % vocab]]), cache, record=True)
+    if listed and not all(recorded_apart(cache[i], record) for i in listed):
+        return ("its CacheList's recurrent state is not handed to a module of its own, so it cannot be "
+                "re-run per row beside the list's attention")
+    return None
+
+
+def _rows_reason(target: Target, head_axis: bool) -> Optional[str]:
+    """Three rows of different lengths in one batch against each alone."""
+    kinds = target.rollback_kinds()
+    vocab = target.vocab_size
     prompts = [[(7 * i + j) % vocab for j in range(n)] for i, n in enumerate((3, 5, 2))]
     step = mx.array([[(11 + i) % vocab, (13 + i) % vocab] for i in range(3)])
     tight = 1e-4 if target.embed_tokens_dtype == mx.float32 else 3e-2

@@ -25,7 +25,7 @@ from dflash_mlx.models.target.rollback import (
     rollback_cache, rollback_kind,
 )
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
-from dflash_mlx.models.target.sharding import gather_features, sharding_of, split_stream
+from dflash_mlx.models.target.sharding import gather_features, on_every_rank, sharding_of, split_stream
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
@@ -122,6 +122,11 @@ class Target:
         self._replay_kinds = self._check_caches()
         # whether a one-token update can overwrite a sliding window's oldest entry (`engine.ahead`)
         self.rotating = any(isinstance(s, RotatingKVCache) for c in self.make_cache() for s in sub_caches(c))
+        self._recurrent = any(kind != "trim" for kind in self._replay_kinds)
+        if self.sharding is not None:  # a pipeline's ranks hold different layers; the engine's choices
+            # made from these (what is launched ahead) must be the same on every rank
+            no_recurrent, no_rotating = on_every_rank(self.sharding, [not self._recurrent, not self.rotating])
+            self._recurrent, self.rotating = not no_recurrent, not no_rotating
         # The embedding and LM head: `embed`, `head` and `logits` are its.
         self.inner_head = None  # the text model's own head step, passed through in forwards (`inner_head`)
         try:
@@ -222,8 +227,9 @@ class Target:
 
     @property
     def recurrent(self) -> bool:
-        """Whether some cache holds recurrent state (it cannot be trimmed back to a prefix)."""
-        return any(kind != "trim" for kind in self._replay_kinds)
+        """Whether some cache holds recurrent state (it cannot be trimmed back to a prefix; on a
+        split target, some cache of some rank's)."""
+        return self._recurrent
 
     @property
     def rope_slots(self) -> List[Tuple[Any, Any]]:

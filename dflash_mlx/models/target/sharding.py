@@ -30,7 +30,7 @@ the CPU's stream (rank 0's numbers, as mlx-lm's server shares its requests) firs
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -89,6 +89,27 @@ def settle() -> None:
     from mlx_lm.generate import generation_stream
 
     mx.synchronize(generation_stream)
+
+
+def on_every_rank(sharding: Optional["Sharding"], flags: Sequence[bool]) -> List[bool]:
+    """Each flag as it holds on every rank of a split (one small all_sum on the CPU's stream),
+    or as given for a target whole in one process. What a rank finds from the layers it holds
+    (its caches' kinds, a probe forward) differs between a pipeline's ranks; a choice made from
+    it must be the same on every rank, or their collectives stop matching."""
+    if sharding is None:
+        return [bool(f) for f in flags]
+    settle()
+    local = mx.array([int(bool(f)) for f in flags], dtype=mx.int32)
+    total = mx.distributed.all_sum(local, group=sharding.group, stream=mx.cpu).tolist()
+    return [t == sharding.size for t in total]
+
+
+def agreed_reason(sharding: Optional["Sharding"], reason: Optional[str], elsewhere: str) -> Optional[str]:
+    """A refusal found on one rank of a split holds on every rank: None only where no rank found
+    one; a rank that found none gives `elsewhere`."""
+    if on_every_rank(sharding, [reason is None])[0]:
+        return None
+    return reason or elsewhere
 
 
 def _tensor_group(model) -> Optional[object]:

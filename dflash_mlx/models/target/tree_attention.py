@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.rope_offsets import takes_offset_arrays
 from dflash_mlx.models.target.rollback import StandIn
+from dflash_mlx.models.target.sharding import agreed_reason
 
 
 @dataclass
@@ -176,12 +177,25 @@ def tree_support(target) -> Optional[str]:
 
 
 def _check(target) -> Optional[str]:
+    # a split target's ranks hold different layers: every rank takes the same answer, and runs
+    # the probe forwards (collectives) only where every rank does
+    elsewhere = "another process's layers of this split model cannot take a token tree"
+    sharding = getattr(target, "sharding", None)
+    reason = agreed_reason(sharding, _layers_reason(target), elsewhere)
+    return reason if reason is not None else agreed_reason(sharding, _probe(target), elsewhere)
+
+
+def _layers_reason(target) -> Optional[str]:
     cache = target.make_cache()
     kinds = {type(c).__name__ for c in cache if type(c) is not KVCache}
     if kinds:
         return f"its caches include {', '.join(sorted(kinds))} (trees need plain attention KV)"
     if not target.rope_slots:
         return "no rotary embedding modules were found in its layers"
+    return None
+
+
+def _probe(target) -> Optional[str]:
     # A tiny tree against the chain it contains: root r with children a and b, b with child c.
     # Rows r, b, c of the tree must equal the chain r, b, c; after compaction, one more
     # token must see the same cache either way.
