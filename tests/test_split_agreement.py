@@ -1,0 +1,48 @@
+"""A split target's ranks hold different layers (a pipeline's middle rank may hold attention only),
+so what each finds from its own layers can differ. Every choice made from it must be the same on
+every rank, and a probe forward (a collective) may run only where every rank runs it. Checked in
+one process, with another rank's answer stood in for by the all_sum (three real ranks:
+`benchmarks/split_variants.py --ranks 3`)."""
+
+import pytest
+
+import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
+import mlx.core as mx
+
+from dflash_mlx.engine import batch_caches
+from dflash_mlx.models.target import sharding, tree_attention
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import tiny_target
+
+
+def split_target(monkeypatch, other_rank_agrees: bool):
+    """A tiny attention-only target (trees and batches supported alone) as rank 0 of two, where
+    the other rank's flags are `other_rank_agrees` (the all_sum adds them)."""
+    model, _ = tiny_target("qwen3")
+    target = Target(model)
+    target.sharding = sharding.Sharding("pipeline", mx.distributed.init())
+    monkeypatch.setattr(sharding.Sharding, "size", property(lambda self: 2))
+    monkeypatch.setattr(sharding.mx.distributed, "all_sum",
+                        lambda x, group=None, stream=None: x + (x if other_rank_agrees else 0 * x))
+    return target
+
+
+@pytest.mark.parametrize("check", [tree_attention._check, batch_caches._check])
+def test_a_rank_refused_elsewhere_refuses_too_and_runs_no_probe_forward(monkeypatch, check):
+    target = split_target(monkeypatch, other_rank_agrees=False)
+    forwards = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: forwards.append(a))
+    reason = check(target)
+    assert reason is not None and "another process" in reason and "\n" not in reason
+    assert forwards == []  # alone, its probe's collectives would meet the other rank's next forward
+
+
+@pytest.mark.parametrize("check", [tree_attention._check, batch_caches._check])
+def test_ranks_that_all_agree_run_the_probe(monkeypatch, check):
+    assert check(split_target(monkeypatch, other_rank_agrees=True)) is None
+
+
+def test_on_every_rank_is_the_local_answer_in_one_process():
+    assert sharding.on_every_rank(None, [True, False]) == [True, False]
+    assert sharding.agreed_reason(None, "why", "elsewhere") == "why"
+    assert sharding.agreed_reason(None, None, "elsewhere") is None
