@@ -114,7 +114,8 @@ def main(argv=None):
     if port is None:
         raise SystemExit("no two free consecutive ports on localhost")
     start = time.perf_counter()
-    cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port", str(port), "--python", sys.executable,
+    cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port", str(port),
+           "--python", sys.executable,
            os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out]
     proc = subprocess.run(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
     ranks = []
