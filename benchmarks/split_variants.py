@@ -112,7 +112,7 @@ def main(argv=None):
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
     port = free_port_pair(ranks=args.ranks)
     if port is None:
-        raise SystemExit("no two free consecutive ports on localhost")
+        raise SystemExit(f"no {args.ranks} free consecutive ports on localhost")
     start = time.perf_counter()
     cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port", str(port),
            "--python", sys.executable,
