@@ -204,7 +204,21 @@ def transports(draft, prompt, whole_features) -> dict:
     return out
 
 
+# "arch:uneven": a pipeline whose rank 0 holds the last layer alone (of Qwen3-Next: full attention
+# only, while rank 1 holds Gated DeltaNet layers too), so the ranks find different things from their
+# own layers and must agree (`sharding.on_every_rank`)
+UNEVEN = ":uneven"
+
+
+def split_uneven(model):
+    holder = next(m for _, m in model.named_modules() if callable(getattr(m, "pipeline", None)))
+    holder.pipeline(mx.distributed.init(), split=[1, len(holder.layers) - 1])
+    mx.eval(model.parameters())
+
+
 def cases(key: str, tok):
+    uneven = key.endswith(UNEVEN)
+    key = key[: -len(UNEVEN)] if uneven else key
     whole = build(key)
     tensor, pipeline = modes_of(whole)
     if not (tensor or pipeline):
@@ -216,20 +230,24 @@ def cases(key: str, tok):
     mx.eval(whole_features)
     del whole, whole_target
     out = {}
-    for mode in [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]:
+    modes = ["pipeline-uneven"] if uneven else [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
+    for mode in modes:
         model = build(key)
-        split(model, mode)
+        if uneven:
+            split_uneven(model)
+        else:
+            split(model, mode)
         name = f"{key}/{mode}"
         # the reference: the split model's own greedy decode (a tensor split sums in another order)
         ref = greedy_reference(model, prompt, MAX_TOKENS)
         REFERENCES[name] = {"split": ref, "whole": whole_ref}
         draft = draft_for(model, taps)
-        if key in AFTER:
+        if key in AFTER and not uneven:
             AFTER_GENERATE[name] = after_generate(model, draft.target, prompt, taps, whole_features)
         if mode == "pipeline":
             TRANSPORTS[name] = transports(draft, prompt, whole_features)
         for width in WIDTHS:
-            if width == 4 and key not in UNCOUNTED:
+            if width == 4 and key not in UNCOUNTED and not uneven:
                 answer, COLLECTIVES[name] = counted_answer(model, draft, tok, prompt, block_size=width)
             else:
                 answer = run(model, draft, tok, prompt, block_size=width)
@@ -240,9 +258,9 @@ def cases(key: str, tok):
         scripted = ScriptedDraft(Target(model), prompt + ref, lambda c: wrong[c], block_size=8)
         for width in SCRIPTED_WIDTHS.get(key, ("auto",)):
             out[f"{name}/scripted/{width}"] = dict(run(model, scripted, tok, prompt, block_size=width), ref=ref)
-        if key in SAMPLED:
+        if key in SAMPLED and not uneven:
             out[f"{name}/sampled/4"] = run(model, draft, tok, prompt, block_size=4, temperature=1.0)
-        if key in UNRIDDEN:
+        if key in UNRIDDEN and not uneven:
             out[f"{name}/unridden/auto"] = dict(unridden(key, mode, tok, prompt, taps), ref=ref)
     return out
 

@@ -20,7 +20,7 @@ from dflash_mlx.engine.distributed import EVERY
 from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, split
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import EOS_ID, tiny_target
-from distributed_driver import MAX_TOKENS, WIDTHS, build
+from distributed_driver import MAX_TOKENS, UNEVEN, WIDTHS, build
 from ring_ports import free_port_pair
 
 # Every seed family, each under every parallelism mlx-lm gives it: dense qwen3 (tensor only),
@@ -28,9 +28,10 @@ from ring_ports import free_port_pair
 # (qwen3_5, both) and its MoE (qwen3_5_moe, both), sinks, windows and split experts (gpt-oss,
 # tensor only), MiniMax (tensor only), latent attention (Kimi K2.5, both), latent attention with a
 # sparse indexer and two caches a layer (GLM-MoE-DSA, both); Gemma 4, which mlx-lm cannot split,
-# is refused. One launch (the CLI and the server's cases included).
+# is refused; and Qwen3-Next split unevenly (rank 0 holds one full-attention layer alone). One
+# launch (the CLI and the server's cases included).
 ARCHS = ["qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma4", "gpt_oss", "minimax", "kimi_k25",
-         "glm_moe_dsa"]
+         "glm_moe_dsa", "qwen3_next" + UNEVEN]
 DRIVER = Path(__file__).with_name("distributed_driver.py")
 
 
@@ -97,6 +98,9 @@ def ranks(tmp_path_factory, worker_id):
 def _expected_splits():
     found = []
     for key in ARCHS:
+        if key.endswith(UNEVEN):  # one rank holds attention layers only
+            found.append(key[: -len(UNEVEN)] + "/pipeline-uneven")
+            continue
         tensor, pipeline = modes_of(build(key))
         found += [f"{key}/{m}" for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]
     return found
@@ -106,7 +110,7 @@ def test_every_parallelism_mlx_lm_gives_ran_without_errors(ranks):
     assert [r["errors"] for r in ranks] == [{}, {}]
     ran = sorted({k.rsplit("/", 2)[0] for k in ranks[0]["cases"]})
     assert ran == sorted(_expected_splits())
-    assert len(ran) == 14  # 9 families split, 5 of them both ways; gemma4 refused
+    assert len(ran) == 15  # 9 families split, 5 of them both ways, and an uneven pipeline; gemma4 refused
     assert "qwen3_next/pipeline" in ran and "qwen3_next/tensor" not in ran  # mlx-lm pipelines it only
     assert {"glm_moe_dsa/tensor", "glm_moe_dsa/pipeline"} <= set(ran)
     assert ranks[0]["cases"].keys() == ranks[1]["cases"].keys()
