@@ -29,7 +29,7 @@ if hasattr(os, "sched_setscheduler"):  # the launcher runs idle (test_distribute
 
 from dflash_mlx import stream_generate
 from dflash_mlx.models.draft.checkpoints import random_draft
-from dflash_mlx.models.sharded import ShardingError, modes_of, split
+from dflash_mlx.models.sharded import ShardingError, _pipeline_holder, modes_of, split
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.policy.sizer import sizer_for
 from dflash_mlx.testing import arch_check, archs
@@ -211,7 +211,7 @@ UNEVEN = ":uneven"
 
 
 def split_uneven(model):
-    holder = next(m for _, m in model.named_modules() if callable(getattr(m, "pipeline", None)))
+    holder = _pipeline_holder(model)  # where `split` finds the model's pipeline
     holder.pipeline(mx.distributed.init(), split=[1, len(holder.layers) - 1])
     mx.eval(model.parameters())
 

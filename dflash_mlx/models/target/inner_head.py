@@ -72,11 +72,8 @@ def candidates(text_model, embedding_name: str, head_names, vocab_size: int) -> 
 
 
 @contextmanager
-def passing_through(text_model, inner: Optional[InnerHead]):
-    """The text model's head step passes its input through for the duration (None: nothing)."""
-    if inner is None:
-        yield
-        return
+def passing_through(text_model, inner: InnerHead):
+    """The text model's head step passes its input through for the duration."""
     with swaps() as put:
         put(text_model, inner.name, inner.stand_in())
         yield
