@@ -299,7 +299,22 @@ def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
         cycle.before_reading = queued_before
     best["cycles"] = {w: dict(cycle_ms=ms, speedup=round(best["mlx_lm_step_ms"] * w / ms, 2))
                       for w, ms in oracle_cycles(model, tok, prompt, ref, widths, tokens, reps).items()}
+    best["ceiling"] = compute_ceiling(model, widths, len(prompt), tokens)
+    for w, c in best["cycles"].items():
+        c["efficiency"] = round(c["speedup"] / best["ceiling"]["ideal"][w], 3)
     return best
+
+
+def compute_ceiling(model, widths, prompt_len: int, tokens: int, points: int = 4, reps: int = 9) -> Dict:
+    """What the forwards alone allow: t(k), the target's forward of k tokens, averaged over the
+    contexts a decode of `tokens` passes through, and the ideal speed of width w against plain
+    steps, w * t(1) / t(w). "Compute is nil" holds only where t(w) = t(1); on MLX's CPU backend the
+    attention's softmax (a scalar exp, ~15 ns an element) makes a 16-row verify cost more."""
+    contexts = [prompt_len + int(tokens * (i + 0.5) / points) for i in range(points)]
+    costs = verify_costs(model, contexts=contexts, widths=sorted(set(widths) | {1}), reps=reps)
+    mean = {w: float(np.mean([costs[c][w] for c in contexts])) for w in widths}
+    return dict(contexts=contexts, verify_ms={w: round(t, 4) for w, t in mean.items()},
+                ideal={w: round(w * mean[1] / mean[w], 2) for w in widths})
 
 
 def oracle_cycles(model, tok, prompt, ref, widths, tokens: int, reps: int) -> Dict[int, float]:

@@ -64,11 +64,14 @@ def write_report(results: dict, out: Path):
                   f"{h['engine_plain_step_ms']:.3f} ms"
                   + (f" ({h['engine_plain_step_read_first_ms']:.3f} ms with each step queued only after the last "
                      "is read)" if "engine_plain_step_read_first_ms" in h else "") + ".", "",
-                  "| width | ms a cycle | speed vs mlx-lm plain |",
-                  "|---:|---:|---:|"]
+                  "| width | ms a cycle | speed vs mlx-lm plain | ideal from the forwards' cost | efficiency |",
+                  "|---:|---:|---:|---:|---:|"]
+        ceiling = h.get("ceiling", {}).get("ideal", {})
         for w, c in h["cycles"].items():
-            lines.append(f"| {w} | {c['cycle_ms']:.3f} | {c['speedup']} |")
-        lines.append("")
+            lines.append(f"| {w} | {c['cycle_ms']:.3f} | {c['speedup']} | {ceiling.get(w, '')} | "
+                         f"{c.get('efficiency', '')} |")
+        lines += ["", "Ideal: w * t(1) / t(w), t(k) the target's own forward of k tokens averaged over the "
+                  "decode's contexts (`parts.compute_ceiling`).", ""]
     for name, res in p.items():
         if isinstance(res, dict) and ("error" in res or "skipped" in res):
             lines.append(f"- {name}: {res.get('error') or res.get('skipped')}")
@@ -107,7 +110,10 @@ def _plots(p, out: Path):
         fig, ax = plt.subplots(figsize=(5, 3.5))
         ws = list(host["cycles"])
         ax.plot([int(w) for w in ws], [host["cycles"][w]["speedup"] for w in ws], marker="o", label="measured")
-        ax.plot([int(w) for w in ws], [int(w) for w in ws], ls="--", label="ideal")
+        ax.plot([int(w) for w in ws], [int(w) for w in ws], ls="--", label="width")
+        if "ceiling" in host:
+            ax.plot([int(w) for w in ws], [host["ceiling"]["ideal"][w] for w in ws], ls=":",
+                    label="ideal from the forwards' cost")
         ax.set(xlabel="width (every block accepted)", ylabel="speed vs mlx-lm plain", title="engine overhead")
         ax.legend()
         ax.grid(alpha=0.3)
