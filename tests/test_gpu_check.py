@@ -27,7 +27,9 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     for label, shape in parts["shapes"].items():
         assert shape["verify_ms"] and all(r["measured_tau"] >= 0.75 * r["tau"] for r in shape["speedups"]), label
     assert parts["host"]["cycles"] and parts["host"]["engine_plain_step_read_first_ms"] > 0
+    ceiling = parts["host"]["ceiling"]  # the forwards' own cost (json keys are strings)
+    assert ceiling["ideal"]["1"] == 1.0 and all(c["efficiency"] > 0 for c in parts["host"]["cycles"].values())
     readme = (tmp_path / "README.md").read_text()
     assert "(a) Divergence" in readme and "(d) Host time" in readme and "cpu backend" in readme.lower()
-    assert "queued only after the last is read" in readme
+    assert "queued only after the last is read" in readme and "ideal from the forwards' cost" in readme
     assert (tmp_path / "shapes.png").exists() and (tmp_path / "host.png").exists()
