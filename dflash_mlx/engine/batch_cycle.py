@@ -29,7 +29,7 @@ from dflash_mlx.engine.responses import Step
 from dflash_mlx.engine.rows import Row
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
-from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal
+from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, settle
 from dflash_mlx.speculation.copies import CopyMatch
 
 
@@ -76,13 +76,13 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
         logits = target.logits(h)  # [B, width, V]
         acceptors = [r.acceptor for r in rows]
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)
-        unsure = [u for u in (a.take_unsure() for a in acceptors) if u is not None]
-    mx.eval(verify_in, accept_len, committed, *unsure)  # the cycle's host sync
-    if unsure and any(u.item() for u in unsure):  # raw argmaxes that may not be exact (rare): the exact way
+        unsure = [a.take_unsure() for a in acceptors]
+
+    def exact_again():
         with mx.stream(generation_stream):
-            accept_len, committed = _accept([a.exact() for a in acceptors], proposals, verify_in, logits, width,
-                                            draft)
-        mx.eval(accept_len, committed)
+            return _accept([a.exact() for a in acceptors], proposals, verify_in, logits, width, draft)
+
+    accept_len, committed = settle(accept_len, committed, unsure, exact_again, verify_in)  # the host sync
     seconds = time.perf_counter() - t0  # (a split target's ranks learn rank 0's: engine.distributed)
     fed, accepts, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,

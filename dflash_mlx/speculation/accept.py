@@ -311,6 +311,18 @@ def accept_in_pieces(acceptor, proposal: Optional[Proposal], row_logits: Callabl
     return accept_length, committed
 
 
+def settle(accept_length: mx.array, committed: mx.array, unsure, exact_again: Callable[[], tuple], *also):
+    """The cycle's host sync: `accept_length` and `committed` evaluated (with `also`), and where a
+    `take_unsure` flag of theirs is set (raw argmaxes that may differ from the exact ones, rare),
+    `exact_again()`'s acceptance instead. `unsure`: the flags taken, None where none was."""
+    flags = [u for u in unsure if u is not None]
+    mx.eval(accept_length, committed, *also, *flags)
+    if any(u.item() for u in flags):
+        accept_length, committed = exact_again()
+        mx.eval(accept_length, committed)
+    return accept_length, committed
+
+
 # Below these, sampling is greedy in the limit, and float32 cannot scale logits by 1/T
 # (inf, then NaN) nor hold the top-p mass (0): they are greedy.
 GREEDY_BELOW_TEMPERATURE = 1e-5
