@@ -107,10 +107,10 @@ def main(argv=None):
     if args.rank:
         return rank_main(out, families)
     os.makedirs(out, exist_ok=True)
-    from dflash_mlx.testing.ports import free_port_pair
+    from dflash_mlx.testing.ports import free_starting_port
 
     launcher = os.path.join(os.path.dirname(sys.executable), "mlx.launch")
-    port = free_port_pair(ranks=args.ranks)
+    port = free_starting_port(ranks=args.ranks)
     if port is None:
         raise SystemExit(f"no {args.ranks} free consecutive ports on localhost")
     start = time.perf_counter()

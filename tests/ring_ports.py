@@ -5,9 +5,9 @@ import pytest
 from dflash_mlx.testing import ports
 
 
-def free_port_pair() -> int:
+def free_starting_port() -> int:
     """A port P with P and P+1 free (rank r listens on P+r), or the test is skipped."""
-    port = ports.free_port_pair()
+    port = ports.free_starting_port()
     if port is None:
         pytest.skip("no two free consecutive ports")
     return port

@@ -21,7 +21,7 @@ from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, spli
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import EOS_ID, tiny_target
 from distributed_driver import MAX_TOKENS, UNEVEN, WIDTHS, build
-from ring_ports import free_port_pair
+from ring_ports import free_starting_port
 
 # Every seed family, each under every parallelism mlx-lm gives it: dense qwen3 (tensor only),
 # qwen3_moe (both), the Qwen3-Next hybrid (pipeline only), Gated DeltaNet + a vocabulary-split head
@@ -63,7 +63,7 @@ def _launch(out: Path):
 
     model = write_tiny_gguf(out / "tiny.gguf", "llama")
     save_draft(random_draft(model, num_layers=1, block_size=4), out / "draft")
-    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_port_pair()),
+    cmd = [launcher, "-n", "2", "--backend", "ring", "--starting-port", str(free_starting_port()),
            "--python", sys.executable, str(DRIVER), str(out), *ARCHS]
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", DRIVER_CLI=f"{out / 'tiny.gguf'} {out / 'draft'}",
                XDG_CACHE_HOME=str(out / "cache"))

@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from dflash_mlx.models import peers
-from ring_ports import free_port_pair
+from ring_ports import free_starting_port
 
 DRIVER = Path(__file__).with_name("peers_driver.py")
 GRACE = 1.0
@@ -24,7 +24,7 @@ GRACE = 1.0
 def _start(case: str, tmp_path: Path):
     if not mx.distributed.is_available("ring"):
         pytest.skip("MLX's ring backend is not available")
-    port = free_port_pair()
+    port = free_starting_port()
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     env = dict(os.environ, MLX_HOSTFILE=str(hosts), OPENBLAS_NUM_THREADS="1")

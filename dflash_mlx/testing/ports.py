@@ -4,7 +4,7 @@ import socket
 from typing import Optional
 
 
-def free_port_pair(tries: int = 50, ranks: int = 2) -> Optional[int]:
+def free_starting_port(tries: int = 50, ranks: int = 2) -> Optional[int]:
     """A port P with P .. P+ranks-1 free (rank r listens on P+r, as mlx.launch's --starting-port
     gives), or None when `tries` picks found none."""
     for _ in range(tries):
