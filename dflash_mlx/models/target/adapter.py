@@ -144,9 +144,14 @@ class Target:
     def _head_inside(self, model, text_model, text_parent, refusal: Exception) -> TargetHead:
         """The `TargetHead` of a text model that applies its LM head itself (GPT-NeoX, Lille): the
         head step it passes through in forwards, found by the logits it gives; else its refusal."""
+        heads = {}  # one TargetHead a candidate: the one that matches is kept
+
         def head_of(inner):
-            return TargetHead(model, text_model, text_parent, self.embed_tokens, None if inner.tied else inner.module,
-                              self.arch, self.hidden_size, inner=True)
+            if inner.name not in heads:
+                heads[inner.name] = TargetHead(model, text_model, text_parent, self.embed_tokens,
+                                               None if inner.tied else inner.module, self.arch, self.hidden_size,
+                                               inner=True)
+            return heads[inner.name]
 
         found = inner_head.candidates(text_model, self._embedding_name, HEAD_NAMES, self.vocab_size)
         inner = inner_head.find(model, text_model, found, self.hidden_size, self.vocab_size,
