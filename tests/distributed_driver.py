@@ -90,7 +90,9 @@ SCRIPTED_WIDTHS = {"qwen3_5": ("draft", "auto")}
 SAMPLED = ("qwen3_5", "kimi_k25", "glm_moe_dsa", "gpt_oss")
 # Families whose collectives are not all counted: MiniMax's split q/k norm sums inside an mx.compile'd
 # function, which builds its all_sum only when it traces a new shape (Collectives sees those calls only).
-UNCOUNTED = ("minimax",)
+# Kimi K3's rollback re-runs its delta-attention mixers, whose output projection sums over a tensor
+# split's ranks: a cycle's sums vary with its rejected tokens.
+UNCOUNTED = ("minimax", "kimi_k3")
 
 
 class Collectives:
@@ -201,6 +203,7 @@ def transports(draft, prompt, whole_features) -> dict:
         expected = whole_features if fuse is None else draft.fc(whole_features)
         out[name] = {"diff": mx.abs(features - expected).max().item(), "bytes": sent.sent,
                      "shape": list(features.shape)}
+    out["taps_count"], out["carried"] = len(ids), target._carries  # (else the taps go in an all_sum)
     return out
 
 

@@ -46,3 +46,52 @@ def test_on_every_rank_is_the_local_answer_in_one_process():
     assert sharding.on_every_rank(None, [True, False]) == [True, False]
     assert sharding.agreed_reason(None, "why", "elsewhere") == "why"
     assert sharding.agreed_reason(None, None, "elsewhere") is None
+
+
+def split_built(monkeypatch, key: str, other_rank):
+    """`key`'s tiny model, its Target built as rank 0 of a two-rank tensor split, so the probe of
+    `check_forward` runs as a split's: the other rank's flags for each all_sum in turn are
+    `other_rank`'s entries (None, or past its end: the same as this rank's)."""
+    from dflash_mlx.models.target import adapter
+    from dflash_mlx.testing import arch_check
+
+    answers = iter(other_rank)
+
+    def all_sum(x, group=None, stream=None):
+        other = next(answers, None)
+        return x + (x if other is None else mx.array(other, dtype=x.dtype))
+
+    model = arch_check.build(key)
+    monkeypatch.setattr(sharding.mx.distributed, "all_sum", all_sum)
+    monkeypatch.setattr(sharding.mx.distributed, "all_gather",
+                        lambda x, group=None, stream=None: mx.concatenate([x, x]))
+    monkeypatch.setattr(sharding.Sharding, "size", property(lambda self: 2))
+    monkeypatch.setattr(adapter, "sharding_of", lambda *a: sharding.Sharding("tensor", mx.distributed.init()))
+    return Target(model)
+
+
+def test_a_split_target_is_probed_and_refused_as_a_whole_one_is():
+    """IQuest-Loop-Coder runs its layers' parts itself; split, it used to go unprobed and fail mid-decode."""
+    from dflash_mlx.models.target.rollback import UnsupportedTargetError
+
+    with pytest.MonkeyPatch.context() as monkeypatch, pytest.raises(UnsupportedTargetError, match="never called whole"):
+        split_built(monkeypatch, "iquestloopcoder", [])
+
+
+def test_a_split_kimi_k3_replays_its_mixers(monkeypatch):
+    """Its layers pass each other their block residuals, which a replay cannot cut: a split one, too,
+    must re-run its delta-attention mixers on a rollback (it replayed whole layers, and raised)."""
+    assert split_built(monkeypatch, "kimi_k3", []).replay_mixers
+
+
+def test_mixers_another_rank_replays_are_probed_here_too(monkeypatch):
+    """A rank whose own layers need no mixer replay runs the same probe forwards as the rank whose
+    layers do (the all_sums: the target's flags, the mixers, then the two agreed reasons)."""
+    from dflash_mlx.models.target import probe
+
+    steps = []
+    for name in ("_reason", "_mixers_replay"):
+        step = getattr(probe, name)
+        monkeypatch.setattr(probe, name, lambda target, step=step, name=name: steps.append(name) or step(target))
+    target = split_built(monkeypatch, "qwen3", [None, [0]])
+    assert target.replay_mixers and steps == ["_reason", "_reason", "_mixers_replay"]

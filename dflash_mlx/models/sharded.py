@@ -65,6 +65,18 @@ def _pipeline_holder(model):
     return model.language_model.model if "language_model" in model and "model" not in model else model.model
 
 
+def _every_rank_holds_a_layer(model, group) -> None:
+    """Refuses a pipeline split that would leave a rank without a decoder layer. mlx-lm's own
+    split (`PipelineMixin`) refuses it; the models that split themselves (Kimi K3) let it through,
+    and then a prompt's hop to the empty rank is never read there (its caches hold nothing to
+    evaluate), so every later message between the ranks is read out of step."""
+    layers = len(_pipeline_holder(model).layers)
+    if layers < group.size():
+        raise ShardingError(f"mlx-lm cannot split this model pipeline parallel over {group.size()} processes: "
+                            f"a process would hold none of its {layers} decoder layer{'s' * (layers != 1)}; "
+                            "use fewer processes or --distributed tensor")
+
+
 def split(model, mode: str = "auto", group=None) -> str:
     """Split the in-memory `model` over `group` (default: every launched process) in place;
     returns the parallelism used. Refuses a group of one process (nothing to split)."""
@@ -72,6 +84,8 @@ def split(model, mode: str = "auto", group=None) -> str:
 
     group = _launched(group)
     mode = choose_mode(model, mode)
+    if mode == "pipeline":
+        _every_rank_holds_a_layer(model, group)
     try:
         if mode == "tensor":
             model.shard(group)
@@ -93,6 +107,8 @@ def load_split(path: Path, mode: str = "auto", group=None, source: Optional[str]
     group = _launched(group)
     model, _ = load_model(path, lazy=True, strict=False)
     mode = choose_mode(model, mode)
+    if mode == "pipeline":
+        _every_rank_holds_a_layer(model, group)
     del model
     model, tokenizer = sharded_load(source or str(path), pipeline_group=group if mode == "pipeline" else None,
                                     tensor_group=group if mode == "tensor" else None)

@@ -23,17 +23,20 @@ several tokens sees one key more than a one-token step does, so mlx-lm's own gre
 depends on how its prompt is chunked, and no verify of several tokens can equal its steps.
 Up to the window both see every key.
 
-Checked once per model; a model split over processes is not probed (every rank would have
-to run the forward together).
+Checked once per model. A model split over processes is probed on every rank together: each
+forward is a collective, so every rank runs each one, and what a rank finds from the layers it
+holds is agreed before the next step (`sharding.on_every_rank`): one rank's layers that need
+their mixers replayed turn that on everywhere, one rank's refusal refuses everywhere.
 """
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache
 
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError, VerifyRecord, recorded_apart, sub_caches
+from dflash_mlx.models.target.sharding import agreed_reason, on_every_rank, smallest_on_any_rank, split_stream
 from dflash_mlx.models.target.taps import taps
 
 _CHECKED = IdentityMap()
@@ -43,14 +46,9 @@ def check_forward(target) -> None:
     """Raises `UnsupportedTargetError` naming why, when `target` cannot run exactly; sets
     `target.replay_mixers` where a rollback must re-run the modules the layers hand their
     recurrent state to (their own calls take something a replay cannot cut)."""
-    if getattr(target, "sharding", None) is not None:
-        return
     known = _CHECKED.get((target.model,))
     if known is None:
-        reason = _reason(target)
-        if reason is None and target.replay_mixers:
-            reason = _mixers_replay(target)
-        known = (reason, target.replay_mixers, mask_wider_than_cache(target) if reason is None else None)
+        known = _probe(target) if target.sharding is None else _probe_split(target)
         _CHECKED.put((target.model,), known)
     reason, target.replay_mixers, window = known
     if reason is not None:
@@ -61,6 +59,37 @@ def check_forward(target) -> None:
             f"{target.arch}: its sliding-window masks reach past its caches' window of {window} tokens, so past "
             f"{window} tokens mlx-lm's own greedy decode depends on how many tokens each forward takes; DFlash "
             f"takes prompts of up to {window} tokens and decodes past it one token a cycle, as mlx-lm does")
+
+
+def _probe(target):
+    """(reason, replay_mixers, window) of a target whole in this process."""
+    reason, mixers = _reason(target)
+    if mixers:  # the layers' calls cannot be replayed: their mixers' may
+        target.replay_mixers = True
+        reason, _ = _reason(target)
+        if reason is None:
+            reason = _mixers_replay(target)
+    return reason, target.replay_mixers, mask_wider_than_cache(target) if reason is None else None
+
+
+ELSEWHERE = "another process's layers of this split model cannot run exactly (its rank names why)"
+
+
+def _probe_split(target):
+    """`_probe` on every rank of a split together: the same forwards in the same order, each
+    step's outcome agreed before the next."""
+    sharding = target.sharding
+    with split_stream(True):
+        reason, mixers = _reason(target)
+        mixers = not on_every_rank(sharding, [not mixers])[0]
+        if mixers:
+            target.replay_mixers = True
+            reason, _ = _reason(target)
+        reason = agreed_reason(sharding, reason, ELSEWHERE)
+        if reason is None and mixers:
+            reason = agreed_reason(sharding, _mixers_replay(target), ELSEWHERE)
+        window = smallest_on_any_rank(sharding, mask_wider_than_cache(target)) if reason is None else None
+    return reason, target.replay_mixers, window
 
 
 class _MaskWindows(StandIn):
@@ -81,8 +110,8 @@ def mask_wider_than_cache(target) -> Optional[int]:
     """The smallest window of a `RotatingKVCache` the model asks a wider mask of (two tokens,
     fresh caches), else None."""
     wider, cache = [], target.make_cache()
-    if not any(type(c) is RotatingKVCache for c in cache):
-        return None
+    if not any(type(c) is RotatingKVCache for c in cache) and target.sharding is None:
+        return None  # (a split's ranks run the forward together, whatever layers they hold)
     cache = [_MaskWindows(c, wider) if type(c) is RotatingKVCache else c for c in cache]
     try:
         mx.eval(target.text_model(mx.array([[1 % target.vocab_size, 2 % target.vocab_size]]), cache=cache))
@@ -106,7 +135,9 @@ def _forward(target, tokens, cache, features=None, record=None):
     return h
 
 
-def _reason(target) -> Optional[str]:
+def _reason(target) -> Tuple[Optional[str], bool]:
+    """(why `target` cannot run exactly or None, whether its recurrent layers' calls take an
+    argument a replay cannot cut while `replay_mixers` is off: their mixers may be replayed)."""
     layers = target.layers
     features = [None] * len(layers)
     record = VerifyRecord() if target.recurrent else None
@@ -116,17 +147,18 @@ def _reason(target) -> Optional[str]:
     except Exception as e:  # the model's own code, handed what a text-only verify gives it
         return (f"its text model does not run on token ids and caches alone ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}); DFlash runs it without the arguments "
-                "its Model makes for it")
-    missing = [i for i, f in enumerate(features) if f is None]
+                "its Model makes for it"), False
+    held = [i for i, layer in enumerate(layers) if layer is not None]  # (a pipeline rank's own)
+    missing = [i for i in held if features[i] is None]
     if missing:
-        return (f"decoder layer {missing[0]} of {len(layers)} is never called whole (the model runs the "
-                "layers' parts itself), so DFlash cannot tap the layers' outputs")
-    odd = next((i for i, f in enumerate(features) if f.shape != (1, 2, target.hidden_size)), None)
+        return (f"decoder layer {missing[0] + target.layer_offset} of {target.num_layers} is never called whole "
+                "(the model runs the layers' parts itself), so DFlash cannot tap the layers' outputs"), False
+    odd = next((i for i in held if features[i].shape != (1, 2, target.hidden_size)), None)
     if odd is not None:
-        return (f"decoder layer {odd}'s output has shape {tuple(features[odd].shape)}, not one hidden "
-                f"state per token (1, 2, {target.hidden_size}), so it cannot feed a draft")
+        return (f"decoder layer {odd + target.layer_offset}'s output has shape {tuple(features[odd].shape)}, not "
+                f"one hidden state per token (1, 2, {target.hidden_size}), so it cannot feed a draft"), False
     if record is None:
-        return None
+        return None, False
     for i, (c, kind) in enumerate(zip(cache, target.rollback_kinds())):
         if kind != "replay":
             continue
@@ -134,17 +166,16 @@ def _reason(target) -> Optional[str]:
         entry = record.replay.get(id(c))
         if entry is None and not recorded_apart(c, record):
             return (f"cache {i} ({name}) holds recurrent state that no decoder layer is handed (e.g. an "
-                    "embedding's own cache), so a partial accept cannot re-run what fed it")
+                    "embedding's own cache), so a partial accept cannot re-run what fed it"), False
         entries = [entry] if entry is not None else [record.replay[id(s)] for s in sub_caches(c)
                                                      if id(s) in record.replay]
         odd = next((v for e in entries for v in list(e.args) + list(e.kwargs.values()) if not _cuttable(v)), None)
         if odd is not None:
             if target.replay_mixers or isinstance(c, CacheList):
                 return (f"cache {i} ({name}) holds recurrent state whose layer also takes a "
-                        f"{type(odd).__name__} that a replay cannot cut to the accepted tokens")
-            target.replay_mixers = True  # the layer's call cannot be replayed: its mixer's may
-            return _reason(target)
-    return None
+                        f"{type(odd).__name__} that a replay cannot cut to the accepted tokens"), False
+            return None, True
+    return None, False
 
 
 def _mixers_replay(target) -> Optional[str]:

@@ -112,6 +112,17 @@ def agreed_reason(sharding: Optional["Sharding"], reason: Optional[str], elsewhe
     return reason or elsewhere
 
 
+def smallest_on_any_rank(sharding: Optional["Sharding"], value: Optional[int]) -> Optional[int]:
+    """The smallest of the ranks' positive `value`s (None where no rank has one): a limit one
+    rank's layers set holds for every rank."""
+    if sharding is None:
+        return value
+    settle()
+    local = mx.array([int(value or 0)], dtype=mx.int32)
+    values = [v for v in mx.distributed.all_gather(local, group=sharding.group, stream=mx.cpu).tolist() if v > 0]
+    return min(values) if values else None
+
+
 def _tensor_group(model) -> Optional[object]:
     """The group of the first module `Model.shard` left a group on, or None."""
     for _, module in model.named_modules():
