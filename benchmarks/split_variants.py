@@ -2,8 +2,9 @@
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/split_variants.py [--families gpt_oss,kimi_k25] [--ranks 3] [--out DIR]
 
-For each seed family that mlx-lm splits, every config variant `dflash_mlx.testing.variants` gives it
-(one option, and the options together: `combined_variants.combined`) is built, split over two ranks
+For each seed family that mlx-lm splits (or `--families`, any architecture), its own tiny config and
+every config variant `dflash_mlx.testing.variants` gives it (one option, and the options together:
+`combined_variants.combined`) is built, split over two ranks
 (`mlx.launch -n 2 --backend ring` on this machine) under each parallelism mlx-lm gives it, and
 decoded by DFlash at widths 1 and 16 (a random draft tapping layers on every rank) and 4 and `auto`
 (a scripted draft right for a random number of tokens each cycle, every rollback length, tapping
@@ -76,7 +77,8 @@ def rank_main(out_dir: str, families):
 
     rank = mx.distributed.init().rank()
     cases = {}
-    for v in variants.all_variants(families) + combined_variants.all_combined(families):
+    bases = [variants.Variant(f, "base", {}) for f in families]  # each family's own tiny config too
+    for v in bases + variants.all_variants(families) + combined_variants.all_combined(families):
         model, over, error = variant_check._built(v, 0)
         if model is None:
             continue
