@@ -72,9 +72,9 @@ def _every_rank_holds_a_layer(model, group) -> None:
     evaluate), so every later message between the ranks is read out of step."""
     layers = len(_pipeline_holder(model).layers)
     if layers < group.size():
-        raise ShardingError(f"mlx-lm cannot split this model pipeline parallel over {group.size()} processes: "
-                            f"a process would hold none of its {layers} decoder layer{'s' * (layers != 1)}; "
-                            "use fewer processes or --distributed tensor")
+        raise ShardingError(f"no pipeline split over {group.size()} processes: a process would hold none of its "
+                            f"{layers} decoder layer{'s' * (layers != 1)} (mlx-lm's own decode of that split reads "
+                            "the ranks' messages out of step); use fewer processes or --distributed tensor")
 
 
 def split(model, mode: str = "auto", group=None) -> str:
