@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_mlx.engine.timing import NoTimer
-from dflash_mlx.speculation.accept import Proposal, accept_in_pieces, settle
+from dflash_mlx.speculation.accept import Proposal, accept_in_pieces, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
 
@@ -164,8 +164,8 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
 def land(launched: Launched):
     """The cycle's host sync: its accept length, tokens and inputs evaluated, and, where the
     acceptance took raw argmaxes that may differ from the exact ones (rare), the exact acceptance."""
-    launched.accept_len, launched.committed = settle(launched.accept_len, launched.committed, [launched.unsure],
-                                                     launched.redo, launched.verify_in)
+    launched.accept_len, launched.committed = synced_acceptance(
+        launched.accept_len, launched.committed, [launched.unsure], launched.redo, launched.verify_in)
 
 
 def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:

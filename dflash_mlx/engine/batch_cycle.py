@@ -29,7 +29,7 @@ from dflash_mlx.engine.responses import Step
 from dflash_mlx.engine.rows import Row
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
-from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, settle
+from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
 
@@ -82,7 +82,7 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
         with mx.stream(generation_stream):
             return _accept([a.exact() for a in acceptors], proposals, verify_in, logits, width, draft)
 
-    accept_len, committed = settle(accept_len, committed, unsure, exact_again, verify_in)  # the host sync
+    accept_len, committed = synced_acceptance(accept_len, committed, unsure, exact_again, verify_in)  # host sync
     seconds = time.perf_counter() - t0  # (a split target's ranks learn rank 0's: engine.distributed)
     fed, accepts, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,

@@ -311,7 +311,8 @@ def accept_in_pieces(acceptor, proposal: Optional[Proposal], row_logits: Callabl
     return accept_length, committed
 
 
-def settle(accept_length: mx.array, committed: mx.array, unsure, exact_again: Callable[[], tuple], *also):
+def synced_acceptance(accept_length: mx.array, committed: mx.array, unsure, exact_again: Callable[[], tuple],
+                      *also):
     """The cycle's host sync: `accept_length` and `committed` evaluated (with `also`), and where a
     `take_unsure` flag of theirs is set (raw argmaxes that may differ from the exact ones, rare),
     `exact_again()`'s acceptance instead. `unsure`: the flags taken, None where none was."""
