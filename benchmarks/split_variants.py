@@ -139,10 +139,11 @@ def main(argv=None):
                    "elapsed_s": round(elapsed, 1), "ranks": ranks}, f, indent=1)
     from dflash_mlx.cli.doctor import machine_line
 
-    lines = [f"# Seed families' config variants on {args.ranks} ranks: {checked - len(bad)} of {checked} exact"
+    lines = [f"# Config variants on {args.ranks} ranks: {checked - len(bad)} of {checked} exact"
              + (f" ({len(not_run)} more that mlx-lm's own split model does not run)" if not_run else ""),
              "", f"Command: `{' '.join(sys.argv)}`; {elapsed / 60:.1f} min. Machine: {machine_line()}.", "",
-             f"Each case: a variant of a seed family (`dflash_mlx.testing.variants`, single options and `combined`), "
+             f"Each case: a family's own tiny config or a variant of it (`dflash_mlx.testing.variants`, single options "
+             f"and `combined`), "
              f"split over {args.ranks} ranks (`mlx.launch --backend ring`), DFlash at widths "
              f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode ({PROMPT_LEN}-token prompt, "
              f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Every rank must agree.", "",
