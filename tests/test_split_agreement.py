@@ -15,57 +15,74 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import tiny_target
 
 
-def split_target(monkeypatch, other_rank_agrees: bool):
-    """A tiny attention-only target (trees and batches supported alone) as rank 0 of two, where
-    the other rank's flags are `other_rank_agrees` (the all_sum adds them)."""
-    model, _ = tiny_target("qwen3")
-    target = Target(model)
-    target.sharding = sharding.Sharding("pipeline", mx.distributed.init())
-    monkeypatch.setattr(sharding.Sharding, "size", property(lambda self: 2))
-    monkeypatch.setattr(sharding.mx.distributed, "all_sum",
-                        lambda x, group=None, stream=None: x + (x if other_rank_agrees else 0 * x))
-    return target
-
-
-@pytest.mark.parametrize("check", [tree_attention._check, batch_caches._check])
-def test_a_rank_refused_elsewhere_refuses_too_and_runs_no_probe_forward(monkeypatch, check):
-    target = split_target(monkeypatch, other_rank_agrees=False)
-    forwards = []
-    monkeypatch.setattr(target, "forward", lambda *a, **k: forwards.append(a))
-    reason = check(target)
-    assert reason is not None and "another process" in reason and "\n" not in reason
-    assert forwards == []  # alone, its probe's collectives would meet the other rank's next forward
-
-
-@pytest.mark.parametrize("check", [tree_attention._check, batch_caches._check])
-def test_ranks_that_all_agree_run_the_probe(monkeypatch, check):
-    assert check(split_target(monkeypatch, other_rank_agrees=True)) is None
-
-
-def test_on_every_rank_is_the_local_answer_in_one_process():
-    assert sharding.on_every_rank(None, [True, False]) == [True, False]
-    assert sharding.agreed_reason(None, "why", "elsewhere") == "why"
-    assert sharding.agreed_reason(None, None, "elsewhere") is None
-
-
-def split_built(monkeypatch, key: str, other_rank):
-    """`key`'s tiny model, its Target built as rank 0 of a two-rank tensor split, so the probe of
-    `check_forward` runs as a split's: the other rank's flags for each all_sum in turn are
-    `other_rank`'s entries (None, or past its end: the same as this rank's)."""
-    from dflash_mlx.models.target import adapter
-    from dflash_mlx.testing import arch_check
-
-    answers = iter(other_rank)
+def other_rank(monkeypatch, contributions):
+    """Rank 0 of two in this process: the all_sum adds the other rank's part, `contributions`' entries
+    in turn (None, or past its end: the same as this rank's, as where it holds the same layers)."""
+    answers = iter(contributions)
 
     def all_sum(x, group=None, stream=None):
         other = next(answers, None)
         return x + (x if other is None else mx.array(other, dtype=x.dtype))
 
-    model = arch_check.build(key)
     monkeypatch.setattr(sharding.mx.distributed, "all_sum", all_sum)
     monkeypatch.setattr(sharding.mx.distributed, "all_gather",
                         lambda x, group=None, stream=None: mx.concatenate([x, x]))
     monkeypatch.setattr(sharding.Sharding, "size", property(lambda self: 2))
+
+
+def found_there(line: str) -> list:
+    """The other rank's parts of one `agreed_reason` where it found `line` (and this rank none)."""
+    return [[0, len(line.encode()) + 1], list(line.encode())]
+
+
+def split_target(monkeypatch, contributions):
+    """A tiny attention-only target (trees and batches supported alone) as rank 0 of two."""
+    model, _ = tiny_target("qwen3")
+    target = Target(model)
+    target.sharding = sharding.Sharding("pipeline", mx.distributed.init())
+    other_rank(monkeypatch, contributions)
+    return target
+
+
+@pytest.mark.parametrize("check", [tree_attention._check, batch_caches._check])
+def test_a_rank_refused_elsewhere_refuses_too_with_its_line_and_runs_no_probe_forward(monkeypatch, check):
+    target = split_target(monkeypatch, found_there("layer 3's cache cannot take it"))
+    forwards = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: forwards.append(a))
+    assert check(target) == "layer 3's cache cannot take it (found by process 1 of the split)"
+    assert forwards == []  # alone, its probe's collectives would meet the other rank's next forward
+
+
+@pytest.mark.parametrize("check", [tree_attention._check, batch_caches._check])
+def test_ranks_that_all_agree_run_the_probe(monkeypatch, check):
+    assert check(split_target(monkeypatch, [])) is None
+
+
+def test_a_rank_keeps_its_own_line_and_sends_it(monkeypatch):
+    """Rank 0 found one (the other none): its own line; the bytes it sends are its line's."""
+    sent = []
+    other_rank(monkeypatch, [[0, 0], [0] * 4])
+    summed = sharding.mx.distributed.all_sum
+    monkeypatch.setattr(sharding.mx.distributed, "all_sum", lambda x, **k: sent.append(x.tolist()) or summed(x, **k))
+    split = sharding.Sharding("tensor", mx.distributed.init())
+    assert sharding.agreed_reason(split, "mine") == "mine"
+    assert sent == [[5, 0], list(b"mine")]
+
+
+def test_on_every_rank_is_the_local_answer_in_one_process():
+    assert sharding.on_every_rank(None, [True, False]) == [True, False]
+    assert sharding.agreed_reason(None, "why") == "why"
+    assert sharding.agreed_reason(None, None) is None
+
+
+def split_built(monkeypatch, key: str, contributions):
+    """`key`'s tiny model, its Target built as rank 0 of a two-rank tensor split, so the probe of
+    `check_forward` runs as a split's (the other rank's parts: `other_rank`)."""
+    from dflash_mlx.models.target import adapter
+    from dflash_mlx.testing import arch_check
+
+    model = arch_check.build(key)
+    other_rank(monkeypatch, contributions)
     monkeypatch.setattr(adapter, "sharding_of", lambda *a: sharding.Sharding("tensor", mx.distributed.init()))
     return Target(model)
 
@@ -75,7 +92,7 @@ def test_a_split_target_is_probed_and_refused_as_a_whole_one_is():
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
 
     with pytest.MonkeyPatch.context() as monkeypatch, pytest.raises(UnsupportedTargetError, match="never called whole"):
-        split_built(monkeypatch, "iquestloopcoder", [])
+        split_built(monkeypatch, "iquestloopcoder", [None, None, [0, 0], 0])  # it alone found it
 
 
 def test_a_split_kimi_k3_replays_its_mixers(monkeypatch):

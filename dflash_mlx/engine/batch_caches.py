@@ -88,13 +88,12 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     each step's answer is the same on every rank, and the probe forwards (collectives) run only
     where every rank runs them."""
     sharding = target.sharding
-    elsewhere = "another process's layers of this split model cannot be batched"
-    reason = agreed_reason(sharding, _caches_reason(target), elsewhere)
+    reason = agreed_reason(sharding, _caches_reason(target))
     listed = _listed(target)
     if reason is None and not on_every_rank(sharding, [not listed])[0]:
-        reason = agreed_reason(sharding, _recorded_apart_reason(target, listed), elsewhere)
+        reason = agreed_reason(sharding, _recorded_apart_reason(target, listed))
     if reason is None:
-        reason = agreed_reason(sharding, _rows_reason(target, head_axis), elsewhere)
+        reason = agreed_reason(sharding, _rows_reason(target, head_axis))
     return reason
 
 

@@ -72,9 +72,6 @@ def _probe(target):
     return reason, target.replay_mixers, mask_wider_than_cache(target) if reason is None else None
 
 
-ELSEWHERE = "another process's layers of this split model cannot run exactly (its rank names why)"
-
-
 def _probe_split(target):
     """`_probe` on every rank of a split together: the same forwards in the same order, each
     step's outcome agreed before the next."""
@@ -85,9 +82,9 @@ def _probe_split(target):
         if mixers:
             target.replay_mixers = True
             reason, _ = _reason(target)
-        reason = agreed_reason(sharding, reason, ELSEWHERE)
+        reason = agreed_reason(sharding, reason)
         if reason is None and mixers:
-            reason = agreed_reason(sharding, _mixers_replay(target), ELSEWHERE)
+            reason = agreed_reason(sharding, _mixers_replay(target))
         window = smallest_on_any_rank(sharding, mask_wider_than_cache(target)) if reason is None else None
     return reason, target.replay_mixers, window
 

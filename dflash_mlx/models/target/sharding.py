@@ -34,6 +34,7 @@ from typing import Callable, Deque, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 
 @dataclass(eq=False)
@@ -104,12 +105,28 @@ def on_every_rank(sharding: Optional["Sharding"], flags: Sequence[bool]) -> List
     return [t == sharding.size for t in total]
 
 
-def agreed_reason(sharding: Optional["Sharding"], reason: Optional[str], elsewhere: str) -> Optional[str]:
+def agreed_reason(sharding: Optional["Sharding"], reason: Optional[str]) -> Optional[str]:
     """A refusal found on one rank of a split holds on every rank: None only where no rank found
-    one; a rank that found none gives `elsewhere`."""
-    if on_every_rank(sharding, [reason is None])[0]:
+    one; else this rank's own line, or the line of the first rank that found one, named (rank 0
+    speaks for the split, and may hold none of the layers that cause it). One small all_sum
+    (each rank's line length), and one more of that rank's bytes where some rank found one."""
+    if sharding is None:
+        return reason
+    settle()
+    data = b"" if reason is None else reason.encode()
+    lengths = [0] * sharding.size
+    lengths[sharding.rank] = len(data) + (reason is not None)  # 0: none found here
+    lengths = mx.distributed.all_sum(mx.array(lengths, dtype=mx.int32), group=sharding.group, stream=mx.cpu).tolist()
+    first = next((r for r, n in enumerate(lengths) if n > 0), None)
+    if first is None:
         return None
-    return reason or elsewhere
+    size = lengths[first] - 1
+    sent = np.frombuffer(data, np.uint8) if sharding.rank == first else np.zeros(size, np.uint8)
+    text = ""
+    if size:
+        summed = mx.distributed.all_sum(mx.array(sent), group=sharding.group, stream=mx.cpu)
+        text = np.array(summed).astype(np.uint8).tobytes().decode("utf-8", "replace")
+    return reason if reason is not None else f"{text} (found by process {first} of the split)"
 
 
 def smallest_on_any_rank(sharding: Optional["Sharding"], value: Optional[int]) -> Optional[int]:

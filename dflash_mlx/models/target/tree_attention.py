@@ -179,10 +179,9 @@ def tree_support(target) -> Optional[str]:
 def _check(target) -> Optional[str]:
     # a split target's ranks hold different layers: every rank takes the same answer, and runs
     # the probe forwards (collectives) only where every rank does
-    elsewhere = "another process's layers of this split model cannot take a token tree"
     sharding = getattr(target, "sharding", None)
-    reason = agreed_reason(sharding, _layers_reason(target), elsewhere)
-    return reason if reason is not None else agreed_reason(sharding, _probe(target), elsewhere)
+    reason = agreed_reason(sharding, _layers_reason(target))
+    return reason if reason is not None else agreed_reason(sharding, _probe(target))
 
 
 def _layers_reason(target) -> Optional[str]:
