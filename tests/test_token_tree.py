@@ -385,3 +385,17 @@ def test_trees_and_copies_together_stay_exact_over_chat_turns():
     second, responses = decode(model, draft, turn2, max_tokens=20, prompt_cache=cache)
     assert second == want
     assert responses[-1].prefill_tokens < len(turn2)  # the first turn's caches were reused
+
+
+def test_compaction_passes_over_caches_that_hold_nothing():
+    """A pipeline rank's caches include the layers other ranks hold, never filled: compacting a tree
+    moves the rows of the others (it raised on them, and the tree probe of a split Kimi-VL then
+    stopped on one rank only, leaving the other waiting in its forward)."""
+    from mlx_lm.models.cache import KVCache
+
+    held, elsewhere = KVCache(), KVCache()
+    keys = mx.arange(2 * 6 * 4, dtype=mx.float32).reshape(1, 2, 6, 4)
+    held.update_and_fetch(keys, keys + 100)
+    ta.compact_cache([elsewhere, held], 2, [0, 2, 3], 4)  # rows 2, 4, 5 of the six kept at 2, 3, 4
+    assert elsewhere.keys is None and held.offset == 5
+    assert mx.array_equal(held.keys[..., : held.offset, :], keys[..., [0, 1, 2, 4, 5], :]).item()
