@@ -87,12 +87,12 @@ def split_built(monkeypatch, key: str, contributions):
     return Target(model)
 
 
-def test_a_split_target_is_probed_and_refused_as_a_whole_one_is():
+def test_a_split_target_is_probed_and_refused_as_a_whole_one_is(monkeypatch):
     """IQuest-Loop-Coder runs its layers' parts itself; split, it used to go unprobed and fail mid-decode."""
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
 
-    with pytest.MonkeyPatch.context() as monkeypatch, pytest.raises(UnsupportedTargetError, match="never called whole"):
-        split_built(monkeypatch, "iquestloopcoder", [None, None, [0, 0], 0])  # it alone found it
+    with pytest.raises(UnsupportedTargetError, match="never called whole"):
+        split_built(monkeypatch, "iquestloopcoder", [None, None, [0, 0], 0])  # this rank alone found it
 
 
 def test_a_split_kimi_k3_replays_its_mixers(monkeypatch):
