@@ -8,7 +8,7 @@ every config variant `dflash_mlx.testing.variants` gives it (one option, and the
 (`mlx.launch -n 2 --backend ring` on this machine) under each parallelism mlx-lm gives it, and
 decoded by DFlash at widths 1 and 16 (a random draft tapping layers on every rank) and 4 and `auto`
 (a scripted draft right for a random number of tokens each cycle, every rollback length, tapping
-every layer), each
+every layer), and as three rows of one batch where the model batches, each
 against the split model's own greedy decode. The two-rank launch in the tests runs each family's
 own tiny config; this runs the options those configs leave off. `--ranks 3` splits over three
 (a pipeline's middle rank, and ranks that hold only some kinds of layer). Writes `results.json` (every rank)
@@ -41,6 +41,8 @@ def check_split(v, over, mode) -> str:
     from dflash_mlx.policy.sizer import forget_sizers
     from dflash_mlx.testing import variants
     from dflash_mlx.testing.targets import ScriptedDraft, clean_case
+    from dflash_mlx.engine.batch_caches import batch_support
+    from dflash_mlx.testing import variant_check
     from dflash_mlx.testing.variant_check import _decode
 
     model = variants.build(v.key, v.config(over), 0)
@@ -65,6 +67,10 @@ def check_split(v, over, mode) -> str:
         if out != ref:
             i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
             return f"width {width}: first difference at token {i} of {len(ref)}"
+    if batch_support(Target(model)) is None:  # three rows of different lengths in one batch, at width 4
+        wrong = variant_check._batches(model, 5)
+        if wrong is not None:
+            return wrong
     return "exact"
 
 

@@ -489,3 +489,23 @@ def test_a_batch_times_its_cycles_in_the_range_of_its_longest_row():
     assert [tokens[0], tokens[1]] == [short[1], long[1]]
     batched = engine.widths.sizers[2]
     assert set(batched.context.ranges) == {1} and sum(batched.samples.values()) > 0
+
+
+def test_a_leaving_row_takes_its_caches_even_of_layers_never_filled_here():
+    """A pipeline rank's caches include those of the layers other ranks run, never filled: a row
+    leaving the batch takes empty ones of the same kind for them (mlx-lm's extract raised on them,
+    measured on split Kimi-VL and Qwen2-VL batches), and its own rows of the others."""
+    from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+
+    from dflash_mlx.engine.batch_caches import extract_row
+
+    filled = KVCache()
+    keys = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)
+    filled.update_and_fetch(keys, keys + 1)
+    rows = [[filled, KVCache(), RotatingKVCache(max_size=8)] for _ in range(2)]
+    batch = merge_rows(rows)
+    assert isinstance(batch[2], BatchRotatingKVCache) and batch[1].keys is None
+    own = extract_row(batch, 1)
+    assert [type(c) for c in own] == [KVCache, KVCache, RotatingKVCache]
+    assert own[1].keys is None and own[2].keys is None and own[2].max_size == 8
+    assert own[0].offset == 3 and mx.array_equal(own[0].keys[..., :3, :], keys).item()

@@ -190,6 +190,22 @@ def extend_rows(batch: List, row: List):
         c.extend(_batched(o))
 
 
+def extract_row(batch: List, b: int) -> List:
+    """Row `b`'s own caches out of a batch's, as it leaves."""
+    return [_extract(c, b) for c in batch]
+
+
+def _extract(c, b: int):
+    if isinstance(c, CacheList):
+        return CacheList(*(_extract(s, b) for s in c.caches))
+    # never filled here: a layer another pipeline rank runs (mlx-lm's extract cannot take it)
+    if isinstance(c, BatchRotatingKVCache) and c.keys is None:
+        return RotatingKVCache(max_size=c.max_size)
+    if isinstance(c, BatchKVCache) and c.keys is None:
+        return KVCache()
+    return c.extract(b)
+
+
 def _batched(c):
     """A row's cache as the first row of a batch of its kind."""
     if isinstance(c, CacheList):

@@ -25,7 +25,7 @@ from collections import deque
 from typing import Deque, List, Optional, Tuple
 
 from dflash_mlx.engine.ahead import discard
-from dflash_mlx.engine.batch_caches import batch_support, extend_rows, mask_head_axis, merge_rows
+from dflash_mlx.engine.batch_caches import batch_support, extend_rows, extract_row, mask_head_axis, merge_rows
 from dflash_mlx.engine.batch_cycle import batch_cycle
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
@@ -153,7 +153,7 @@ class BatchEngine:
             return
         idx = [self.rows.index(r) for r in rows]
         for r, b in zip(rows, idx):
-            r.state.target_cache = [c.extract(b) for c in self.cache]
+            r.state.target_cache = extract_row(self.cache, b)
             r.state.valid = True
         keep = [b for b in range(len(self.rows)) if b not in idx]
         self.rows = [self.rows[b] for b in keep]
