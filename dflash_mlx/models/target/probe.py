@@ -48,7 +48,7 @@ def check_forward(target) -> None:
     recurrent state to (their own calls take something a replay cannot cut)."""
     known = _CHECKED.get((target.model,))
     if known is None:
-        known = _probe(target) if target.sharding is None else _probe_split(target)
+        known = _probe(target)
         _CHECKED.put((target.model,), known)
     reason, target.replay_mixers, window = known
     if reason is not None:
@@ -62,24 +62,14 @@ def check_forward(target) -> None:
 
 
 def _probe(target):
-    """(reason, replay_mixers, window) of a target whole in this process."""
-    reason, mixers = _reason(target)
-    if mixers:  # the layers' calls cannot be replayed: their mixers' may
-        target.replay_mixers = True
-        reason, _ = _reason(target)
-        if reason is None:
-            reason = _mixers_replay(target)
-    return reason, target.replay_mixers, mask_wider_than_cache(target) if reason is None else None
-
-
-def _probe_split(target):
-    """`_probe` on every rank of a split together: the same forwards in the same order, each
-    step's outcome agreed before the next."""
+    """(reason, replay_mixers, window) of `target`. A split's ranks run it together: the same
+    forwards in the same order, each step's outcome agreed before the next (in one process the
+    agreements are this process's own answers)."""
     sharding = target.sharding
-    with split_stream(True):
+    with split_stream(sharding is not None):
         reason, mixers = _reason(target)
         mixers = not on_every_rank(sharding, [not mixers])[0]
-        if mixers:
+        if mixers:  # the layers' calls cannot be replayed: their mixers' may
             target.replay_mixers = True
             reason, _ = _reason(target)
         reason = agreed_reason(sharding, reason)
