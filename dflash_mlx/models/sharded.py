@@ -130,9 +130,8 @@ def share(obj, group=None):
     import pickle
 
     import mlx.core as mx
-    import numpy as np
 
-    from dflash_mlx.models.target.sharding import settle
+    from dflash_mlx.models.target.sharding import bytes_from, settle
 
     group = group or world()
     if group.size() < 2:
@@ -143,8 +142,5 @@ def share(obj, group=None):
     size = mx.distributed.all_sum(mx.array([len(data)]), group=group, stream=mx.cpu).item()
     if size == 0:
         return None
-    buf = np.zeros(size, np.uint8)
-    if speaks:
-        buf[:] = np.frombuffer(data, np.uint8)
-    out = np.array(mx.distributed.all_sum(mx.array(buf), group=group, stream=mx.cpu))  # evaluated on every rank
-    return obj if speaks else pickle.loads(out.tobytes())
+    out = bytes_from(group, 0, data, size)  # evaluated on every rank
+    return obj if speaks else pickle.loads(out)

@@ -121,12 +121,15 @@ def agreed_reason(sharding: Optional["Sharding"], reason: Optional[str]) -> Opti
     if first is None:
         return None
     size = lengths[first] - 1
-    sent = np.frombuffer(data, np.uint8) if sharding.rank == first else np.zeros(size, np.uint8)
-    text = ""
-    if size:
-        summed = mx.distributed.all_sum(mx.array(sent), group=sharding.group, stream=mx.cpu)
-        text = np.array(summed).astype(np.uint8).tobytes().decode("utf-8", "replace")
+    text = bytes_from(sharding.group, first, data, size).decode("utf-8", "replace") if size else ""
     return reason if reason is not None else f"{text} (found by process {first} of the split)"
+
+
+def bytes_from(group, source: int, data: bytes, size: int) -> bytes:
+    """Rank `source`'s `size` bytes `data` on every rank of `group` (`data` elsewhere is ignored):
+    one all_sum on the CPU's stream, the other ranks adding zeros. The caller has settled."""
+    sent = np.frombuffer(data, np.uint8) if group.rank() == source else np.zeros(size, np.uint8)
+    return np.array(mx.distributed.all_sum(mx.array(sent), group=group, stream=mx.cpu)).astype(np.uint8).tobytes()
 
 
 def smallest_on_any_rank(sharding: Optional["Sharding"], value: Optional[int]) -> Optional[int]:
