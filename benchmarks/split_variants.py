@@ -51,7 +51,8 @@ def check_split(v, over, mode) -> str:
         prompt, ref = clean_case(model, PROMPT_LEN, MAX_TOKENS, seed=1)  # the split model's own greedy decode
     except Exception as e:  # (one KV head cannot be split in two): nothing to compare with
         return f"{NOT_RUN}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-    n = Target(model).num_layers
+    target = Target(model)  # (built on every rank together: its construction agrees over the split)
+    n = target.num_layers
     taps = sorted({0, n // 2, n - 1})
     for width in WIDTHS:
         forget_sizers()
@@ -67,7 +68,7 @@ def check_split(v, over, mode) -> str:
         if out != ref:
             i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
             return f"width {width}: first difference at token {i} of {len(ref)}"
-    if batch_support(Target(model)) is None:  # three rows of different lengths in one batch, at width 4
+    if batch_support(target) is None:  # three rows of different lengths in one batch, at width 4
         wrong = variant_check._batches(model, 5)
         if wrong is not None:
             return wrong
