@@ -106,7 +106,8 @@ def test_qwen3moe_dense_layer_without_router(tmp_path):
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3moe", gguf.GGMLQuantizationType.Q8_0),
                                         ("qwen3moe", gguf.GGMLQuantizationType.Q4_0),
-                                        ("llama", gguf.GGMLQuantizationType.Q8_0)])
+                                        ("llama", gguf.GGMLQuantizationType.Q8_0),
+                                        ("llama", gguf.GGMLQuantizationType.Q4_1)])
 def test_quantized_weights_dequantize_exactly(tmp_path, arch, qtype):
     path = tmp_path / f"{arch}.gguf"
     # the returned model holds the reference dequantization of every quantized tensor

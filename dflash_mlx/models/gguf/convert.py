@@ -7,13 +7,11 @@ row permutation (llama) and Gemma's stored `1 + w` norm scales are undone; a
 gpt-oss and any architecture not in `SUPPORTED_ARCHS` are refused.
 """
 
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import numpy as np
 
-from dflash_mlx.models.gguf.reader import GGUFError, GGUFFile, tensor_to_numpy
+from dflash_mlx.models.gguf.reader import GGUFError, GGUFFile, tensor_to_mlx, tensor_to_numpy
 
 SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe")
 _MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -159,7 +157,7 @@ def hf_name(arch: str, gguf_name: str) -> Optional[str]:
     return None
 
 
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+def unpermute_rows(w, n_heads: int):
     """Undo llama.cpp's Q/K row permutation (its RoPE pairs adjacent dims; HF's
     and mlx-lm's pair dim i with i + d/2)."""
     out_dim = w.shape[0]
@@ -170,7 +168,8 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def convert_tensor(gf: GGUFFile, cfg: dict, name: str, w: np.ndarray) -> np.ndarray:
+def convert_tensor(gf: GGUFFile, cfg: dict, name: str, w):
+    """A dequantized tensor (numpy or MLX) in mlx-lm's layout."""
     arch = gf.architecture
     if arch == "llama":  # only llama.cpp's LlamaModel converter permutes
         if name.endswith("attn_q.weight"):
@@ -197,19 +196,14 @@ def load_gguf_model(gf: GGUFFile, dtype=None, progress=None):
     dtype = dtype or mx.float32
     data = np.memmap(gf.path, dtype=np.uint8, mode="r")
     names = [n for n in gf.tensors if hf_name(gf.architecture, n) is not None]
-
-    def convert(name):
-        return convert_tensor(gf, cfg, name, tensor_to_numpy(gf, name, data))
-
-    # numpy releases the GIL inside dequantization, so tensors convert in
-    # parallel; half the cores, as for BLAS (no gain measured on 2 busy cores).
     weights = {}
-    workers = max(1, min(4, (os.cpu_count() or 1) // 2))
-    with ThreadPoolExecutor(workers) as pool:
-        for i, (name, w) in enumerate(zip(names, pool.map(convert, names))):
-            weights[hf_name(gf.architecture, name)] = mx.array(w).astype(dtype)
-            if progress:
-                progress(i + 1, len(names))
+    for i, name in enumerate(names):
+        # one tensor evaluated at a time: the file's bytes and float32 copies never pile up
+        weight = convert_tensor(gf, cfg, name, tensor_to_mlx(gf, name, data)).astype(dtype)
+        mx.eval(weight)
+        weights[hf_name(gf.architecture, name)] = weight
+        if progress:
+            progress(i + 1, len(names))
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     try:

@@ -3,8 +3,9 @@
 `gguf.GGUFReader` builds a Python object per metadata array element and takes
 ~25 s to open a 262k-vocabulary file, so the header is parsed here directly
 (well under a second): metadata and the tensor table, no tensor data. Tensor
-bytes are memory-mapped and dequantized with `gguf.quants.dequantize` one
-tensor at a time (`tensor_to_numpy`).
+bytes are memory-mapped and dequantized one tensor at a time, with MLX's ops
+(`dequantize.py`, `tensor_to_mlx`) or, for the types it lacks, `gguf.quants`
+(`tensor_to_numpy`).
 """
 
 import mmap
@@ -186,3 +187,22 @@ def tensor_to_numpy(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None) 
     except NotImplementedError:
         raise GGUFError(f"{gf.path}: tensor {name}: ggml type {qtype.name} cannot be dequantized") from None
     return out.reshape(info.shape).astype(np.float32, copy=False)
+
+
+def tensor_to_mlx(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None):
+    """One tensor as a float32 MLX array (lazy), the same values as `tensor_to_numpy`."""
+    import mlx.core as mx
+    from gguf.constants import GGMLQuantizationType
+
+    from dflash_mlx.models.gguf.dequantize import dequantize
+
+    info = gf.tensors[name]
+    if data is None:
+        data = np.memmap(gf.path, dtype=np.uint8, mode="r")
+    raw = data[info.offset:info.offset + info.nbytes]
+    floats = {GGMLQuantizationType.F32: mx.float32, GGMLQuantizationType.F16: mx.float16,
+              GGMLQuantizationType.BF16: mx.bfloat16}.get(GGMLQuantizationType(info.ggml_type))
+    if floats is not None:
+        return mx.array(np.asarray(raw)).view(floats).astype(mx.float32).reshape(info.shape)
+    out = dequantize(raw, info.ggml_type, info.shape)
+    return mx.array(tensor_to_numpy(gf, name, data)) if out is None else out
