@@ -13,13 +13,15 @@ against the split model's own greedy decode. The two-rank launch in the tests ru
 own tiny config; this runs the options those configs leave off. `--ranks 3` splits over three
 (a pipeline's middle rank, and ranks that hold only some kinds of layer). Writes `results.json` (every rank)
 and `README.md` to `--out` (default `benchmarks/results/<UTC date>-split-variants/`). Exit status 1
-when a case differs on either rank.
+when a case differs on either rank or hangs: where no case ends for `--case-timeout` seconds, the ranks
+are stopped, the case is reported as hung and the sweep goes on past it in a new launch.
 """
 
 import argparse
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -48,10 +50,13 @@ def check_split(v, over, mode) -> str:
     model = variants.build(v.key, v.config(over), 0)
     try:
         split(model, mode)
-        prompt, ref = clean_case(model, PROMPT_LEN, MAX_TOKENS, seed=1)  # the split model's own greedy decode
     except Exception as e:  # (one KV head cannot be split in two): nothing to compare with
         return f"{NOT_RUN}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     target = Target(model)  # (built on every rank together: its construction agrees over the split)
+    try:  # the split model's own greedy decode, with the caches of each rank's own layers (`make_cache`)
+        prompt, ref = clean_case(model, PROMPT_LEN, MAX_TOKENS, seed=1, make_cache=target.make_cache)
+    except Exception as e:
+        return f"{NOT_RUN}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
     n = target.num_layers
     taps = sorted({0, n // 2, n - 1})
     for width in WIDTHS:
@@ -75,15 +80,11 @@ def check_split(v, over, mode) -> str:
     return "exact"
 
 
-def rank_main(out_dir: str, families):
-    import dflash_mlx  # noqa: F401  (before mlx.core)
-    import mlx.core as mx
-
+def _cases(families):
+    """Every (variant, config overrides, split mode) to run, in the same order on every rank."""
     from dflash_mlx.models.sharded import modes_of
     from dflash_mlx.testing import combined_variants, variant_check, variants
 
-    rank = mx.distributed.init().rank()
-    cases = {}
     bases = [variants.Variant(f, "base", {}) for f in families]  # each family's own tiny config too
     for v in bases + variants.all_variants(families) + combined_variants.all_combined(families):
         model, over, error = variant_check._built(v, 0)
@@ -91,17 +92,88 @@ def rank_main(out_dir: str, families):
             continue
         tensor, pipeline = modes_of(model)
         for mode in [m for m, ok in (("tensor", tensor), ("pipeline", pipeline)) if ok]:
+            yield v, over, mode
+
+
+def rank_main(out_dir: str, families, after: int):
+    """Run the cases from number `after` on; each is logged to `rank<r>.jsonl` as it starts and
+    as it ends, so that a launch stopped mid-case (a hang) can be resumed past it."""
+    import dflash_mlx  # noqa: F401  (before mlx.core)
+    import mlx.core as mx
+
+    from dflash_mlx.testing import variants
+
+    rank = mx.distributed.init().rank()
+    with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a") as log:
+        for index, (v, over, mode) in enumerate(_cases(families)):
+            if index < after:
+                continue
+            name = f"{v.name}/{mode}"
+            log.write(json.dumps({"index": index, "start": name}) + "\n")
+            log.flush()
             start = time.perf_counter()
             try:
                 outcome = check_split(v, over, mode)
             except Exception as e:  # failing where mlx-lm's split model runs: as wrong as a wrong token
                 outcome = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-            cases[f"{v.name}/{mode}"] = {"option": variants.Variant(v.key, v.kind, over).option(),
-                                         "outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}
+            log.write(json.dumps({"index": index, "name": name, "option": variants.Variant(v.key, v.kind, over).option(),
+                                  "outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}) + "\n")
+            log.flush()
             if rank == 0:
-                print(f"{v.name}/{mode}: {outcome}", file=sys.stderr, flush=True)
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(cases, f, indent=1)
+                print(f"{name}: {outcome}", file=sys.stderr, flush=True)
+
+
+def _read_logs(out, ranks):
+    """Each rank's log: ({case name: result}, (index, name) of a case started and not ended, or None)."""
+    logs = []
+    for r in range(ranks):
+        done, open_case = {}, None
+        path = os.path.join(out, f"rank{r}.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    entry = json.loads(line)
+                    if "start" in entry:
+                        open_case = (entry["index"], entry["start"])
+                    else:
+                        done[entry["name"]] = {k: entry[k] for k in ("option", "outcome", "seconds", "index")}
+                        open_case = None
+        logs.append((done, open_case))
+    return logs
+
+
+def _launch_until_done(cmd, out, ranks, case_timeout):
+    """Launch the ranks; where no rank's log grows for `case_timeout` seconds, stop them, count
+    the open case as hung on every rank and launch again past it."""
+    after = 0
+    while True:
+        proc = subprocess.Popen(cmd + ["--after", str(after)], env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
+                                start_new_session=True)
+        paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(ranks)]
+        last_size, last_change = None, time.monotonic()
+        while proc.poll() is None:
+            time.sleep(min(2.0, case_timeout / 4))
+            size = tuple(os.path.getsize(p) if os.path.exists(p) else 0 for p in paths)
+            if size != last_size:
+                last_size, last_change = size, time.monotonic()
+            elif time.monotonic() - last_change > case_timeout:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                break
+        else:
+            if proc.returncode != 0:
+                raise SystemExit(f"the {ranks}-rank launch failed (exit {proc.returncode}); see its output above")
+            return
+        opened = [case for _, case in _read_logs(out, ranks) if case is not None]
+        if not opened:
+            raise SystemExit("the ranks stopped making progress between cases; see their output above")
+        index, name = min(opened)
+        for r in range(ranks):  # the hung case, on every rank, so that the report names it
+            with open(paths[r], "a") as log:
+                log.write(json.dumps({"index": index, "name": name, "option": "", "seconds": case_timeout,
+                                      "outcome": f"hung: no rank ended it within {case_timeout:g} s"}) + "\n")
+        print(f"{name}: hung; launching again past it", file=sys.stderr, flush=True)
+        after = index + 1
 
 
 def main(argv=None):
@@ -109,12 +181,15 @@ def main(argv=None):
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--out", default="")
     ap.add_argument("--ranks", type=int, default=2, help="processes to split over (default 2)")
+    ap.add_argument("--case-timeout", type=float, default=600,
+                    help="seconds without a case ending before the ranks are stopped and the case counted hung")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # what mlx.launch runs
+    ap.add_argument("--after", type=int, default=0, help=argparse.SUPPRESS)  # resume past a hung case
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d") + "-split-variants")
     if args.rank:
-        return rank_main(out, families)
+        return rank_main(out, families, args.after)
     os.makedirs(out, exist_ok=True)
     from dflash_mlx.testing.ports import free_starting_port
 
@@ -126,15 +201,15 @@ def main(argv=None):
     cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port", str(port),
            "--python", sys.executable,
            os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out]
-    proc = subprocess.run(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"))
+    for r in range(args.ranks):  # logs of an earlier run into this folder
+        if os.path.exists(os.path.join(out, f"rank{r}.jsonl")):
+            os.remove(os.path.join(out, f"rank{r}.jsonl"))
+    _launch_until_done(cmd, out, args.ranks, args.case_timeout)
     ranks = []
+    for done, _ in _read_logs(out, args.ranks):
+        ranks.append({name: {k: v for k, v in entry.items() if k != "index"} for name, entry in done.items()})
     for r in range(args.ranks):
-        path = os.path.join(out, f"rank{r}.json")
-        if proc.returncode != 0 or not os.path.exists(path):
-            raise SystemExit(f"the two-rank launch failed (exit {proc.returncode}); see its output above")
-        with open(path) as f:
-            ranks.append(json.load(f))
-        os.remove(path)
+        os.remove(os.path.join(out, f"rank{r}.jsonl"))
     elapsed = time.perf_counter() - start
     names = sorted(ranks[0])
     not_run = [n for n in names if all(r.get(n, {}).get("outcome", "").startswith(NOT_RUN) for r in ranks)]

@@ -89,12 +89,15 @@ def _scale_embeddings(params):
     return tree_map_with_path(lambda path, p: p * 4.0 if path.endswith("embed_tokens.weight") else p, params)
 
 
-def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=()) -> List[int]:
-    """Plain mlx-lm greedy decoding: the ground truth DFlash must reproduce."""
+def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=(), make_cache=None) -> List[int]:
+    """Plain mlx-lm greedy decoding: the ground truth DFlash must reproduce (`make_cache`: the
+    caches it decodes with, mlx-lm's own for the model where None)."""
     from mlx_lm.generate import generate_step
 
     out = []
-    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, axis=-1)):
+    cache = make_cache() if make_cache is not None else None
+    for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, prompt_cache=cache,
+                                sampler=lambda x: mx.argmax(x, axis=-1)):
         tok = int(tok)
         out.append(tok)
         if tok in stop_ids:
@@ -102,7 +105,7 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids
     return out
 
 
-def clean_case(model, length: int, max_tokens: int, seed: int):
+def clean_case(model, length: int, max_tokens: int, seed: int, make_cache=None):
     """(prompt, greedy reference) for a random byte prompt whose greedy continuation has no
     EOS (the engine stops on EOS, as mlx-lm does), so every case runs to its full length."""
     import random
@@ -110,7 +113,7 @@ def clean_case(model, length: int, max_tokens: int, seed: int):
     for s in range(seed, seed + 50):
         rng = random.Random(s)
         prompt = [rng.randrange(0, 256) for _ in range(length)]
-        ref = greedy_reference(model, prompt, max_tokens)
+        ref = greedy_reference(model, prompt, max_tokens, make_cache=make_cache)
         if EOS_ID not in ref:
             return prompt, ref
     raise AssertionError("no EOS-free case found")

@@ -157,7 +157,7 @@ def _batches(model, length) -> Optional[str]:
     target = Target(model)
     limit = target.max_context  # every prompt inside the window (a longer one is refused)
     step = max(1, min(7, (limit - 1 - length) // 2)) if limit else 7
-    cases = [clean_case(model, length + step * i, MAX_TOKENS, seed=i) for i in range(3)]
+    cases = [clean_case(model, length + step * i, MAX_TOKENS, seed=i, make_cache=target.make_cache) for i in range(3)]
     draft = RowScriptedDrafts(target, cases, lambda c: (c * 3) % 5, block_size=8, layer_ids="every")
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
     index, tokens = {}, {}
