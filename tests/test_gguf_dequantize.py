@@ -65,3 +65,14 @@ def test_a_file_tensor_is_the_same_through_mlx_and_through_gguf(tmp_path, qtype)
         got = reader.tensor_to_mlx(gf, "blk.0.attn_q.weight")
     assert got.dtype == mx.float32 and tuple(got.shape) == (rows, columns)
     np.testing.assert_array_equal(np.array(got), expected)
+
+
+def test_a_tensor_that_is_not_whole_blocks_is_a_clear_error(tmp_path):
+    raw = np.zeros((2, 34), dtype=np.uint8)  # two Q8_0 blocks: 64 values
+    path = tmp_path / "t.gguf"
+    _write(path, "blk.0.attn_q.weight", raw, Q.Q8_0)
+    gf = reader.read_gguf(path)
+    info = gf.tensors["blk.0.attn_q.weight"]
+    gf.tensors["blk.0.attn_q.weight"] = reader.TensorInfo(info.name, (2, 30), info.ggml_type, info.offset, 60)
+    with pytest.raises(reader.GGUFError, match=r"shape \(2, 30\) does not split into Q8_0 blocks of 32"):
+        reader.tensor_to_mlx(gf, "blk.0.attn_q.weight")

@@ -192,7 +192,7 @@ def tensor_to_numpy(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None) 
 def tensor_to_mlx(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None):
     """One tensor as a float32 MLX array (lazy), the same values as `tensor_to_numpy`."""
     import mlx.core as mx
-    from gguf.constants import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     from dflash_mlx.models.gguf.dequantize import dequantize
 
@@ -204,5 +204,10 @@ def tensor_to_mlx(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None):
               GGMLQuantizationType.BF16: mx.bfloat16}.get(GGMLQuantizationType(info.ggml_type))
     if floats is not None:
         return mx.array(np.asarray(raw)).view(floats).astype(mx.float32).reshape(info.shape)
+    qtype = GGMLQuantizationType(info.ggml_type)
+    block = GGML_QUANT_SIZES[qtype][0]
+    if not info.shape or info.shape[-1] % block:
+        raise GGUFError(f"{gf.path}: tensor {name}: shape {info.shape} does not split into {qtype.name} blocks of "
+                        f"{block} (a corrupt tensor table)")
     out = dequantize(raw, info.ggml_type, info.shape)
     return mx.array(tensor_to_numpy(gf, name, data)) if out is None else out
