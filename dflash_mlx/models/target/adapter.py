@@ -25,7 +25,8 @@ from dflash_mlx.models.target.rollback import (
     rollback_cache, rollback_kind,
 )
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
-from dflash_mlx.models.target.sharding import gather_features, on_every_rank, sharding_of, split_stream
+from dflash_mlx.models.target.sharding import (gather_features, on_every_rank, own_layers_caches, sharding_of,
+                                               split_stream)
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
@@ -229,18 +230,7 @@ class Target:
 
     def make_cache(self) -> List[Any]:
         """mlx-lm's caches for the model; on a pipeline rank, those of its own layers only."""
-        cache = make_prompt_cache(self.model)
-        if self.sharding is not None and self.sharding.kind == "pipeline":
-            # mlx-lm's multimodal wrappers (Kimi-VL, Mistral 3, the Qwen-VLs) make a cache for every
-            # entry of the layer list up to this rank's last, the other ranks' (None) too. The model
-            # pairs its own layers with the list's first entries and makes its hop wait on the last,
-            # which then never fills: on a middle rank of three `mx.depends(None, h)` raises, and the
-            # other ranks wait for its message for ever. Its own layers' caches, as the text models
-            # make them, put the last of them last.
-            own = getattr(self.text_model, "pipeline_layers", None)
-            if own is not None and len(cache) == self.layer_offset + len(own):
-                cache = cache[self.layer_offset:]
-        return cache
+        return own_layers_caches(make_prompt_cache(self.model), self.text_model, self.sharding)
 
     @property
     def recurrent(self) -> bool:

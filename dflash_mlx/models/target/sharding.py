@@ -143,6 +143,23 @@ def smallest_on_any_rank(sharding: Optional["Sharding"], value: Optional[int]) -
     return min(values) if values else None
 
 
+def own_layers_caches(cache: list, text_model, sharding: Optional["Sharding"]) -> list:
+    """`cache` (mlx-lm's for the model), less the entries of the layers other pipeline ranks hold.
+
+    mlx-lm's multimodal wrappers (Kimi-VL, Mistral 3, the Qwen-VLs) make a pipeline rank a cache for
+    every entry of the layer list up to its last, the other ranks' (None) too. The text model pairs
+    its own layers with the list's first caches and makes its hop wait on the last, which then
+    never fills: on a middle rank of three `mx.depends(None, h)` raises, and the other ranks wait
+    for its message for ever. The rank's own layers' caches, as the text models make them, put
+    the last of them last."""
+    if sharding is None or sharding.kind != "pipeline":
+        return cache
+    own = getattr(text_model, "pipeline_layers", None)
+    if own is not None and len(cache) == sharding.layer_offset + len(own):
+        return cache[sharding.layer_offset:]
+    return cache
+
+
 def _tensor_group(model) -> Optional[object]:
     """The group of the first module `Model.shard` left a group on, or None."""
     for _, module in model.named_modules():
