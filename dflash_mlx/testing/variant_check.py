@@ -236,7 +236,10 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
             continue  # near-constant continuations: the next seed
         ref = ref[:MAX_TOKENS]
         if len(ref) < MAX_TOKENS:
-            prompt, ref = clean_case(model, len(prompt), MAX_TOKENS, seed=0)
+            try:
+                prompt, ref = clean_case(model, len(prompt), MAX_TOKENS, seed=0)
+            except AssertionError:
+                continue  # every continuation ends at once: the next seed
         result.seed = seed
         result.inert = _inert(variant, model, seed, prompt + ref)
         target = Target(model)

@@ -303,6 +303,16 @@ def _layers(o: Options) -> List[Variant]:
     return out
 
 
+QUANTIZATIONS = (4, 8)  # bits; group size 32, the tiny configs' widths being multiples of 32 at best
+
+
+def _quantized(o: Options) -> List[Variant]:
+    """The model as mlx-lm quantizes it (`mlx_lm.convert -q`: every layer whose width the group
+    divides), as the 4- and 8-bit checkpoints users run: a config's `quantization` entry."""
+    return [Variant(o.key, f"quantized:{bits}bit", {"quantization": {"group_size": 32, "bits": bits}})
+            for bits in QUANTIZATIONS]
+
+
 # option kind -> rule; a rule returns the variants of one model (none when it lacks the option)
 RULES: Dict[str, Callable[[Options], List[Variant]]] = {
     "window": _window,
@@ -338,6 +348,7 @@ RULES: Dict[str, Callable[[Options], List[Variant]]] = {
     "layers": _layers,
     "kv_heads": lambda o: [v for name in ("num_key_value_heads", "num_kv_heads")  # one KV head for all queries
                            for v in _set(f"kv_heads:{name}", name, _fewer(1)(name))(o)],
+    "quantized": _quantized,
 }
 
 
@@ -364,7 +375,8 @@ def all_variants(keys=None) -> List[Variant]:
 
 def build(key: str, cfg: dict, seed: int = 0):
     """The float32 eval-mode model of `cfg` (a config of `key`), random weights made as
-    `arch_check.build(key, seed)` makes them (same seeds, embedding scale and tweaks)."""
+    `arch_check.build(key, seed)` makes them (same seeds, embedding scale and tweaks); with a
+    `quantization` entry, then quantized as `mlx_lm.convert` quantizes it."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
@@ -373,10 +385,22 @@ def build(key: str, cfg: dict, seed: int = 0):
         module = importlib.import_module(f"mlx_lm.models.{archs.ALL_ARCHS[key][0]}")
         mx.random.seed(archs.SEEDS.get(key, 0) + seed)
         model = module.Model(module.ModelArgs.from_dict(cfg))
-        return archs.finish(model, archs.EMBED_SCALE.get(key, 4.0), archs.TWEAKS.get(key, {}), archs._EMBED_SUFFIXES)
-    with arch_check._importable(key):
-        model_class, args_class = _get_classes(cfg)
-    mx.random.seed(seed + more_archs.SEEDS.get(key, 0))
-    model = model_class(args_class.from_dict(cfg))
-    return archs.finish(model, more_archs.EMBED_SCALE.get(key, 4.0), more_archs.TWEAKS.get(key, {}),
-                        more_archs.EMBEDDINGS, matrices_only=True)
+        model = archs.finish(model, archs.EMBED_SCALE.get(key, 4.0), archs.TWEAKS.get(key, {}), archs._EMBED_SUFFIXES)
+    else:
+        with arch_check._importable(key):
+            model_class, args_class = _get_classes(cfg)
+        mx.random.seed(seed + more_archs.SEEDS.get(key, 0))
+        model = model_class(args_class.from_dict(cfg))
+        model = archs.finish(model, more_archs.EMBED_SCALE.get(key, 4.0), more_archs.TWEAKS.get(key, {}),
+                             more_archs.EMBEDDINGS, matrices_only=True)
+    quantization = cfg.get("quantization") or cfg.get("text_config", {}).get("quantization")
+    if quantization:
+        import contextlib
+        import io
+
+        from mlx_lm.utils import quantize_model
+
+        with contextlib.redirect_stdout(io.StringIO()):  # its bits-per-weight line
+            quantize_model(model, cfg, quantization["group_size"], quantization["bits"])
+        mx.eval(model.parameters())
+    return model

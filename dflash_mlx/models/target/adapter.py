@@ -98,7 +98,8 @@ class Target:
         self.layers = _layer_list(self.text_model)  # the model's own list: taps swap its entries
         self._embedding_name = next(n for n in EMBEDDING_NAMES if n in self.text_model)
         self.embed_tokens = self.text_model[self._embedding_name]
-        self.hidden_size = getattr(self.args, "hidden_size", None) or self.embed_tokens.weight.shape[1]
+        # (a quantized embedding's weight is packed: its own output gives the width, not the weight's)
+        self.hidden_size = getattr(self.args, "hidden_size", None) or self.embed_tokens(mx.array([0])).shape[-1]
         self.vocab_size = getattr(self.args, "vocab_size", None) or self.embed_tokens.weight.shape[0]
         # split over processes (mlx.launch): pipeline ranks hold a run of the layers, None elsewhere
         self.sharding = sharding_of(model, self.text_model, self.args)
