@@ -112,3 +112,21 @@ def test_mixers_another_rank_replays_are_probed_here_too(monkeypatch):
         monkeypatch.setattr(probe, name, lambda target, step=step, name=name: steps.append(name) or step(target))
     target = split_built(monkeypatch, "qwen3", [None, [0]])
     assert target.replay_mixers and steps == ["_reason", "_reason", "_mixers_replay"]
+
+
+def test_a_rope_that_takes_one_offset_refuses_batches_before_any_probe_forward(monkeypatch):
+    """A 3-rank Qwen3-Next with dynamic NTK RoPE hung: the batch probe's forward raised on the ranks
+    whose layers hold that RoPE (it takes one position offset per call) and not on the rank holding
+    only Gated DeltaNet layers, which went on into the probe's next collective alone. The RoPE is
+    found before any probe forward, and agreed."""
+    from dflash_mlx.testing import variants
+
+    v = next(v for v in variants.variants("qwen3") if v.kind == "rope:dynamic")
+    target = Target(variants.build("qwen3", v.config(), 0))
+    target.sharding = sharding.Sharding("pipeline", mx.distributed.init())
+    other_rank(monkeypatch, [])
+    forwards = []
+    monkeypatch.setattr(target, "forward", lambda *a, **k: forwards.append(a))
+    reason = batch_caches._check(target)
+    assert reason.startswith("its rotary embedding (DynamicNTKScalingRoPE) takes one position offset per call")
+    assert forwards == []

@@ -89,6 +89,8 @@ def _check(target: Target, head_axis: bool = False) -> Optional[str]:
     where every rank runs them."""
     sharding = target.sharding
     reason = agreed_reason(sharding, _caches_reason(target))
+    if reason is None:  # before any probe forward: on a split it would raise only where such layers are
+        reason = agreed_reason(sharding, _rope_reason(target))
     listed = _listed(target)
     if reason is None and not on_every_rank(sharding, [not listed])[0]:
         reason = agreed_reason(sharding, _recorded_apart_reason(target, listed))
@@ -154,12 +156,18 @@ def _rows_reason(target: Target, head_axis: bool) -> Optional[str]:
         if (mx.abs(together.astype(mx.float32) - alone).max() > tight * (1.0 + mx.abs(alone).max())).item():
             return "its rows do not come out of a batch as they do alone"
     except Exception as e:  # model code that cannot take a batch of different lengths
-        single = sorted({type(parent[key]).__name__ for parent, key in target.rope_slots
-                         if not takes_offset_arrays(parent[key])})
-        if single:  # e.g. mlx-lm's dynamic NTK RoPE, which sizes its base from one offset
-            return (f"its rotary embedding ({', '.join(single)}) takes one position offset per call, and a "
-                    f"batch's rows sit at different positions")
         return f"a batch of rows failed ({type(e).__name__}: {e})"
+    return None
+
+
+def _rope_reason(target: Target) -> Optional[str]:
+    """A rotary embedding that takes one position offset per call (e.g. mlx-lm's dynamic NTK RoPE,
+    which sizes its base from one offset) cannot rotate a batch whose rows sit at different positions."""
+    single = sorted({type(parent[key]).__name__ for parent, key in target.rope_slots
+                     if not takes_offset_arrays(parent[key])})
+    if single:
+        return (f"its rotary embedding ({', '.join(single)}) takes one position offset per call, and a "
+                f"batch's rows sit at different positions")
     return None
 
 
