@@ -95,8 +95,8 @@ def _cases(families):
             yield v, over, mode
 
 
-def rank_main(out_dir: str, families, after: int):
-    """Run the cases from number `after` on; each is logged to `rank<r>.jsonl` as it starts and
+def rank_main(out_dir: str, families):
+    """Run every case this rank's log (`rank<r>.jsonl`) has not ended; each is logged as it starts and
     as it ends, so that a launch stopped mid-case (a hang) can be resumed past it."""
     import dflash_mlx  # noqa: F401  (before mlx.core)
     import mlx.core as mx
@@ -104,51 +104,53 @@ def rank_main(out_dir: str, families, after: int):
     from dflash_mlx.testing import variants
 
     rank = mx.distributed.init().rank()
-    with open(os.path.join(out_dir, f"rank{rank}.jsonl"), "a") as log:
+    path = os.path.join(out_dir, f"rank{rank}.jsonl")
+    ended = set(_read_log(path)[0]) if os.path.exists(path) else set()
+    with open(path, "a") as log:
         for index, (v, over, mode) in enumerate(_cases(families)):
-            if index < after:
-                continue
             name = f"{v.name}/{mode}"
-            log.write(json.dumps({"index": index, "start": name}) + "\n")
+            if name in ended:
+                continue
+            log.write(json.dumps({"start": name, "index": index}) + "\n")
             log.flush()
             start = time.perf_counter()
             try:
                 outcome = check_split(v, over, mode)
             except Exception as e:  # failing where mlx-lm's split model runs: as wrong as a wrong token
                 outcome = f"raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
-            log.write(json.dumps({"index": index, "name": name, "option": variants.Variant(v.key, v.kind, over).option(),
+            log.write(json.dumps({"name": name, "option": variants.Variant(v.key, v.kind, over).option(),
                                   "outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}) + "\n")
             log.flush()
             if rank == 0:
                 print(f"{name}: {outcome}", file=sys.stderr, flush=True)
 
 
+def _read_log(path):
+    """({case name: result} of the cases ended, (its place in the case list, name) of a case
+    started and not ended, or None)."""
+    done, open_case = {}, None
+    with open(path) as f:
+        for line in f:
+            entry = json.loads(line)
+            if "start" in entry:
+                open_case = (entry["index"], entry["start"])
+            else:
+                done[entry["name"]] = {k: entry[k] for k in ("option", "outcome", "seconds")}
+                open_case = None
+    return done, open_case
+
+
 def _read_logs(out, ranks):
-    """Each rank's log: ({case name: result}, (index, name) of a case started and not ended, or None)."""
-    logs = []
-    for r in range(ranks):
-        done, open_case = {}, None
-        path = os.path.join(out, f"rank{r}.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    entry = json.loads(line)
-                    if "start" in entry:
-                        open_case = (entry["index"], entry["start"])
-                    else:
-                        done[entry["name"]] = {k: entry[k] for k in ("option", "outcome", "seconds", "index")}
-                        open_case = None
-        logs.append((done, open_case))
-    return logs
+    """Each rank's `_read_log` (empty where it has none yet)."""
+    paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(ranks)]
+    return [_read_log(p) if os.path.exists(p) else ({}, None) for p in paths]
 
 
 def _launch_until_done(cmd, out, ranks, case_timeout):
     """Launch the ranks; where no rank's log grows for `case_timeout` seconds, stop them, count
-    the open case as hung on every rank and launch again past it."""
-    after = 0
+    the open case as hung on every rank and launch again (each rank skips what its log ended)."""
     while True:
-        proc = subprocess.Popen(cmd + ["--after", str(after)], env=dict(os.environ, OPENBLAS_NUM_THREADS="1"),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, env=dict(os.environ, OPENBLAS_NUM_THREADS="1"), start_new_session=True)
         paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(ranks)]
         last_size, last_change = None, time.monotonic()
         while proc.poll() is None:
@@ -164,16 +166,16 @@ def _launch_until_done(cmd, out, ranks, case_timeout):
             if proc.returncode != 0:
                 raise SystemExit(f"the {ranks}-rank launch failed (exit {proc.returncode}); see its output above")
             return
+        # the case some rank is still in: the earliest open one (a rank that went on waits further on)
         opened = [case for _, case in _read_logs(out, ranks) if case is not None]
         if not opened:
             raise SystemExit("the ranks stopped making progress between cases; see their output above")
-        index, name = min(opened)
+        name = min(opened)[1]
         for r in range(ranks):  # the hung case, on every rank, so that the report names it
             with open(paths[r], "a") as log:
-                log.write(json.dumps({"index": index, "name": name, "option": "", "seconds": case_timeout,
+                log.write(json.dumps({"name": name, "option": "", "seconds": case_timeout,
                                       "outcome": f"hung: no rank ended it within {case_timeout:g} s"}) + "\n")
         print(f"{name}: hung; launching again past it", file=sys.stderr, flush=True)
-        after = index + 1
 
 
 def main(argv=None):
@@ -184,12 +186,11 @@ def main(argv=None):
     ap.add_argument("--case-timeout", type=float, default=600,
                     help="seconds without a case ending before the ranks are stopped and the case counted hung")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # what mlx.launch runs
-    ap.add_argument("--after", type=int, default=0, help=argparse.SUPPRESS)  # resume past a hung case
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d") + "-split-variants")
     if args.rank:
-        return rank_main(out, families, args.after)
+        return rank_main(out, families)
     os.makedirs(out, exist_ok=True)
     from dflash_mlx.testing.ports import free_starting_port
 
@@ -207,7 +208,7 @@ def main(argv=None):
     _launch_until_done(cmd, out, args.ranks, args.case_timeout)
     ranks = []
     for done, _ in _read_logs(out, args.ranks):
-        ranks.append({name: {k: v for k, v in entry.items() if k != "index"} for name, entry in done.items()})
+        ranks.append(done)
     for r in range(args.ranks):
         os.remove(os.path.join(out, f"rank{r}.jsonl"))
     elapsed = time.perf_counter() - start

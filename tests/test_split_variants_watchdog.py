@@ -12,16 +12,22 @@ import split_variants  # noqa: E402
 # Two ranks; four cases; case 1 hangs on rank 1 (rank 0 waits on it, as in a collective).
 RANKS = '''
 import json, sys, time, os
-out, after = sys.argv[1], int(sys.argv[sys.argv.index("--after") + 1])
-logs = [open(os.path.join(out, f"rank{rank}.jsonl"), "a") for rank in (0, 1)]
-for index in range(after, 4):
+out = sys.argv[1]
+paths = [os.path.join(out, f"rank{rank}.jsonl") for rank in (0, 1)]
+ended = set()
+if os.path.exists(paths[0]):
+    ended = {json.loads(line).get("name") for line in open(paths[0])}
+logs = [open(p, "a") for p in paths]
+for index in range(4):
+    if f"case{index}" in ended:
+        continue
     for log in logs:
         log.write(json.dumps({"index": index, "start": f"case{index}"}) + "\\n"); log.flush()
     if index == 1:
         time.sleep(60)
     for log in logs:
-        log.write(json.dumps({"index": index, "name": f"case{index}", "option": "o", "outcome": "exact",
-                              "seconds": 0}) + "\\n"); log.flush()
+        log.write(json.dumps({"name": f"case{index}", "option": "o", "outcome": "exact", "seconds": 0}) + "\\n")
+        log.flush()
 '''
 
 
