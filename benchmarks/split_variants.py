@@ -131,7 +131,10 @@ def _read_log(path):
     done, open_case = {}, None
     with open(path) as f:
         for line in f:
-            entry = json.loads(line)
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:  # a line the stopped launch left half-written
+                continue
             if "start" in entry:
                 open_case = (entry["index"], entry["start"])
             else:
@@ -172,8 +175,9 @@ def _launch_until_done(cmd, out, ranks, case_timeout):
             raise SystemExit("the ranks stopped making progress between cases; see their output above")
         name = min(opened)[1]
         for r in range(ranks):  # the hung case, on every rank, so that the report names it
+            whole = not os.path.exists(paths[r]) or open(paths[r], "rb").read()[-1:] in (b"", b"\n")
             with open(paths[r], "a") as log:
-                log.write(json.dumps({"name": name, "option": "", "seconds": case_timeout,
+                log.write(("" if whole else "\n") + json.dumps({"name": name, "option": "", "seconds": case_timeout,
                                       "outcome": f"hung: no rank ended it within {case_timeout:g} s"}) + "\n")
         print(f"{name}: hung; launching again past it", file=sys.stderr, flush=True)
 
