@@ -308,9 +308,24 @@ QUANTIZATIONS = (4, 8)  # bits; group size 32, the tiny configs' widths being mu
 
 def _quantized(o: Options) -> List[Variant]:
     """The model as mlx-lm quantizes it (`mlx_lm.convert -q`: every layer whose width the group
-    divides), as the 4- and 8-bit checkpoints users run: a config's `quantization` entry."""
-    return [Variant(o.key, f"quantized:{bits}bit", {"quantization": {"group_size": 32, "bits": bits}})
-            for bits in QUANTIZATIONS]
+    divides), as the 4- and 8-bit checkpoints users run: a config's `quantization` entry. Where
+    mlx-lm cannot quantize the tiny config (an expert width of 16 under a group of 32 or 64), the
+    fallback widens its feed-forward widths, and its hidden size where its heads' width is set
+    apart, to multiples of 64."""
+    # (mlx-lm's MoE predicates quantize routers and down projections with groups of 64)
+    widths = {name: -(-value // 64) * 64 for name, value in o.values.items()
+              if name.endswith(FEED_FORWARD_WIDTHS) and isinstance(value, int) and not isinstance(value, bool)
+              and value % 64}
+    if o.get("hidden_size", 64) % 64 and o.get("head_dim"):  # (its attention's width is its own)
+        widths["hidden_size"] = -(-o.get("hidden_size") // 64) * 64
+    out = []
+    for bits in QUANTIZATIONS:
+        quantization = {"quantization": {"group_size": 32, "bits": bits}}
+        out.append(Variant(o.key, f"quantized:{bits}bit", quantization, [dict(quantization, **widths)] if widths else []))
+    return out
+
+
+FEED_FORWARD_WIDTHS = ("intermediate_size", "ffn_hidden_size", "expert_dim")
 
 
 # option kind -> rule; a rule returns the variants of one model (none when it lacks the option)
