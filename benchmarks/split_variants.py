@@ -245,8 +245,9 @@ def main(argv=None):
              f"Each case: a family's own tiny config or a variant of it (`dflash_mlx.testing.variants`, single options "
              f"and `combined`), "
              f"split over {args.ranks} ranks (`mlx.launch --backend ring`), DFlash at widths "
-             f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode (mlx-lm's `generate_step`; on a "
-             f"pipeline rank with the caches of its own layers, `Target.make_cache`; {PROMPT_LEN}-token prompt, "
+             f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode (mlx-lm's "
+             f"`generate_step`; on a pipeline rank with the caches of its own layers, `Target.make_cache`; "
+             f"{PROMPT_LEN}-token prompt, "
              f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Every rank must agree.", "",
              "| case | config | " + " | ".join(f"rank {r}" for r in range(args.ranks)) + " |",
              "|---|---|" + "---|" * args.ranks]

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable, Dict, List, Optional, Set
 
-from dflash_mlx.testing import arch_check, archs, more_archs
+from dflash_mlx.testing import arch_check, archs, more_archs, quantized_variants
 
 WINDOW = 5  # windows and chunks: a quarter of arch_check.PROMPT_LEN, so prompt and answer cross several
 SHORT_POSITIONS = 8  # "original" context lengths of scaled RoPEs: the prompt runs past them
@@ -303,31 +303,6 @@ def _layers(o: Options) -> List[Variant]:
     return out
 
 
-QUANTIZATIONS = (4, 8)  # bits; group size 32, the tiny configs' widths being multiples of 32 at best
-
-
-def _quantized(o: Options) -> List[Variant]:
-    """The model as mlx-lm quantizes it (`mlx_lm.convert -q`: every layer whose width the group
-    divides), as the 4- and 8-bit checkpoints users run: a config's `quantization` entry. Where
-    mlx-lm cannot quantize the tiny config (an expert width of 16 under a group of 32 or 64), the
-    fallback widens its feed-forward widths, and its hidden size where its heads' width is set
-    apart, to multiples of 64."""
-    # (mlx-lm's MoE predicates quantize routers and down projections with groups of 64)
-    widths = {name: -(-value // 64) * 64 for name, value in o.values.items()
-              if name.endswith(FEED_FORWARD_WIDTHS) and isinstance(value, int) and not isinstance(value, bool)
-              and value % 64}
-    if o.get("hidden_size", 64) % 64 and o.get("head_dim"):  # (its attention's width is its own)
-        widths["hidden_size"] = -(-o.get("hidden_size") // 64) * 64
-    out = []
-    for bits in QUANTIZATIONS:
-        quantization = {"quantization": {"group_size": 32, "bits": bits}}
-        out.append(Variant(o.key, f"quantized:{bits}bit", quantization, [dict(quantization, **widths)] if widths else []))
-    return out
-
-
-FEED_FORWARD_WIDTHS = ("intermediate_size", "ffn_hidden_size", "expert_dim")
-
-
 # option kind -> rule; a rule returns the variants of one model (none when it lacks the option)
 RULES: Dict[str, Callable[[Options], List[Variant]]] = {
     "window": _window,
@@ -363,7 +338,7 @@ RULES: Dict[str, Callable[[Options], List[Variant]]] = {
     "layers": _layers,
     "kv_heads": lambda o: [v for name in ("num_key_value_heads", "num_kv_heads")  # one KV head for all queries
                            for v in _set(f"kv_heads:{name}", name, _fewer(1)(name))(o)],
-    "quantized": _quantized,
+    "quantized": lambda o: [Variant(o.key, *spec) for spec in quantized_variants.specs(o.values)],
 }
 
 
@@ -408,14 +383,4 @@ def build(key: str, cfg: dict, seed: int = 0):
         model = model_class(args_class.from_dict(cfg))
         model = archs.finish(model, more_archs.EMBED_SCALE.get(key, 4.0), more_archs.TWEAKS.get(key, {}),
                              more_archs.EMBEDDINGS, matrices_only=True)
-    quantization = cfg.get("quantization") or cfg.get("text_config", {}).get("quantization")
-    if quantization:
-        import contextlib
-        import io
-
-        from mlx_lm.utils import quantize_model
-
-        with contextlib.redirect_stdout(io.StringIO()):  # its bits-per-weight line
-            quantize_model(model, cfg, quantization["group_size"], quantization["bits"])
-        mx.eval(model.parameters())
-    return model
+    return quantized_variants.quantize(model, cfg)
