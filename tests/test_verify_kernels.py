@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from dflash_mlx import stream_generate
+from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.kernels import context_kv, gdn, qmm, selection
 from dflash_mlx.models.target.rollback import GDNTape
 from dflash_mlx.models.target.adapter import Target
@@ -132,6 +133,27 @@ def test_quantized_target_is_lossless_on_the_reference_path():
     prompt, ref = clean_case(model, 25, 30, seed=2)
     out, accepts = decode_with_partial_accepts(model, tok, prompt, ref, block_size=8, seed=1)
     assert out == ref and len(set(accepts)) > 2
+
+
+def test_a_reduced_vocabulary_draft_on_a_quantized_tied_head_is_lossless():
+    """The draft's reduced vocabulary takes its rows of the target's quantized, tied embedding
+    (`TargetHead._head_rows` keeps their packing), as a 4-bit mlx-community target with the
+    shipped draft has it."""
+    model, tok = quantized_llama()
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding)
+    prompt, ref = clean_case(model, 25, 30, seed=2)
+    vocab_ids = mx.array(sorted(set(range(0, model.args.vocab_size, 3)) | set(ref)), dtype=mx.int32)
+    target = Target(model)
+    h = mx.random.normal((1, 3, model.args.hidden_size), key=mx.random.key(1))
+    assert mx.allclose(target.head(h, vocab_ids), target.head(h)[..., vocab_ids], atol=1e-5).item()
+    draft = random_draft(model, num_layers=1, block_size=8, seed=3)
+    draft.set_vocab(vocab_ids)
+    for block_size in (8, "auto"):
+        out = []
+        for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[],
+                                 block_size=block_size):
+            out += r.tokens
+        assert out == ref, block_size
 
 
 @needs_gxx
