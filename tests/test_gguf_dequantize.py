@@ -11,7 +11,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from dflash_mlx.models.gguf import reader
 from dflash_mlx.models.gguf.dequantize import dequantize, dequantizer
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
@@ -46,10 +46,10 @@ def _write(path, name, raw, qtype):
     writer.close()
 
 
-@pytest.mark.parametrize("qtype", [Q.Q2_K, Q.Q3_K, Q.F16, Q.BF16, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16, Q.Q3_K, Q.Q6_K], ids=lambda q: q.name)
 def test_a_file_tensor_is_the_same_through_mlx_and_through_gguf(tmp_path, qtype):
-    # Q2_K and Q3_K have no MLX dequantizer here: they go through gguf.quants.
-    assert (dequantizer(int(qtype)) is None) == (qtype in (Q.Q2_K, Q.Q3_K, Q.F16, Q.BF16))
+    # the IQ types have no MLX dequantizer here: they go through gguf.quants (F16 and BF16 are views)
+    assert (dequantizer(int(qtype)) is None) == (qtype in (Q.IQ4_NL, Q.IQ4_XS, Q.F16, Q.BF16))
     block, type_size = GGML_QUANT_SIZES[qtype]
     rows, columns = 3, 2 * 256
     raw = np.random.default_rng(1).integers(0, 256, size=(rows, columns // block * type_size), dtype=np.uint8)

@@ -4,8 +4,8 @@ numpy's float16 -> float32 conversion and its many temporaries made loading slow
 270M's Q8_0 embedding (262,144 x 640) took 3.7-5.7 s through `gguf.quants`, and ~0.4 s here.
 The block layouts are ggml's (`ggml-common.h`); each value is computed in float32 with the
 same operations in the same order as `gguf.quants`, so the weights are identical (tests check
-every type against it). Types not listed in `_DEQUANTIZERS` (the IQ and ternary types, Q2_K,
-Q3_K) go through `gguf.quants` in numpy.
+every type against it). Types not listed in `_DEQUANTIZERS` (the IQ, ternary and MXFP4 types)
+go through `gguf.quants` in numpy.
 """
 
 from typing import Callable, Dict, Optional
@@ -92,6 +92,30 @@ def _q5_k(blocks):  # d, dmin, 12 scale bytes, 32 bytes of high bits, 128 bytes 
     return _k_affine(blocks, (low | (high << 4)).astype(mx.float32))
 
 
+def _q2_k(blocks):  # 16 scale bytes (4-bit scale, 4-bit min), 64 bytes of 2-bit values, d, dmin
+    n = blocks.shape[0]
+    scales = blocks[:, :16]
+    step = (_f16(blocks, 80) * (scales & 0x0F).astype(mx.float32)).reshape(n, 16, 1)
+    offset = (_f16(blocks, 82) * (scales >> 4).astype(mx.float32)).reshape(n, 16, 1)
+    shifts = mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(1, 1, 4, 1)
+    q = ((blocks[:, 16:80].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16).astype(mx.float32)
+    return (step * q - offset).reshape(n, QK_K)
+
+
+def _q3_k(blocks):  # 32 bytes of high bits (set: no -4), 64 bytes of 2-bit values, 12 scale bytes, d
+    n = blocks.shape[0]
+    low, high = blocks[:, 96:104], blocks[:, 104:108]
+    low = (low.reshape(n, 1, 8) >> mx.array([0, 4], dtype=mx.uint8).reshape(1, 2, 1)).reshape(n, 16)
+    high = (high.reshape(n, 1, 4) >> mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(1, 4, 1)).reshape(n, 16)
+    scales = (((low & 0x0F) | ((high & 0x03) << 4)).astype(mx.int8) - 32).astype(mx.float32)
+    step = (_f16(blocks, 108) * scales).reshape(n, 16, 1)
+    shifts = mx.array([0, 2, 4, 6], dtype=mx.uint8).reshape(1, 1, 4, 1)
+    q = ((blocks[:, 32:96].reshape(n, 2, 1, 32) >> shifts) & 3).reshape(n, 16, 16)
+    bits = mx.arange(8, dtype=mx.uint8).reshape(1, 1, 8, 1)
+    unset = ((blocks[:, :32].reshape(n, 1, 1, 32) >> bits) & 1).reshape(n, 16, 16) ^ 1
+    return (step * (q.astype(mx.int8) - (unset << 2).astype(mx.int8)).astype(mx.float32)).reshape(n, QK_K)
+
+
 def _q6_k(blocks):  # 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d
     n = blocks.shape[0]
     low = _nibbles(blocks[:, :128].reshape(n, 2, 64)).reshape(n, 8, 32)
@@ -110,7 +134,7 @@ def _register():
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
     for qtype, fn in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q5_0, _q5_0), (Q.Q5_1, _q5_1), (Q.Q8_0, _q8_0),
-                      (Q.Q4_K, _q4_k), (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k)):
+                      (Q.Q2_K, _q2_k), (Q.Q3_K, _q3_k), (Q.Q4_K, _q4_k), (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k)):
         _DEQUANTIZERS[int(qtype)] = (*GGML_QUANT_SIZES[qtype], fn)
 
 
