@@ -206,7 +206,7 @@ def extract_row(batch: List, b: int) -> List:
 def _extract(c, b: int):
     if isinstance(c, CacheList):
         return CacheList(*(_extract(s, b) for s in c.caches))
-    # never filled here: a layer another pipeline rank runs (mlx-lm's extract cannot take it)
+    # never filled: a cache no layer fills, which `own_layers_caches` missed (mlx-lm's extract cannot take it)
     if isinstance(c, BatchRotatingKVCache) and c.keys is None:
         return RotatingKVCache(max_size=c.max_size)
     if isinstance(c, BatchKVCache) and c.keys is None:

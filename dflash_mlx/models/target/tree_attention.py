@@ -155,7 +155,7 @@ def compact_cache(cache: List[Any], start: int, rows: Sequence[int], verified: i
     keep = len(rows)
     moved = list(rows) != list(range(keep))
     for c in cache:
-        if moved and c.keys is not None:  # (None: nothing cached, e.g. a layer another pipeline rank holds)
+        if moved and c.keys is not None:  # (None: a cache no layer fills, which `own_layers_caches` missed)
             idx = mx.array(rows) + start
             c.keys[..., start : start + keep, :] = c.keys[..., idx, :]
             c.values[..., start : start + keep, :] = c.values[..., idx, :]
