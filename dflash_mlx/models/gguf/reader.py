@@ -166,15 +166,20 @@ def read_gguf(path) -> GGUFFile:
     return GGUFFile(path, version, metadata, tensors)
 
 
+def _tensor_bytes(gf: GGUFFile, name: str, data: Optional[np.ndarray]):
+    """(the tensor's table entry, its bytes: a view of `data`, the file memory-mapped where None)."""
+    info = gf.tensors[name]
+    if data is None:
+        data = np.memmap(gf.path, dtype=np.uint8, mode="r")
+    return info, data[info.offset:info.offset + info.nbytes]
+
+
 def tensor_to_numpy(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None) -> np.ndarray:
     """One tensor dequantized to float32 (F16/BF16/F32 are converted, not copied twice)."""
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
-    info = gf.tensors[name]
-    if data is None:
-        data = np.memmap(gf.path, dtype=np.uint8, mode="r")
-    raw = data[info.offset:info.offset + info.nbytes]
+    info, raw = _tensor_bytes(gf, name, data)
     qtype = GGMLQuantizationType(info.ggml_type)
     if qtype == GGMLQuantizationType.F32:
         return np.array(raw.view(np.float32).reshape(info.shape))
@@ -196,15 +201,12 @@ def tensor_to_mlx(gf: GGUFFile, name: str, data: Optional[np.ndarray] = None):
 
     from dflash_mlx.models.gguf.dequantize import dequantize
 
-    info = gf.tensors[name]
-    if data is None:
-        data = np.memmap(gf.path, dtype=np.uint8, mode="r")
-    raw = data[info.offset:info.offset + info.nbytes]
+    info, raw = _tensor_bytes(gf, name, data)
+    qtype = GGMLQuantizationType(info.ggml_type)
     floats = {GGMLQuantizationType.F32: mx.float32, GGMLQuantizationType.F16: mx.float16,
-              GGMLQuantizationType.BF16: mx.bfloat16}.get(GGMLQuantizationType(info.ggml_type))
+              GGMLQuantizationType.BF16: mx.bfloat16}.get(qtype)
     if floats is not None:
         return mx.array(np.asarray(raw)).view(floats).astype(mx.float32).reshape(info.shape)
-    qtype = GGMLQuantizationType(info.ggml_type)
     block = GGML_QUANT_SIZES[qtype][0]
     if not info.shape or info.shape[-1] % block:
         raise GGUFError(f"{gf.path}: tensor {name}: shape {info.shape} does not split into {qtype.name} blocks of "
