@@ -157,6 +157,15 @@ def _read_logs(out, ranks):
     return [_read_log(p) if os.path.exists(p) else ({}, None) for p in paths]
 
 
+def _ends_a_line(path) -> bool:
+    """Whether the file is empty or ends with a newline (a stopped launch may leave half a line)."""
+    with open(path, "rb") as f:
+        if f.seek(0, os.SEEK_END) == 0:
+            return True
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
+
+
 def _launch_until_done(cmd, out, ranks, case_timeout):
     """Launch the ranks; where no rank's log grows for `case_timeout` seconds, stop them, count
     the open case as hung on every rank and launch again (each rank skips what its log ended)."""
@@ -183,7 +192,7 @@ def _launch_until_done(cmd, out, ranks, case_timeout):
             raise SystemExit("the ranks stopped making progress between cases; see their output above")
         name = min(opened)[1]
         for r in range(ranks):  # the hung case, on every rank, so that the report names it
-            whole = not os.path.exists(paths[r]) or open(paths[r], "rb").read()[-1:] in (b"", b"\n")
+            whole = not os.path.exists(paths[r]) or _ends_a_line(paths[r])
             with open(paths[r], "a") as log:
                 log.write(("" if whole else "\n") + json.dumps({"name": name, "option": "", "seconds": case_timeout,
                                       "outcome": f"hung: no rank ended it within {case_timeout:g} s"}) + "\n")
