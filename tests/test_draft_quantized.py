@@ -191,7 +191,7 @@ def gguf(tmp_path_factory):
     d = tmp_path_factory.mktemp("qcli")
     model = write_tiny_gguf(d / "tiny.gguf", "llama")
     draft = random_draft(model, num_layers=1, block_size=4)
-    draft.set_vocab(mx.arange(0, 300, 2, dtype=mx.int32))  # a reduced draft vocabulary, kept on export
+    draft.set_vocab(mx.arange(0, 258, 2, dtype=mx.int32))  # a reduced draft vocabulary, kept on export
     save_draft(draft, d / "draft")
     return d
 
@@ -219,7 +219,7 @@ def test_cli_draft_bits_and_export_round_trip(gguf, capsys, tmp_path, monkeypatc
     model = write_tiny_gguf(tmp_path / "t.gguf", "llama")
     exported = load_draft(tmp_path / "q8", model)
     direct = load_draft(gguf / "draft", model, bits=8, group_size=32)
-    assert exported.vocab_ids.tolist() == direct.vocab_ids.tolist() == list(range(0, 300, 2))
+    assert exported.vocab_ids.tolist() == direct.vocab_ids.tolist() == list(range(0, 258, 2))
     a, b = dict(tree_flatten(exported.parameters())), dict(tree_flatten(direct.parameters()))
     assert set(a) == set(b) and all(mx.array_equal(a[k], b[k]).item() for k in a)
     code, out, _ = cli(capsys, *run, "--draft", str(tmp_path / "q8"))

@@ -121,6 +121,11 @@ class BatchEngine:
             raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens but {self.target.name} has a "
                              f"context window of {self.target.max_context} tokens: shorten the prompt"
                              + (f" ({self.target.context_note})" if self.target.context_note else ""))
+        low, high = min(request.prompt_ids), max(request.prompt_ids)
+        if low < 0 or high >= self.target.vocab_size:  # (embedded from outside the table: garbage, no error)
+            raise ValueError(f"the prompt holds token id {low if low < 0 else high}, outside "
+                             f"{self.target.name}'s vocabulary of {self.target.vocab_size} tokens: encode it "
+                             "with this model's own tokenizer")
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

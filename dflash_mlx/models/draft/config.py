@@ -9,6 +9,8 @@ Gemma-4-style drafts (`rope_parameters`) and DFlash 2 drafts (`dflash_config.con
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import mlx.core as mx
+
 DFLASH2_ARCH = "DFlash2DraftModel"
 DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # in dflash_config
 
@@ -222,3 +224,15 @@ def validate_for_target(config: DraftConfig, target) -> None:
             f"draft mask_token_id {config.mask_token_id} is outside the {name}'s vocabulary "
             f"of {target.vocab_size}"
         )
+
+
+def check_vocab_ids(token_ids: mx.array, vocab_size: int) -> None:
+    """A reduced draft vocabulary must be a non-empty list of ids inside the target's vocabulary."""
+    if token_ids.ndim != 1 or token_ids.size == 0:
+        raise DraftMismatchError(f"the draft vocabulary has shape {tuple(token_ids.shape)}: expected a non-empty "
+                                 "list of the target's token ids")
+    low, high = mx.min(token_ids).item(), mx.max(token_ids).item()
+    if low < 0 or high >= vocab_size:
+        raise DraftMismatchError(
+            f"the draft vocabulary names token id {high if high >= vocab_size else low}, outside the target's "
+            f"vocabulary of {vocab_size} tokens: this draft was made for another target model")

@@ -18,7 +18,7 @@ from mlx_lm.models.rope_utils import initialize_rope
 
 from dflash_mlx.kernels import context_kv, selection
 from dflash_mlx.models.draft.context_cache import ContextCache
-from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError
+from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError, check_vocab_ids
 from dflash_mlx.models.rope_offsets import rotate_rows
 
 
@@ -187,6 +187,11 @@ class DFlashDraftModel(nn.Module):
         return self
 
     def set_vocab(self, token_ids: Optional[mx.array]):
+        """A reduced draft vocabulary: the target token ids the draft scores, [V_draft]. An id past
+        the target's vocabulary would be drafted, then embedded by the target's verify from
+        outside its table: garbage (NaN) in its caches, wrong tokens with no error."""
+        if token_ids is not None:
+            check_vocab_ids(token_ids, self.config.vocab_size)
         object.__setattr__(self, "vocab_ids", token_ids)
 
     def make_cache(self) -> List[ContextCache]:
