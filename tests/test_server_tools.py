@@ -11,7 +11,6 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 import json
 
-import anthropic
 import httpx
 import mlx.core as mx
 import pytest
@@ -34,6 +33,8 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def agent():
     model, tok = tool_call_target()
+    import anthropic  # (here, not at collection: its import takes ~1 s of each pytest worker)
+
     with serving(model, random_draft(model, block_size=4), tok, template=None) as s:
         s.anthropic = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0)
         yield s
@@ -214,6 +215,8 @@ def test_anthropic_system_stop_sequences_and_max_tokens(agent, stream):
 
 
 def test_anthropic_count_tokens_and_errors(agent):
+    import anthropic
+
     n = agent.anthropic.messages.count_tokens(model=MODEL, messages=QUESTION, tools=anthropic_tools())
     assert n.input_tokens == len(agent.worker.encode_chat(QUESTION, tools=TOOLS))
     with pytest.raises(anthropic.NotFoundError) as e:
