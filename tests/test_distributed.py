@@ -331,6 +331,55 @@ def test_a_lost_rank_ends_the_server_with_one_line_within_seconds(ranks):
     assert len(lines) == 2 and "on http://" in lines[0], lines  # the start line, then that one line
 
 
+class FourRanks:
+    """A group of four processes for `split`'s checks (nothing here reaches a collective)."""
+
+    def size(self):
+        return 4
+
+    def rank(self):
+        return 0
+
+
+@pytest.mark.parametrize("key, needle", [
+    ("qwen3", "n_kv_heads is 2, so a process would hold none of those heads"),
+    ("minimax", "num_key_value_heads is 2, so a process would hold none of those heads"),
+    ("qwen3_5", "num_k_heads is 2, so a process would hold none of those heads"),  # Gated DeltaNet's
+    ("gpt_oss", "cannot split this model tensor parallel over 4 processes: integer division"),
+    ("kimi_k25", None),  # 4 heads: one a process
+])
+def test_a_tensor_split_that_leaves_a_rank_no_heads_is_refused_in_one_line(key, needle):
+    """mlx-lm's `shard` divides head counts by the ranks, to 0 where they outnumber them, and its own
+    decode of that split then fails in a reshape at the first forward (or, for gpt-oss, `shard`
+    divides by 0): refused when split, naming the count."""
+    from dflash_mlx.testing import arch_check
+
+    model = arch_check.build(key)
+    if needle is None:
+        assert split(model, "tensor", group=FourRanks()) == "tensor"
+        return
+    with pytest.raises(ShardingError, match=needle) as e:
+        split(model, "tensor", group=FourRanks())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("key, needle", [("qwen3", "n_kv_heads is 2"), ("gpt_oss", "integer division")])
+def test_a_folder_loaded_split_that_leaves_a_rank_no_heads_is_refused(tmp_path, key, needle):
+    """The same through `load_split` (mlx-lm's `sharded_load`, each rank reading its part)."""
+    from mlx_lm.utils import save_config, save_model
+
+    from dflash_mlx.models.sharded import load_split
+    from dflash_mlx.testing.targets import byte_tokenizer
+
+    from dflash_mlx.testing import arch_check
+
+    save_model(tmp_path, arch_check.build(key))
+    save_config(dict(arch_check.ARCHITECTURES[key]), tmp_path / "config.json")
+    byte_tokenizer()._tokenizer.save_pretrained(str(tmp_path))
+    with pytest.raises(ShardingError, match=needle):
+        load_split(tmp_path, "tensor", group=FourRanks())
+
+
 def test_a_pipeline_that_would_leave_a_rank_without_layers_is_refused():
     """Kimi K3 splits itself and lets a rank hold no layer; mlx-lm's own decode of that split then
     reads every message between the ranks out of step (measured: 1 layer on 2 ranks)."""

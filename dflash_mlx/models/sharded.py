@@ -86,16 +86,35 @@ def split(model, mode: str = "auto", group=None) -> str:
     mode = choose_mode(model, mode)
     if mode == "pipeline":
         _every_rank_holds_a_layer(model, group)
+    heads = _head_counts(model)
     try:
         if mode == "tensor":
             model.shard(group)
         else:
             _pipeline_holder(model).pipeline(group)
-    except (AssertionError, ValueError) as e:  # heads or layers that do not divide over the ranks
+    except (AssertionError, ValueError, ZeroDivisionError) as e:  # heads or layers that do not divide
         raise ShardingError(f"mlx-lm cannot split this model {mode} parallel over {group.size()} processes"
                             f"{': ' + str(e) if str(e) else ''}; try another --distributed mode or process count") from None
+    if mode == "tensor":
+        _every_rank_holds_heads(heads, _head_counts(model), group)
     mx.eval(model.parameters())
     return mode
+
+
+def _head_counts(model) -> dict:
+    """{(module path, name): count} of every module's head counts (`n_kv_heads`, `num_attention_heads`,
+    `num_v_heads`, ...), as mlx-lm's `shard` methods divide them over the ranks."""
+    return {(path, name): value for path, module in model.named_modules() for name, value in vars(module).items()
+            if name.endswith("heads") and name.startswith(("n_", "num_")) and type(value) is int}
+
+
+def _every_rank_holds_heads(before: dict, after: dict, group) -> None:
+    """Refuses a tensor split that leaves a rank no head of some kind: mlx-lm's `shard` divides the
+    count by the ranks, to 0 where they outnumber it, and the first forward then fails in a reshape."""
+    for key, count in after.items():
+        if count == 0 and before.get(key, 0) > 0:
+            raise ShardingError(f"no tensor split over {group.size()} processes: {key[1]} is {before[key]}, so a "
+                                "process would hold none of those heads; use fewer processes or --distributed pipeline")
 
 
 def load_split(path: Path, mode: str = "auto", group=None, source: Optional[str] = None):
@@ -109,9 +128,16 @@ def load_split(path: Path, mode: str = "auto", group=None, source: Optional[str]
     mode = choose_mode(model, mode)
     if mode == "pipeline":
         _every_rank_holds_a_layer(model, group)
+    heads = _head_counts(model)
     del model
-    model, tokenizer = sharded_load(source or str(path), pipeline_group=group if mode == "pipeline" else None,
-                                    tensor_group=group if mode == "tensor" else None)
+    try:
+        model, tokenizer = sharded_load(source or str(path), pipeline_group=group if mode == "pipeline" else None,
+                                        tensor_group=group if mode == "tensor" else None)
+    except ZeroDivisionError as e:  # (a head count over more ranks, in some models' `shard`)
+        raise ShardingError(f"mlx-lm cannot split this model {mode} parallel over {group.size()} processes: {e}; "
+                            "try another --distributed mode or process count") from None
+    if mode == "tensor":
+        _every_rank_holds_heads(heads, _head_counts(model), group)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return model, tokenizer, mode
 
