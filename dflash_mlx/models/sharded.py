@@ -93,12 +93,16 @@ def split(model, mode: str = "auto", group=None) -> str:
         else:
             _pipeline_holder(model).pipeline(group)
     except (AssertionError, ValueError, ZeroDivisionError) as e:  # heads or layers that do not divide
-        raise ShardingError(f"mlx-lm cannot split this model {mode} parallel over {group.size()} processes"
-                            f"{': ' + str(e) if str(e) else ''}; try another --distributed mode or process count") from None
+        raise _cannot_split(mode, group, e) from None
     if mode == "tensor":
         _every_rank_holds_heads(heads, _head_counts(model), group)
     mx.eval(model.parameters())
     return mode
+
+
+def _cannot_split(mode: str, group, error: Exception) -> ShardingError:
+    return ShardingError(f"mlx-lm cannot split this model {mode} parallel over {group.size()} processes"
+                         f"{': ' + str(error) if str(error) else ''}; try another --distributed mode or process count")
 
 
 def _head_counts(model) -> dict:
@@ -134,8 +138,7 @@ def load_split(path: Path, mode: str = "auto", group=None, source: Optional[str]
         model, tokenizer = sharded_load(source or str(path), pipeline_group=group if mode == "pipeline" else None,
                                         tensor_group=group if mode == "tensor" else None)
     except ZeroDivisionError as e:  # (a head count over more ranks, in some models' `shard`)
-        raise ShardingError(f"mlx-lm cannot split this model {mode} parallel over {group.size()} processes: {e}; "
-                            "try another --distributed mode or process count") from None
+        raise _cannot_split(mode, group, e) from None
     if mode == "tensor":
         _every_rank_holds_heads(heads, _head_counts(model), group)
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
