@@ -86,7 +86,7 @@ def split(model, mode: str = "auto", group=None) -> str:
     mode = choose_mode(model, mode)
     if mode == "pipeline":
         _every_rank_holds_a_layer(model, group)
-    heads = _head_counts(model)
+    heads = _head_counts(model) if mode == "tensor" else None
     try:
         if mode == "tensor":
             model.shard(group)
@@ -132,7 +132,7 @@ def load_split(path: Path, mode: str = "auto", group=None, source: Optional[str]
     mode = choose_mode(model, mode)
     if mode == "pipeline":
         _every_rank_holds_a_layer(model, group)
-    heads = _head_counts(model)
+    heads = _head_counts(model) if mode == "tensor" else None
     del model
     try:
         model, tokenizer = sharded_load(source or str(path), pipeline_group=group if mode == "pipeline" else None,
