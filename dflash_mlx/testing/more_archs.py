@@ -243,11 +243,11 @@ WRAPPER_CONFIGS: Dict[str, dict] = {
         output_multiplier=0.5, num_local_experts=4, num_experts_per_tok=2, moe_hidden_size=32,
         moe_intermediate_size=16)),
     "gemma3n": dict(model_type="gemma3n", text_config=_c(
-        _B, model_type="gemma3n_text", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        _B, model_type="gemma3n_text", hidden_size=32, num_hidden_layers=4, intermediate_size=64,
         num_attention_heads=4, head_dim=8, num_key_value_heads=2, num_kv_shared_layers=0,
         vocab_size_per_layer_input=V, sliding_window=SW, rope_local_base_freq=10000.0, rope_theta=10000.0,
-        final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"],
-        activation_sparsity_pattern=[0.0, 0.0], hidden_size_per_layer_input=8, altup_num_inputs=2,
+        final_logit_softcapping=30.0, layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=8, altup_num_inputs=2,
         altup_coef_clip=120.0, altup_correct_scale=True, altup_active_idx=0, laurel_rank=4)),
 }
 
@@ -265,10 +265,11 @@ EMBEDDINGS = ("embed_tokens.weight", "embeddings.weight", "wte.weight", "embeddi
 # Knobs per key, so that the random model's greedy continuations are varied (a model that
 # repeats one token tests nothing): seed offsets, embedding scales (default 4), parameter tweaks.
 SEEDS: Dict[str, int] = {"gpt2": 2, "gpt_bigcode": 2, "openelm": 2, "afm7": 2, "hunyuan": 2, "lfm2_moe": 4,
-                         "gemma4": 2, "lfm2-vl": 2, "glm4": 2, "qwen3": 4, "lille-130m": 1}
+                         "gemma4": 2, "lfm2-vl": 2, "glm4": 2, "qwen3": 4, "lille-130m": 1,
+                         "gemma3n": 3}
 EMBED_SCALE: Dict[str, float] = {"gpt2": 0.25, "gpt_bigcode": 0.25, "openelm": 0.05, "afm7": 0.1, "hunyuan": 0.25,
                                  "lfm2_moe": 0.1, "gemma4": 0.25, "lfm2-vl": 0.05, "glm4": 16.0,
-                                 "qwen3": 0.25, "gemma4_text": 0.25}
+                                 "qwen3": 0.25, "gemma4_text": 0.25, "gemma3n": 0.25}
 
 
 def _packed(p):
@@ -304,7 +305,6 @@ NOT_RUN: Dict[str, str] = {
 # Keys DFlash refuses when the target is built, with a fragment of the one line it gives.
 REFUSED: Dict[str, str] = {
     "olmo": "applies the LM head itself",
-    "gemma3n": "applies the LM head itself",
     "iquestloopcoder": "never called whole",
     "deepseek_v41": r"cache 0 \(LayerCache\) cannot be rolled back",
     "longcat_flash_ngram": "cannot find the decoder layers and token embedding",

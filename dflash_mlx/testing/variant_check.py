@@ -17,6 +17,7 @@ from typing import List, Optional
 
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.testing import arch_check, variants
 from dflash_mlx.testing.targets import (EOS_ID, RankedDraft, RowScriptedDrafts, ScriptedDraft, byte_tokenizer,
@@ -176,7 +177,8 @@ def _batches(model, length) -> Optional[str]:
 
 
 def _logits(model, prompt):
-    out = model(mx.array([prompt]))
+    # with a prompt cache, as decoding runs it: a KV-shared layer reads its owner's cache only then
+    out = model(mx.array([prompt]), cache=make_prompt_cache(model))
     mx.eval(out)
     return out
 

@@ -69,7 +69,7 @@ def _layer_list(holder) -> Optional[list]:
     return layers if isinstance(layers, list) else None
 
 
-def _text_args(model):
+def _text_args(model, text_model):
     args = getattr(model, "args", None)
     lm = getattr(model, "language_model", None)
     if lm is not None and hasattr(lm, "args"):
@@ -78,6 +78,10 @@ def _text_args(model):
         inner = getattr(args, key, None)
         if inner is not None and hasattr(inner, "hidden_size"):
             args = inner
+    if not hasattr(args, "hidden_size"):  # a wrapper that keeps them as a dict (Gemma 3n): the text model's own
+        own = getattr(text_model, "args", None) or getattr(text_model, "config", None)
+        if hasattr(own, "hidden_size"):
+            args = own
     return args
 
 
@@ -91,10 +95,10 @@ class Target:
 
     def __init__(self, model, name: Optional[str] = None):
         self.model = model
-        self.args = _text_args(model)
+        self.text_model, text_parent = _find_text_model(model)
+        self.args = _text_args(model, self.text_model)
         self.arch = getattr(self.args, "model_type", None) or getattr(model, "model_type", "?")
         self.name = name or f"{self.arch} target"
-        self.text_model, text_parent = _find_text_model(model)
         self.layers = _layer_list(self.text_model)  # the model's own list: taps swap its entries
         self._embedding_name = next(n for n in EMBEDDING_NAMES if n in self.text_model)
         self.embed_tokens = self.text_model[self._embedding_name]
@@ -291,7 +295,7 @@ class Target:
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
         with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
                 (riding(self._ride_slot, ride, self.sharding.rank) if ride else nullcontext()) as summed:
-            h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
+            h = self.run_text_model(tokens, cache if tree is None else tree_caches(cache, tree))
         if ride:  # rank 0's values rode on the tensor split's own sum (`tensor_ride`)
             if summed.arrived is None:  # this model's forward skipped it: they wait for their own all_sum
                 self._ride_slot = None
@@ -299,6 +303,12 @@ class Target:
                 del rider.outbox[: len(ride)]
                 rider.inbox.append(summed.arrived)
         return h, (mx.concatenate(features, axis=-1) if layer_ids else None), rec
+
+    def run_text_model(self, tokens: mx.array, cache) -> mx.array:
+        """The text model's forward (inside the swaps `taps` made) -> final hidden states: its
+        output, or, where it applies its LM head itself, what its head step was handed."""
+        out = self.text_model(tokens, cache=cache)
+        return out if self.inner_head is None else self.inner_head.hidden(out)
 
     def _pipeline_forward(self, tokens, cache, layer_ids, record, tree, fuse):
         """`forward` on a pipeline rank: the taps, and the rider values rank 0 has waiting, ride
@@ -316,7 +326,7 @@ class Target:
                 with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
                         (carried(self.text_model, self._embedding_name, self.layers, carry) if carrying
                          else nullcontext()):
-                    h = self.text_model(tokens, cache=cache if tree is None else tree_caches(cache, tree))
+                    h = self.run_text_model(tokens, cache if tree is None else tree_caches(cache, tree))
                 break
             except CarryRefused:  # its layers take more than one hidden state: gather the taps
                 self._carries = False

@@ -71,7 +71,9 @@ class TargetHead:
         self._lm_head = lm_head
         self.arch = arch
         self.hidden_size = hidden_size
-        self.softcap = getattr(model, "final_logit_softcapping", None)
+        # (Gemma 3n's text model soft-caps its own logits: it holds the cap)
+        self.softcap = getattr(model, "final_logit_softcapping", None) or (
+            getattr(text_model, "final_logit_softcapping", None) if inner else None)
         # tensor parallel: a head split by vocabulary rows is gathered (`sharding.head_group`)
         self._vocab_group = head_group(lm_head) if lm_head is not None else None
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
@@ -92,6 +94,8 @@ class TargetHead:
             h = h * mx.array(self.hidden_size**0.5, mx.bfloat16).astype(h.dtype)
         elif self.arch == "gemma4_text":
             h = h * self.text_model.embed_scale
+        elif self.arch == "gemma3n_text":
+            h = h * (self.hidden_size**0.5)
         return h
 
     def head(self, h: mx.array, vocab_ids: Optional[mx.array] = None) -> mx.array:

@@ -2,10 +2,13 @@
 
 Most mlx-lm text models return final hidden states and their `Model` applies the LM head.
 A few apply it inside the text model: GPT-NeoX's `embed_out` after its final norm, Lille's
-tied `tok_embeddings.as_linear`. DFlash needs the final hidden states (the draft's features,
-the split LM head, a reduced draft vocabulary), so during each forward the head step passes
-its input through (a stand-in swapped in for the forward, put back after: nothing patches
-mlx-lm) and `TargetHead` applies the same head to what comes out.
+tied `tok_embeddings.as_linear`, Gemma 3n's tied head followed by its soft cap.
+DFlash needs the final hidden states (the draft's features, the split LM head, a reduced draft
+vocabulary), so during each forward the head step keeps its input and passes it through (a
+stand-in swapped in for the forward, put back after: nothing patches mlx-lm). What the text
+model does after the head step (Gemma 3n soft-caps) then runs on the hidden states and is
+discarded: `InnerHead.hidden` gives what the head step was handed, and `TargetHead` applies the
+same head, and the same soft cap, to it.
 
 Which step is the head is found, not assumed (`find`): each candidate is passed through on a
 two-token forward, and kept only where the hidden states it then gives, through the head,
@@ -23,12 +26,14 @@ from dflash_mlx.models.target.rollback import StandIn, swaps
 
 
 class _PassThrough(StandIn):
-    """Stands in for a head layer inside the text model: returns its input."""
+    """Stands in for a head layer inside the text model: keeps its input and returns it."""
 
-    def __init__(self, module):
+    def __init__(self, module, inner: "InnerHead"):
         self._wrapped = module
+        self._inner = inner
 
     def __call__(self, x, *args, **kwargs):
+        self._inner.handed = x
         return x
 
 
@@ -36,13 +41,15 @@ class _EmbeddingWithoutHead(StandIn):
     """Stands in for a tied embedding inside the text model: embeds as it does, but its
     `as_linear` (the head) returns its input."""
 
-    def __init__(self, module):
+    def __init__(self, module, inner: "InnerHead"):
         self._wrapped = module
+        self._inner = inner
 
     def __call__(self, *args, **kwargs):
         return self._wrapped(*args, **kwargs)
 
     def as_linear(self, x):
+        self._inner.handed = x
         return x
 
 
@@ -54,9 +61,16 @@ class InnerHead:
     name: str
     module: nn.Module
     tied: bool
+    handed: Optional[mx.array] = None  # what the head step was handed in the last forward
 
     def stand_in(self):
-        return _EmbeddingWithoutHead(self.module) if self.tied else _PassThrough(self.module)
+        return _EmbeddingWithoutHead(self.module, self) if self.tied else _PassThrough(self.module, self)
+
+    def hidden(self, out: mx.array) -> mx.array:
+        """The final hidden states of the forward that returned `out`: what the head step was
+        handed (a pipeline rank that did not reach it: `out`)."""
+        handed, self.handed = self.handed, None
+        return out if handed is None else handed
 
 
 def candidates(text_model, embedding_name: str, head_names, vocab_size: int) -> List[InnerHead]:
@@ -92,7 +106,7 @@ def find(model, text_model, found: List[InnerHead], hidden_size: int, vocab_size
     for inner in found:
         try:
             with passing_through(text_model, inner):
-                h = text_model(tokens)
+                h = inner.hidden(text_model(tokens))
             if h.shape[-1] != hidden_size:
                 continue
             ours = logits_of(inner, h).astype(mx.float32)

@@ -16,6 +16,7 @@ windows, shared KV, embedding scales) runs unchanged around them:
 from contextlib import contextmanager
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
@@ -35,6 +36,14 @@ class _LayerTap(StandIn):
         out = self._wrapped(*args, **kwargs)
         self._after(out)
         return out
+
+
+def layer_hidden(out) -> mx.array:
+    """The hidden state a decoder layer's output gives the draft, [B, S, H]: the output, the
+    first of a tuple (layers that also return a cache or a mix), or the first of stacked residual
+    streams [n, B, S, H] (Gemma 3n's AltUp: the stream its layers predict from and correct)."""
+    out = out[0] if isinstance(out, tuple) else out
+    return out[0] if out.ndim == 4 else out
 
 
 def modules_of(module, kinds) -> List[Tuple[Any, Any, Any]]:
@@ -93,7 +102,7 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
     def make_tap(idx, layer):
         def after(out):
             for i in slot.get(idx, ()):
-                features[i] = out[0] if isinstance(out, tuple) else out
+                features[i] = layer_hidden(out)
 
         return _LayerTap(layer, after)
 
