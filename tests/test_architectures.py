@@ -101,6 +101,27 @@ def test_a_mixer_replayed_alone_must_rebuild_the_state():
     assert "cannot be re-run alone" in probe._mixers_replay(rwkv)
 
 
+def test_a_text_model_that_soft_caps_after_its_own_head_runs_exact():
+    """Gemma 3n's text model applies its tied head and then soft-caps: the forward gives what the
+    head step was handed (the capped values the text model returns are dropped), DFlash applies
+    the head and the cap, and its AltUp layers, which carry stacked streams, hand the draft the
+    first one. Greedy DFlash is mlx-lm's greedy decode at every width, over two turns, in batches."""
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing import variant_check, variants
+
+    model = model_for("gemma3n")
+    target = Target(model)
+    assert (target.arch, target.inner_head.name, target.inner_head.tied) == ("gemma3n_text", "embed_tokens", True)
+    assert target.vocab.softcap == 30.0
+    ids = mx.array([[1, 2, 3]])
+    h, features, _ = target.forward(ids, target.make_cache(), layer_ids=[0, 3])
+    assert h.shape == (1, 3, target.hidden_size) and features.shape == (1, 3, 2 * target.hidden_size)
+    assert mx.allclose(target.logits(h), model(ids), atol=1e-4).item()
+    r = variant_check.check(variants.Variant("gemma3n", "base", {}))
+    assert r.status == "exact", r.reason
+    assert r.checked[:5] == ["1", "4", "16", "auto", "turns"] and "batches" in r.checked
+
+
 @pytest.mark.parametrize("key,name,tied", [("gpt_neox", "embed_out", False), ("lille-130m", "tok_embeddings", True)])
 def test_a_text_model_that_applies_its_head_itself_runs_exact(key, name, tied):
     """GPT-NeoX applies `embed_out` inside its text model, Lille its tied `as_linear`: during a
