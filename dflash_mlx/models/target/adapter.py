@@ -293,7 +293,7 @@ class Target:
         rec = VerifyRecord() if (record and self.recurrent) else None
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
-        with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
+        with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree, tokens.shape[:2]), \
                 (riding(self._ride_slot, ride, self.sharding.rank) if ride else nullcontext()) as summed:
             h = self.run_text_model(tokens, cache if tree is None else tree_caches(cache, tree))
         if ride:  # rank 0's values rode on the tensor split's own sum (`tensor_ride`)
@@ -323,7 +323,8 @@ class Target:
             ride = rider.outbox[: tokens.shape[1] * self.hidden_size] if carrying else []
             carry = Carry(tokens.shape[0], features, ride, self.sharding.rank, fuse)
             try:
-                with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree), \
+                with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree,
+                          tokens.shape[:2]), \
                         (carried(self.text_model, self._embedding_name, self.layers, carry) if carrying
                          else nullcontext()):
                     h = self.run_text_model(tokens, cache if tree is None else tree_caches(cache, tree))

@@ -38,12 +38,13 @@ class _LayerTap(StandIn):
         return out
 
 
-def layer_hidden(out) -> mx.array:
-    """The hidden state a decoder layer's output gives the draft, [B, S, H]: the output, the
-    first of a tuple (layers that also return a cache or a mix), or the first of stacked residual
-    streams [n, B, S, H] (Gemma 3n's AltUp: the stream its layers predict from and correct)."""
+def layer_hidden(out, rows: Tuple[int, int]) -> mx.array:
+    """The hidden state a decoder layer's output gives the draft, [B, S, H] (`rows`: B, S): the
+    output, the first of a tuple (layers that also return a cache or a mix), or the first of
+    stacked residual streams [n, B, S, H] (Gemma 3n's AltUp: the stream its layers predict from
+    and correct). Any other shape is passed on, and `probe` refuses the model naming it."""
     out = out[0] if isinstance(out, tuple) else out
-    return out[0] if out.ndim == 4 else out
+    return out[0] if out.ndim == 4 and tuple(out.shape[1:3]) == tuple(rows) else out
 
 
 def modules_of(module, kinds) -> List[Tuple[Any, Any, Any]]:
@@ -88,9 +89,9 @@ def use_small_m(target, width: int) -> bool:
 
 @contextmanager
 def taps(target, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool,
-         cache: List[Any], tree=None):
-    """The swaps of one `target.forward`: layers `layer_ids` write their outputs into
-    `features`; with `record`, the recurrent layers record what a rollback needs; with
+         cache: List[Any], tree=None, rows: Tuple[int, int] = (1, 1)):
+    """The swaps of one `target.forward` of `rows` (B, S) tokens: layers `layer_ids` write their
+    outputs into `features`; with `record`, the recurrent layers record what a rollback needs; with
     `small_m`, the quantized projections go through the kernel; with `tree`, the rotary
     embeddings take the tree's positions. Everything is put back on exit."""
     layers = target.layers
@@ -102,7 +103,7 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
     def make_tap(idx, layer):
         def after(out):
             for i in slot.get(idx, ()):
-                features[i] = layer_hidden(out)
+                features[i] = layer_hidden(out, rows)
 
         return _LayerTap(layer, after)
 
