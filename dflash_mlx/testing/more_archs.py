@@ -170,11 +170,15 @@ TEXT_CONFIGS: Dict[str, dict] = {
                    topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.1,
                                     "original_max_position_embeddings": 16}),
-    "deepseek_v41": _c(model_type="deepseek_v41", vocab_size=V, hidden_size=32, num_hidden_layers=2,
+    # a window-only layer, then one that compresses groups of 4 and indexes them (and picks candidate
+    # blocks), then one that reads both: a 20-token prompt closes groups, and its index keeps 3 of them
+    "deepseek_v41": _c(model_type="deepseek_v41", vocab_size=V, hidden_size=32, num_hidden_layers=3,
                        num_attention_heads=4, head_dim=16, q_lora_rank=16, qk_rope_head_dim=8, o_groups=2,
                        o_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
-                       sliding_window=SW, index_n_heads=2, index_head_dim=8, index_topk=4, hc_mult=2,
-                       hc_sinkhorn_iters=3, rms_norm_eps=1e-6, max_position_embeddings=4096),
+                       sliding_window=SW, index_n_heads=2, index_head_dim=8, index_topk=3, hc_mult=2,
+                       hc_sinkhorn_iters=3, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                       compress_ratios=[0, 4, 4], kv_source_layer_ids=[1], index_source_layer_ids=[1, 2],
+                       candidate_source_layer_id=1, candidate_topk_blocks=1, candidate_block_size=2),
     # ---- recurrent / hybrid
     "mamba": _c(model_type="mamba", vocab_size=V, hidden_size=32, intermediate_size=64, state_size=8,
                 num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4,
@@ -306,7 +310,6 @@ NOT_RUN: Dict[str, str] = {
 REFUSED: Dict[str, str] = {
     "olmo": "applies the LM head itself",
     "iquestloopcoder": "never called whole",
-    "deepseek_v41": r"cache 0 \(LayerCache\) cannot be rolled back",
     "longcat_flash_ngram": "cannot find the decoder layers and token embedding",
     "phixtral": "cannot find the decoder layers and token embedding",
 }

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 from dflash_mlx.models.draft.config import validate_for_target
 from dflash_mlx.models.target.tree_attention import rope_slots, tree_caches
 from dflash_mlx.models.target.head import HEAD_NAMES, HeadInsideTextModel, TargetHead, find_lm_head
-from dflash_mlx.models.target import exact_rows, inner_head
+from dflash_mlx.models.target import exact_rows, inner_head, rerun
 from dflash_mlx.models.target.probe import check_forward
 from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
@@ -139,7 +139,16 @@ class Target:
             self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
                                     self.arch, self.hidden_size)
         except HeadInsideTextModel as refusal:
-            self.vocab = self._head_inside(model, self.text_model, text_parent, refusal)
+            # its head step, found by the logits it gives, and the head that matches them; else refused
+            found = inner_head.head_inside(model, self.text_model, self._embedding_name, HEAD_NAMES, self.vocab_size,
+                                           self.hidden_size, lambda inner: TargetHead(
+                                               model, self.text_model, text_parent, self.embed_tokens,
+                                               None if inner.tied else inner.module, self.arch, self.hidden_size,
+                                               inner=True))
+            if found is None:
+                raise refusal
+            self.inner_head, self.vocab = found
+            self._lm_head = self._lm_head if self.inner_head.tied else self.inner_head.module
         self._rope_slots = None
         self._deterministic = False  # every row in plain decoding's shapes (`exact_rows`)
         # whether a rollback re-runs the module a layer hands its recurrent state to, not the
@@ -147,30 +156,8 @@ class Target:
         self.replay_mixers = False
         check_forward(self)  # once per model: what only a forward shows is refused here, in one line
 
-    def _head_inside(self, model, text_model, text_parent, refusal: Exception) -> TargetHead:
-        """The `TargetHead` of a text model that applies its LM head itself (GPT-NeoX, Lille): the
-        head step it passes through in forwards, found by the logits it gives; else its refusal."""
-        heads = {}  # one TargetHead a candidate: the one that matches is kept
-
-        def head_of(inner):
-            if inner.name not in heads:
-                heads[inner.name] = TargetHead(model, text_model, text_parent, self.embed_tokens,
-                                               None if inner.tied else inner.module, self.arch, self.hidden_size,
-                                               inner=True)
-            return heads[inner.name]
-
-        found = inner_head.candidates(text_model, self._embedding_name, HEAD_NAMES, self.vocab_size)
-        inner = inner_head.find(model, text_model, found, self.hidden_size, self.vocab_size,
-                                lambda inner, h: head_of(inner).logits(h))
-        if inner is None:
-            raise refusal
-        self.inner_head = inner
-        if not inner.tied:
-            self._lm_head = inner.module
-        return head_of(inner)
-
     def _check_caches(self) -> List[Optional[str]]:
-        """Each cache entry's rollback ("trim" | "gdn" | "replay"); refuses what has none."""
+        """Each cache entry's rollback ("trim" | "gdn" | "replay" | "rerun"); refuses what has none."""
         kinds = []
         for i, c in enumerate(self.make_cache()):
             kind = rollback_kind(c)
@@ -184,6 +171,9 @@ class Target:
             if kind == "replay" and i + self.layer_offset in self._gdn_layers and isinstance(c, ArraysCache):
                 kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
             kinds.append(kind)
+        reason = rerun.refusal(kinds, self.make_cache(), self.sharding is not None)
+        if reason is not None:
+            raise UnsupportedTargetError(f"{self.arch}: {reason}")
         return kinds
 
     # -- embedding and head (TargetHead) ------------------------------------------
@@ -251,7 +241,8 @@ class Target:
         return self._rope_slots
 
     def rollback_kinds(self) -> List[str]:
-        """Each cache entry's rollback path: "trim", "gdn" (taped replay) or "replay" (re-run)."""
+        """Each cache entry's rollback path: "trim", "gdn" (taped replay), "replay" (re-run the layer) or
+        "rerun" (re-run the text model)."""
         return list(self._replay_kinds)
 
     # -- forward with taps ------------------------------------------------------
@@ -291,6 +282,8 @@ class Target:
                                            len(layer_ids))
         features = [None] * len(layer_ids)
         rec = VerifyRecord() if (record and self.recurrent) else None
+        if rec is not None and self._replay_kinds[:1] == ["rerun"]:  # (then every cache is: `_check_caches`)
+            rec.rerun = rerun.before_verify(tokens, cache)
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
         with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree, tokens.shape[:2]), \
@@ -352,13 +345,17 @@ class Target:
         a Qwen3.5 Gated DeltaNet state is replayed from the pre-verify state over the
         accepted steps of its tape (`replay_gdn`); any other cache that holds recurrent
         state is restored to its pre-verify state and its layer runs again on the kept
-        tokens (`replay_layer`).
+        tokens (`replay_layer`); caches whose layers share state (DeepSeek V4.1) are all put back
+        and the text model runs again on the kept tokens (`rerun`).
         """
         if num_rejected <= 0:
             return
         keep = num_tokens - num_rejected
         if isinstance(record, exact_rows.RowsRecord):  # a deterministic verify's one-token rows
             record.rollback(num_tokens, keep)
+            return
+        if record is not None and record.rerun is not None:  # every cache back, the kept tokens again
+            rerun.rerun(self.text_model, cache, record.rerun, keep)
             return
         for idx, (c, kind) in enumerate(zip(cache, self._replay_kinds)):
             if kind == "trim":

@@ -17,7 +17,7 @@ are the model's own logits.
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -115,3 +115,19 @@ def find(model, text_model, found: List[InnerHead], hidden_size: int, vocab_size
         if ours.shape == theirs.shape and mx.abs(ours - theirs).max().item() <= 1e-3 * scale:
             return inner
     return None
+
+
+def head_inside(model, text_model, embedding_name: str, head_names, vocab_size: int, hidden_size: int,
+                make_head: Callable[[InnerHead], Any]) -> Optional[Tuple[InnerHead, Any]]:
+    """(the text model's head step, `make_head(step)`: the head that gives the model's own logits
+    from what that step is handed), or None when no candidate does (GPT-NeoX, Lille, Gemma 3n)."""
+    heads = {}  # one head a candidate: the one that matches is kept
+
+    def head_of(inner):
+        if inner.name not in heads:
+            heads[inner.name] = make_head(inner)
+        return heads[inner.name]
+
+    found = candidates(text_model, embedding_name, head_names, vocab_size)
+    inner = find(model, text_model, found, hidden_size, vocab_size, lambda inner, h: head_of(inner).logits(h))
+    return None if inner is None else (inner, head_of(inner))

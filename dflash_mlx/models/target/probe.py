@@ -15,6 +15,8 @@ recurrent layers recorded as a verify records them) is refused here:
     layer hands the state to cannot be re-run alone either. (Where it can, e.g. Kimi K3,
     whose layers pass each other a running list of block residuals, `target.replay_mixers`
     is set: a rollback re-runs that module, `taps` records it, checked here on one rollback.)
+  - caches rolled back by running the text model again (`rerun`, DeepSeek V4.1) whose kept
+    fields do not put them back (a model that writes into its caches' arrays), on one rollback.
 
 A model whose sliding-window masks reach past its caches' window (mlx-lm's PLaMo 3 asks a mask
 of `window_size + 1` of a `RotatingKVCache` of `window_size`) is not refused, but capped
@@ -75,6 +77,8 @@ def _probe(target):
         reason = agreed_reason(sharding, reason)
         if reason is None and mixers:
             reason = agreed_reason(sharding, _mixers_replay(target))
+        if reason is None and target.rollback_kinds()[:1] == ["rerun"]:
+            reason = _rerun_keeps_state(target)  # (never split: `Target` refuses that first)
         window = smallest_on_any_rank(sharding, mask_wider_than_cache(target)) if reason is None else None
     return reason, target.replay_mixers, window
 
@@ -165,6 +169,19 @@ def _reason(target) -> Tuple[Optional[str], bool]:
     return None, False
 
 
+def _close(target):
+    """Whether two cached arrays agree (a wrong state is off by O(1), rounding far less)."""
+    tight = 1e-4 if target.embed_tokens_dtype == mx.float32 else 3e-2
+
+    def close(u, v):
+        if not isinstance(u, mx.array) or not isinstance(v, mx.array):
+            return u == v if not isinstance(u, mx.array) and not isinstance(v, mx.array) else False
+        u, v = u.astype(mx.float32), v.astype(mx.float32)
+        return u.shape == v.shape and (mx.abs(u - v).max() <= tight * (1.0 + mx.abs(v).max())).item()
+
+    return close
+
+
 def _mixers_replay(target) -> Optional[str]:
     """With `replay_mixers`: a rollback of one of two tokens leaves every recurrent state as a
     forward of the first token alone does (a layer that hands one state to two modules fails it)."""
@@ -174,16 +191,27 @@ def _mixers_replay(target) -> Optional[str]:
     _forward(target, [a, b], rolled, record=record)
     target.rollback(rolled, 2, 1, record)
     _forward(target, [a], alone)
-    tight = 1e-4 if target.embed_tokens_dtype == mx.float32 else 3e-2  # (a wrong state is off by O(1))
-
-    def close(u, v):
-        if u is None or v is None:
-            return u is None and v is None
-        u, v = u.astype(mx.float32), v.astype(mx.float32)
-        return u.shape == v.shape and (mx.abs(u - v).max() <= tight * (1.0 + mx.abs(v).max())).item()
-
+    close = _close(target)
     for i, (x, y, kind) in enumerate(zip(rolled, alone, target.rollback_kinds())):
         if kind == "replay" and not all(close(u, v) for u, v in zip(x.cache, y.cache)):
             return (f"cache {i} ({type(x).__name__}) holds recurrent state whose layer takes an argument a "
                     "replay cannot cut, and the module it hands the state to cannot be re-run alone")
+    return None
+
+
+def _rerun_keeps_state(target) -> Optional[str]:
+    """Caches re-run with the text model (`rerun`): a rollback of one of two tokens leaves each
+    cache's fields as a forward of the first token alone does (a model that writes into its
+    caches' arrays, rather than replacing them, fails it)."""
+    a, b = 1 % target.vocab_size, 2 % target.vocab_size
+    rolled, alone = target.make_cache(), target.make_cache()
+    _, _, record = target.forward(mx.array([[a, b]]), rolled, record=True)
+    target.rollback(rolled, 2, 1, record)
+    target.forward(mx.array([[a]]), alone)
+    close = _close(target)
+    for i, (x, y) in enumerate(zip(rolled, alone)):
+        odd = next((name for name, v in vars(y).items() if not close(vars(x).get(name), v)), None)
+        if odd is not None:
+            return (f"cache {i} ({type(x).__name__}) is not put back by keeping its fields ({odd} differs after a "
+                    "rollback): its model writes into the cache's arrays, so DFlash has no rollback path for it")
     return None

@@ -23,6 +23,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, RotatingKVCache, _BaseCache
 
 from dflash_mlx.kernels import gdn
+from dflash_mlx.models.target.rerun import can_rerun
 
 
 class UnsupportedTargetError(ValueError):
@@ -91,11 +92,12 @@ class LayerReplay:
 
 @dataclass
 class VerifyRecord:
-    """What a verify forward keeps so recurrent layers can be rewound:
-    gdn[cache index] = GDNTape (Qwen3.5 Gated DeltaNet), replay[id(cache)] = LayerReplay (any other)."""
+    """What a verify forward keeps so recurrent layers can be rewound: gdn[cache index] = GDNTape
+    (Qwen3.5 Gated DeltaNet), replay[id(cache)] = LayerReplay (any other), rerun (`rerun.Rerun`)."""
 
     gdn: Dict[int, GDNTape] = field(default_factory=dict)
     replay: Dict[int, LayerReplay] = field(default_factory=dict)
+    rerun: Any = None
 
 
 def sub_caches(c) -> list:
@@ -115,7 +117,7 @@ def recorded_apart(c, record: Optional["VerifyRecord"]) -> bool:
 def rollback_kind(c) -> Optional[str]:
     """How a cache is rolled back after a partial accept: "trim" (attention KV, rotating
     windows, lists of them), "replay" (holds recurrent state: restore it, re-run the layer
-    on the kept tokens), or None (no way known)."""
+    on the kept tokens), "rerun" (`rerun.can_rerun`: restore it, re-run the text model), or None."""
     if isinstance(c, CacheList):
         kinds = [rollback_kind(s) for s in c.caches]
         if None in kinds:
@@ -125,7 +127,7 @@ def rollback_kind(c) -> Optional[str]:
         return "replay"
     if isinstance(c, RotatingKVCache) or (callable(getattr(c, "trim", None)) and hasattr(c, "offset")):
         return "trim"
-    return None
+    return "rerun" if can_rerun(c) else None
 
 
 def _cache_argument(args, kwargs):

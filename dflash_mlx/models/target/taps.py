@@ -41,10 +41,15 @@ class _LayerTap(StandIn):
 def layer_hidden(out, rows: Tuple[int, int]) -> mx.array:
     """The hidden state a decoder layer's output gives the draft, [B, S, H] (`rows`: B, S): the
     output, the first of a tuple (layers that also return a cache or a mix), or the first of
-    stacked residual streams [n, B, S, H] (Gemma 3n's AltUp: the stream its layers predict from
-    and correct). Any other shape is passed on, and `probe` refuses the model naming it."""
+    stacked residual streams, [n, B, S, H] (Gemma 3n's AltUp: the stream its layers predict from
+    and correct) or [B, S, n, H] (DeepSeek V4.1's hyper-connections). Any other shape is passed
+    on, and `probe` refuses the model naming it."""
     out = out[0] if isinstance(out, tuple) else out
-    return out[0] if out.ndim == 4 and tuple(out.shape[1:3]) == tuple(rows) else out
+    if out.ndim == 4 and tuple(out.shape[1:3]) == tuple(rows):
+        return out[0]
+    if out.ndim == 4 and tuple(out.shape[:2]) == tuple(rows):
+        return out[:, :, 0]
+    return out
 
 
 def modules_of(module, kinds) -> List[Tuple[Any, Any, Any]]:
