@@ -32,7 +32,7 @@ from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.sharded import ShardingError, _pipeline_holder, modes_of, split
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.policy.sizer import sizer_for
-from dflash_mlx.testing import arch_check, archs
+from dflash_mlx.testing import arch_check, archs, variants
 from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, clean_case, greedy_reference, tiny_target
 from distributed_serve import serve_and_interrupt, serve_and_lose_rank1
 
@@ -47,6 +47,10 @@ AFTER_GENERATE = {}  # "arch/mode" -> what after_generate measured
 # GLM's sparse indexer keeps 6 keys, not its tiny config's 16: its sparse paths (the masked top-k of
 # a prefill and a verify, the gathered top-k of a one-token step) run from the prompt on.
 OVERRIDES = {"glm_moe_dsa": dict(index_topk=6)}
+# DeepSeek V4.1 with 4 layers: rank 1 holds the one that compresses and indexes, rank 0 the two that
+# read them, so its hop carries compressed KV and index keys that rank 0's receive adds to its cache.
+OVERRIDES["deepseek_v41"] = dict(num_hidden_layers=4, compress_ratios=[0, 4, 4, 4], kv_source_layer_ids=[1],
+                                 index_source_layer_ids=[1, 3])
 
 
 def build(key: str):
@@ -55,8 +59,10 @@ def build(key: str):
     varied tokens, `testing.targets`' repeats one; gemma4, the multimodal wrapper real checkpoints name)."""
     if key in ("qwen3_5", "llama"):
         return tiny_target(key, seed=1)[0]
-    if key in OVERRIDES:
+    if key in OVERRIDES and key in archs.ALL_ARCHS:
         return archs.build(key, **OVERRIDES[key])
+    if key in OVERRIDES:
+        return variants.build(key, dict(arch_check.ARCHITECTURES[key], **OVERRIDES[key]), 0)
     return arch_check.build(key)
 
 
@@ -91,8 +97,9 @@ SAMPLED = ("qwen3_5", "kimi_k25", "glm_moe_dsa", "gpt_oss")
 # Families whose collectives are not all counted: MiniMax's split q/k norm sums inside an mx.compile'd
 # function, which builds its all_sum only when it traces a new shape (Collectives sees those calls only).
 # Kimi K3's rollback re-runs its delta-attention mixers, whose output projection sums over a tensor
-# split's ranks: a cycle's sums vary with its rejected tokens.
-UNCOUNTED = ("minimax", "kimi_k3")
+# split's ranks, and DeepSeek V4.1's re-runs its whole text model: a cycle's sums vary with its
+# rejected tokens.
+UNCOUNTED = ("minimax", "kimi_k3", "deepseek_v41")
 
 
 class Collectives:

@@ -30,10 +30,12 @@ from ring_ports import free_starting_port
 # sparse indexer and two caches a layer (GLM-MoE-DSA, both); Gemma 4, which mlx-lm cannot split,
 # is refused; Qwen3-Next split unevenly (rank 0 holds one full-attention layer alone); and Kimi K3,
 # whose layers pass each other their block residuals, so a rollback re-runs its delta-attention
-# mixers alone (`replay_mixers`, which only a probe forward on every rank finds). One launch (the
-# CLI and the server's cases included).
+# mixers alone (`replay_mixers`, which only a probe forward on every rank finds); and DeepSeek V4.1,
+# whose rollback re-runs its whole text model and whose pipeline receive adds the compressed KV it
+# gets to its cache before a held layer refuses to carry the taps (both). One launch (the CLI and
+# the server's cases included).
 ARCHS = ["qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma4", "gpt_oss", "minimax", "kimi_k25",
-         "glm_moe_dsa", "qwen3_next" + UNEVEN, "kimi_k3"]
+         "glm_moe_dsa", "qwen3_next" + UNEVEN, "kimi_k3", "deepseek_v41"]
 DRIVER = Path(__file__).with_name("distributed_driver.py")
 
 
@@ -112,9 +114,9 @@ def test_every_parallelism_mlx_lm_gives_ran_without_errors(ranks):
     assert [r["errors"] for r in ranks] == [{}, {}]
     ran = sorted({k.rsplit("/", 2)[0] for k in ranks[0]["cases"]})
     assert ran == sorted(_expected_splits())
-    assert len(ran) == 17  # 10 families split, 6 of them both ways, and an uneven pipeline; gemma4 refused
+    assert len(ran) == 19  # 11 families split, 7 of them both ways, and an uneven pipeline; gemma4 refused
     assert "qwen3_next/pipeline" in ran and "qwen3_next/tensor" not in ran  # mlx-lm pipelines it only
-    assert {"glm_moe_dsa/tensor", "glm_moe_dsa/pipeline"} <= set(ran)
+    assert {"glm_moe_dsa/tensor", "glm_moe_dsa/pipeline", "deepseek_v41/tensor", "deepseek_v41/pipeline"} <= set(ran)
     assert ranks[0]["cases"].keys() == ranks[1]["cases"].keys()
 
 
@@ -191,7 +193,8 @@ def test_a_pipeline_sends_the_taps_share_of_fc_in_fewer_bytes_than_the_taps(rank
     they ride on the hop; fewer where they go in an all_sum (Kimi K3's hop carries its residuals)."""
     for rank in ranks:
         assert {k.split("/")[0] for k in rank["transports"]} >= {"qwen3_5", "qwen3_next"}
-        assert all(t["carried"] for k, t in rank["transports"].items() if not k.startswith("kimi_k3/"))
+        assert all(t["carried"] for k, t in rank["transports"].items()
+                   if not k.startswith(("kimi_k3/", "deepseek_v41/")))
         for key, t in rank["transports"].items():
             taps, fc = t["taps"], t["fc"]
             assert taps["diff"] == 0 and fc["diff"] < 1e-5, (key, t)
@@ -232,9 +235,10 @@ def test_every_rank_learned_rank0s_times(ranks):
     assert len(auto) >= 2 * len(_expected_splits())
     for key, case in auto.items():
         assert case["times"] == ranks[1]["cases"][key]["times"], key
-        # Kimi K3's hop sends its block residuals with the hidden state, so nothing rides on it: its
-        # times go in the fallback's all_sum, every EVERY cycles (its first cycle is not timed)
-        fallback = key.startswith("kimi_k3/pipeline/")
+        # Kimi K3's hop sends its block residuals with the hidden state (DeepSeek V4.1's its streams),
+        # so nothing rides on it: its times go in the fallback's all_sum, every EVERY cycles (its first
+        # cycle is not timed)
+        fallback = key.startswith(("kimi_k3/pipeline/", "deepseek_v41/pipeline/"))
         assert case["times"] or (fallback and len(case["accepts"]) <= EVERY), key
 
 

@@ -85,6 +85,16 @@ def _text_args(model, text_model):
     return args
 
 
+def _verify_record(target, record: bool, tokens: mx.array, cache) -> Optional[VerifyRecord]:
+    """What a verify keeps for its rollback (recurrent state; caches re-run whole: their fields)."""
+    if not (record and target.recurrent):
+        return None
+    rec = VerifyRecord()
+    if target.rollback_kinds()[:1] == ["rerun"]:
+        rec.rerun = rerun.before_verify(tokens, cache)
+    return rec
+
+
 class Target:
     """A DFlash view of an mlx-lm model (never modifies it).
 
@@ -171,7 +181,7 @@ class Target:
             if kind == "replay" and i + self.layer_offset in self._gdn_layers and isinstance(c, ArraysCache):
                 kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
             kinds.append(kind)
-        reason = rerun.refusal(kinds, self.make_cache(), self.sharding is not None)
+        reason = rerun.refusal(kinds, self.make_cache())
         if reason is not None:
             raise UnsupportedTargetError(f"{self.arch}: {reason}")
         return kinds
@@ -281,9 +291,7 @@ class Target:
             return exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens, cache,
                                            len(layer_ids))
         features = [None] * len(layer_ids)
-        rec = VerifyRecord() if (record and self.recurrent) else None
-        if rec is not None and self._replay_kinds[:1] == ["rerun"]:  # (then every cache is: `_check_caches`)
-            rec.rerun = rerun.before_verify(tokens, cache)
+        rec = _verify_record(self, record, tokens, cache)
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
         with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree, tokens.shape[:2]), \
@@ -311,10 +319,12 @@ class Target:
         rider = self.sharding.rider
         while True:
             features = [None] * len(layer_ids)
-            rec = VerifyRecord() if (record and self.recurrent) else None
+            rec = _verify_record(self, record, tokens, cache)
             carrying = self._carries and (layer_ids or rider.outbox)
             ride = rider.outbox[: tokens.shape[1] * self.hidden_size] if carrying else []
             carry = Carry(tokens.shape[0], features, ride, self.sharding.rank, fuse)
+            # DeepSeek V4.1's receive adds what it gets to its caches before a held layer refuses the carry
+            kept = rerun.before_verify(tokens, cache) if carrying and self.rollback_kinds()[:1] == ["rerun"] else None
             try:
                 with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree,
                           tokens.shape[:2]), \
@@ -324,6 +334,8 @@ class Target:
                 break
             except CarryRefused:  # its layers take more than one hidden state: gather the taps
                 self._carries = False
+                if kept is not None:
+                    rerun.rerun(self.text_model, cache, kept, 0)
         if carrying:
             feats = carry.tap_features()
             del rider.outbox[: len(ride)]
@@ -355,7 +367,8 @@ class Target:
             record.rollback(num_tokens, keep)
             return
         if record is not None and record.rerun is not None:  # every cache back, the kept tokens again
-            rerun.rerun(self.text_model, cache, record.rerun, keep)
+            with split_stream(self.sharding is not None):  # (a split's collectives: the forwards' stream)
+                rerun.rerun(self.text_model, cache, record.rerun, keep)
             return
         for idx, (c, kind) in enumerate(zip(cache, self._replay_kinds)):
             if kind == "trim":

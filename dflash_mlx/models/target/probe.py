@@ -78,7 +78,7 @@ def _probe(target):
         if reason is None and mixers:
             reason = agreed_reason(sharding, _mixers_replay(target))
         if reason is None and target.rollback_kinds()[:1] == ["rerun"]:
-            reason = _rerun_keeps_state(target)  # (never split: `Target` refuses that first)
+            reason = agreed_reason(sharding, _rerun_keeps_state(target))
         window = smallest_on_any_rank(sharding, mask_wider_than_cache(target)) if reason is None else None
     return reason, target.replay_mixers, window
 

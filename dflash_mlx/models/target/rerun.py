@@ -11,7 +11,9 @@ again on the kept tokens: one more forward of those tokens, which leaves the cac
 of the kept tokens alone does.
 
 `Target` takes this path only when every cache of the model is of this kind (then one forward
-re-runs all of them); a model that mixes it with others is refused in one line.
+re-runs all of them); a model that mixes it with others is refused in one line. A split model's
+ranks roll back together and so run that forward together, its collectives in step (tensor and
+pipeline splits of DeepSeek V4.1: `benchmarks/results/20261205-split-variants-deepseek-v41/`).
 """
 
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ def can_rerun(c) -> bool:
     return all(v is None or isinstance(v, (mx.array, int, float, bool)) for v in vars(c).values())
 
 
-def refusal(kinds: List[str], cache: List[Any], split: bool) -> Optional[str]:
+def refusal(kinds: List[str], cache: List[Any]) -> Optional[str]:
     """Why caches of rollback `kinds` cannot take this path, or None."""
     if "rerun" not in kinds:
         return None
@@ -40,9 +42,6 @@ def refusal(kinds: List[str], cache: List[Any], split: bool) -> Optional[str]:
         i = kinds.index("rerun")
         return (f"cache {i} ({type(cache[i]).__name__}) is rolled back by running the whole text model again, "
                 "and its other caches cannot be: a model that mixes the two has no rollback path")
-    if split:
-        return ("its caches are rolled back by running the text model again, which DFlash does not do on a model "
-                "split over processes; run it in one process")
     return None
 
 
@@ -64,5 +63,5 @@ def rerun(text_model, cache: List[Any], record: Rerun, keep: int):
     for c, fields in zip(cache, record.fields):
         vars(c).clear()
         vars(c).update(fields)
-    if keep:
-        text_model(record.tokens[:, :keep], cache=cache)
+    if keep:  # (queued now: a split model's ranks then run its collectives before the next forward's)
+        mx.async_eval(text_model(record.tokens[:, :keep], cache=cache))
