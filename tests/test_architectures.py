@@ -101,6 +101,29 @@ def test_a_mixer_replayed_alone_must_rebuild_the_state():
     assert "cannot be re-run alone" in probe._mixers_replay(rwkv)
 
 
+@pytest.mark.parametrize("neighbors", [2, 3])
+def test_an_embedding_that_keeps_its_own_cache_is_replayed(neighbors):
+    """LongCat's n-gram embedding keeps the context's last n - 1 token ids in a cache of its own,
+    which no decoder layer is handed: a verify records the embedding's call, a partial accept
+    re-runs it on the kept ids, and the draft embeds with its `word_embeddings`. Greedy DFlash is
+    mlx-lm's at every width and over two turns; in a batch where rows' caches line up (bigrams),
+    and one at a time where a one-token row's would be shorter than the others' (trigrams)."""
+    from dflash_mlx.engine.batch_caches import batch_support
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing import variant_check, variants
+
+    v = variants.Variant("longcat_flash_ngram", f"neighbors{neighbors}", {"emb_neighbor_num": neighbors})
+    target = Target(variants.build(v.key, v.config(v.overrides), 0))
+    assert target.embed_tokens is target.text_model["ngram_embeddings"]["word_embeddings"]
+    assert target.rollback_kinds()[0] == "replay"
+    r = variant_check.check(v)
+    assert r.status == "exact", r.reason
+    assert r.checked[:5] == ["1", "4", "16", "auto", "turns"]
+    refusal = batch_support(target)
+    assert (refusal is None) == (neighbors == 2), refusal
+    assert ("batches" in r.checked) == (neighbors == 2)
+
+
 def test_a_text_model_that_soft_caps_after_its_own_head_runs_exact():
     """Gemma 3n's text model applies its tied head and then soft-caps: the forward gives what the
     head step was handed (the capped values the text model returns are dropped), DFlash applies

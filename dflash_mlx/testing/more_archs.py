@@ -310,6 +310,5 @@ NOT_RUN: Dict[str, str] = {
 REFUSED: Dict[str, str] = {
     "olmo": "applies the LM head itself",
     "iquestloopcoder": "never called whole",
-    "longcat_flash_ngram": "cannot find the decoder layers and token embedding",
     "phixtral": "cannot find the decoder layers and token embedding",
 }

@@ -12,7 +12,6 @@ from contextlib import nullcontext
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx.models.draft.config import validate_for_target
@@ -24,65 +23,14 @@ from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
     rollback_cache, rollback_kind,
 )
+from dflash_mlx.models.target.parts import EMBEDDING_NAMES, find_text_model, layer_list, text_args, token_embedding
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
 from dflash_mlx.models.target.sharding import (gather_features, on_every_rank, own_layers_caches, sharding_of,
                                                split_stream)
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
-# Where mlx-lm's text models keep their token embedding, and their decoder layers.
-EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings", "embed_in", "embedding",
-                   "token_embeddings", "embed")
-LAYER_LIST_NAMES = ("layers", "h", "blocks")
-
-
 NO_LIMIT = 1 << 30  # `verify_room` of a model with no position limit
-
-
-def _find_text_model(model) -> Tuple[Any, Optional[Tuple[Any, str]]]:
-    """(the inner module that owns the token embedding and the decoder `layers` list,
-    (its parent, the parent's key for it) or None when it is the model itself)."""
-    candidates = [(model, None)]
-    for key in ("language_model", "model", "backbone", "transformer"):
-        child = model.get(key) if isinstance(model, nn.Module) else None
-        if isinstance(child, nn.Module):
-            candidates.append((child, (model, key)))
-            for inner_key in ("model", "backbone", "transformer", "language_model"):
-                inner = child.get(inner_key)
-                if isinstance(inner, nn.Module):
-                    candidates.append((inner, (child, inner_key)))
-    for holder, parent in reversed(candidates):  # innermost first
-        if _layer_list(holder) is not None and any(n in holder for n in EMBEDDING_NAMES):
-            return holder, parent
-    raise UnsupportedTargetError(
-        f"cannot find the decoder layers and token embedding of {type(model).__module__}.{type(model).__name__}: "
-        f"DFlash taps a list named {' or '.join(LAYER_LIST_NAMES)} next to one of {', '.join(EMBEDDING_NAMES)}"
-    )
-
-
-def _layer_list(holder) -> Optional[list]:
-    """The decoder layers: `holder.layers` (GPT-2 style: `h`, DBRX: `blocks`), or the list inside
-    a decoder module there (PLaMo 2)."""
-    layers = next((holder[n] for n in LAYER_LIST_NAMES if n in holder), None)
-    if isinstance(layers, nn.Module):
-        layers = layers.get("layers")
-    return layers if isinstance(layers, list) else None
-
-
-def _text_args(model, text_model):
-    args = getattr(model, "args", None)
-    lm = getattr(model, "language_model", None)
-    if lm is not None and hasattr(lm, "args"):
-        args = lm.args
-    for key in ("text_config", "text"):  # a wrapper whose arguments nest the text model's
-        inner = getattr(args, key, None)
-        if inner is not None and hasattr(inner, "hidden_size"):
-            args = inner
-    if not hasattr(args, "hidden_size"):  # a wrapper that keeps them as a dict (Gemma 3n): the text model's own
-        own = getattr(text_model, "args", None) or getattr(text_model, "config", None)
-        if hasattr(own, "hidden_size"):
-            args = own
-    return args
 
 
 def _verify_record(target, record: bool, tokens: mx.array, cache) -> Optional[VerifyRecord]:
@@ -105,13 +53,13 @@ class Target:
 
     def __init__(self, model, name: Optional[str] = None):
         self.model = model
-        self.text_model, text_parent = _find_text_model(model)
-        self.args = _text_args(model, self.text_model)
+        self.text_model, text_parent = find_text_model(model)
+        self.args = text_args(model, self.text_model)
         self.arch = getattr(self.args, "model_type", None) or getattr(model, "model_type", "?")
         self.name = name or f"{self.arch} target"
-        self.layers = _layer_list(self.text_model)  # the model's own list: taps swap its entries
+        self.layers = layer_list(self.text_model)  # the model's own list: taps swap its entries
         self._embedding_name = next(n for n in EMBEDDING_NAMES if n in self.text_model)
-        self.embed_tokens = self.text_model[self._embedding_name]
+        self.embed_tokens = token_embedding(self.text_model[self._embedding_name])
         # (a quantized embedding's weight is packed: its own output gives the width, not the weight's)
         self.hidden_size = getattr(self.args, "hidden_size", None) or self.embed_tokens(mx.array([0])).shape[-1]
         self.vocab_size = getattr(self.args, "vocab_size", None) or self.embed_tokens.weight.shape[0]

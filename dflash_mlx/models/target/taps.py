@@ -147,6 +147,9 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
                             if isinstance(child, nn.Module):
                                 put(layer, name, ReplayTap(child, inner, keep_replay))
                     put(layers, idx, ReplayTap(layer, watched, keep_replay))
+                # (LongCat's n-gram embedding keeps the context's last tokens in a cache of its own)
+                name = target._embedding_name
+                put(target.text_model, name, ReplayTap(target.text_model[name], watched, keep_replay))
         if small_m:
             for parent, key, q in target._quantized:
                 put(parent, key, _SmallMQuantizedLinear(q))
