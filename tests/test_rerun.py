@@ -33,9 +33,13 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_deepseek_v41_is_exact_with_its_compressed_attention(name):
-    r = variant_check.check(variants.Variant("deepseek_v41", name, CONFIGS[name]))
+    """Its own config at every width and over two turns; the others at the widths that roll back
+    (a scripted draft's partial accepts at 4, a random draft's at 16)."""
+    full = name == "base"
+    r = variant_check.check(variants.Variant("deepseek_v41", name, CONFIGS[name]),
+                            widths=variant_check.WIDTHS if full else (4, 16), turns=full)
     assert r.status == "exact", r.reason
-    assert r.checked[:5] == ["1", "4", "16", "auto", "turns"]
+    assert r.checked[:5 if full else 2] == (["1", "4", "16", "auto", "turns"] if full else ["4", "16"])
 
 
 def _fields(cache):
