@@ -57,10 +57,26 @@ def test_a_refused_target_fails_before_anything_decodes():
     from dflash_mlx.models.target.adapter import UnsupportedTargetError
     from dflash_mlx.testing.targets import byte_tokenizer
 
-    model = model_for("iquestloopcoder")
+    model = model_for("phixtral")
     stream = stream_generate(model, None, byte_tokenizer(), [1, 2, 3], max_tokens=4, baseline=False)
-    with pytest.raises(UnsupportedTargetError, match="never called whole"):
+    with pytest.raises(UnsupportedTargetError, match="cannot find the decoder layers and token embedding"):
         next(stream)
+
+
+def test_layers_the_model_never_calls_whole_are_read_at_the_next_layers_input_norm():
+    """IQuest's loop coder runs its layers' parts itself, every layer twice: no layer is called
+    whole, so each layer's output is read where the next layer's input norm takes it (its second
+    pass), the last one's where the final norm does. Greedy DFlash is mlx-lm's: the quick check."""
+    from dflash_mlx.models.target.adapter import Target
+
+    target = Target(model_for("iquestloopcoder"))
+    assert target.tap_inputs
+    n, size = len(target.layers), target.hidden_size
+    h, features, _ = target.forward(mx.array([[1, 2, 3]]), target.make_cache(), layer_ids=list(range(n)))
+    assert features.shape == (1, 3, n * size)
+    last = features[..., (n - 1) * size:]
+    assert mx.allclose(target.text_model.norm(last), h, atol=1e-5).item()  # the final norm's input
+    assert type(target.layers[1]["input_layernorm"]).__name__ == "RMSNorm"  # put back after the forward
 
 
 @pytest.mark.parametrize("key", sorted(k for k in more_archs.NOT_RUN if k != "phi3small"))

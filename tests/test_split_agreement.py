@@ -87,12 +87,16 @@ def split_built(monkeypatch, key: str, contributions):
     return Target(model)
 
 
-def test_a_split_target_is_probed_and_refused_as_a_whole_one_is(monkeypatch):
-    """IQuest-Loop-Coder runs its layers' parts itself; split, it used to go unprobed and fail mid-decode."""
+def test_a_split_target_is_probed_as_a_whole_one_is(monkeypatch):
+    """IQuest-Loop-Coder runs its layers' parts itself (split, it once went unprobed and failed
+    mid-decode): its layers are read at the next one's input norm where every rank can, and where
+    another rank cannot, the split is refused with the line this rank found."""
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
 
+    assert split_built(monkeypatch, "iquestloopcoder", []).tap_inputs
+    # the other rank: the flags, no mixers, cannot read the inputs, no line of its own
     with pytest.raises(UnsupportedTargetError, match="never called whole"):
-        split_built(monkeypatch, "iquestloopcoder", [None, None, [0, 0], 0])  # this rank alone found it
+        split_built(monkeypatch, "iquestloopcoder", [None, None, [0], [0, 0], 0])
 
 
 def test_a_split_kimi_k3_replays_its_mixers(monkeypatch):

@@ -309,6 +309,5 @@ NOT_RUN: Dict[str, str] = {
 # Keys DFlash refuses when the target is built, with a fragment of the one line it gives.
 REFUSED: Dict[str, str] = {
     "olmo": "applies the LM head itself",
-    "iquestloopcoder": "never called whole",
     "phixtral": "cannot find the decoder layers and token embedding",
 }

@@ -109,9 +109,9 @@ class Target:
             self._lm_head = self._lm_head if self.inner_head.tied else self.inner_head.module
         self._rope_slots = None
         self._deterministic = False  # every row in plain decoding's shapes (`exact_rows`)
-        # whether a rollback re-runs the module a layer hands its recurrent state to, not the
-        # layer (set by check_forward for layers whose calls a replay cannot cut, e.g. Kimi K3's)
-        self.replay_mixers = False
+        # set by check_forward: a rollback re-runs the modules a layer hands its recurrent state to, not the
+        # layer (Kimi K3); taps read a layer the model never calls whole at the next one's input norm (IQuest)
+        self.replay_mixers = self.tap_inputs = False
         check_forward(self)  # once per model: what only a forward shows is refused here, in one line
 
     def _check_caches(self) -> List[Optional[str]]:

@@ -9,7 +9,9 @@ recurrent layers recorded as a verify records them) is refused here:
   - a text model that does not run on token ids and caches alone (it needs arguments its
     `Model` makes, or inputs a text-only forward cannot give);
   - decoder layers the model never calls whole (it runs their parts: no tap sees their output),
-    or whose output is not one hidden state per token;
+    unless each has an `input_layernorm` and the text model a final `norm`: then `tap_inputs` is
+    set, and a layer's output is read where the next one's input norm takes it (IQuest's loop
+    coder); or layers whose output is not one hidden state per token;
   - recurrent state a partial accept cannot re-run: not handed to a decoder layer, or handed
     along with an argument that a replay cannot cut to the kept tokens, when the module the
     layer hands the state to cannot be re-run alone either. (Where it can, e.g. Kimi K3,
@@ -52,7 +54,7 @@ def check_forward(target) -> None:
     if known is None:
         known = _probe(target)
         _CHECKED.put((target.model,), known)
-    reason, target.replay_mixers, window = known
+    reason, target.replay_mixers, target.tap_inputs, window = known
     if reason is not None:
         raise UnsupportedTargetError(f"{target.arch}: {reason}")
     if window is not None and (not target.max_context or window < target.max_context):
@@ -64,8 +66,8 @@ def check_forward(target) -> None:
 
 
 def _probe(target):
-    """(reason, replay_mixers, window) of `target`. A split's ranks run it together: the same
-    forwards in the same order, each step's outcome agreed before the next (in one process the
+    """(reason, replay_mixers, tap_inputs, window) of `target`. A split's ranks run it together: the
+    same forwards in the same order, each step's outcome agreed before the next (in one process the
     agreements are this process's own answers)."""
     sharding = target.sharding
     with split_stream(sharding is not None):
@@ -74,13 +76,27 @@ def _probe(target):
         if mixers:  # the layers' calls cannot be replayed: their mixers' may
             target.replay_mixers = True
             reason, _ = _reason(target)
+        # layers the model never calls whole (IQuest's loop coder runs their parts, twice): read at
+        # the next layer's input norm, where every rank can
+        inputs = reason is not None and "never called whole" in reason and _inputs_tappable(target)
+        if on_every_rank(sharding, [inputs])[0]:
+            target.tap_inputs = True
+            reason, _ = _reason(target)
         reason = agreed_reason(sharding, reason)
         if reason is None and mixers:
             reason = agreed_reason(sharding, _mixers_replay(target))
         if reason is None and target.rollback_kinds()[:1] == ["rerun"]:
             reason = agreed_reason(sharding, _rerun_keeps_state(target))
         window = smallest_on_any_rank(sharding, mask_wider_than_cache(target)) if reason is None else None
-    return reason, target.replay_mixers, window
+    return reason, target.replay_mixers, target.tap_inputs, window
+
+
+def _inputs_tappable(target) -> bool:
+    """Whether each layer's output can be read as what the next layer's `input_layernorm` (the
+    text model's final `norm`, after the last) is handed: `taps` then reads it there."""
+    held = [layer for layer in target.layers if layer is not None]
+    return len(held) == len(target.layers) and all("input_layernorm" in layer for layer in held) and (
+        "norm" in target.text_model)
 
 
 class _MaskWindows(StandIn):

@@ -38,6 +38,19 @@ class _LayerTap(StandIn):
         return out
 
 
+class _InputTap(StandIn):
+    """Stands in for a layer's input norm during a forward and hands what it is given to `after`
+    (each call: a model that runs its layers twice, as IQuest's loop coder does, gives the last)."""
+
+    def __init__(self, norm, after):
+        self._wrapped = norm
+        self._after = after
+
+    def __call__(self, x, *args, **kwargs):
+        self._after(x)
+        return self._wrapped(x, *args, **kwargs)
+
+
 def layer_hidden(out, rows: Tuple[int, int]) -> mx.array:
     """The hidden state a decoder layer's output gives the draft, [B, S, H] (`rows`: B, S): the
     output, the first of a tuple (layers that also return a cache or a mix), or the first of
@@ -105,12 +118,12 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
         if lid < len(layers) and layers[lid] is not None:  # a pipeline rank taps the layers it holds
             slot.setdefault(lid, []).append(i)
 
-    def make_tap(idx, layer):
+    def keep_output(idx):
         def after(out):
             for i in slot.get(idx, ()):
                 features[i] = layer_hidden(out, rows)
 
-        return _LayerTap(layer, after)
+        return after
 
     def make_sink(idx):
         def sink(tape):
@@ -157,7 +170,12 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
             for parent, key in target.rope_slots:
                 put(parent, key, TreeRoPE(parent[key], tree))
         for idx in slot:
-            put(layers, idx, make_tap(idx, layers[idx]))
+            if not target.tap_inputs:
+                put(layers, idx, _LayerTap(layers[idx], keep_output(idx)))
+                continue
+            # layers the model never calls whole: what the next one's input norm (the last: the final norm) takes
+            parent, key = (layers[idx + 1], "input_layernorm") if idx + 1 < len(layers) else (target.text_model, "norm")
+            put(parent, key, _InputTap(parent[key], keep_output(idx)))
         if target.inner_head is not None:  # a text model that applies its LM head itself
             put(target.text_model, target.inner_head.name, target.inner_head.stand_in())
         yield
