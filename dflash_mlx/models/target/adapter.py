@@ -43,6 +43,22 @@ def _verify_record(target, record: bool, tokens: mx.array, cache) -> Optional[Ve
     return rec
 
 
+def _inner_head(target, model, text_parent, refusal: Exception):
+    """(InnerHead, TargetHead) of a text model that applies its LM head itself: its head step, found
+    by the logits it gives, and the head that matches them; else its refusal, or mlx-lm's own
+    model failing, named."""
+    try:
+        found = inner_head.head_inside(
+            model, target.text_model, target._embedding_name, HEAD_NAMES, target.vocab_size, target.hidden_size,
+            lambda inner: TargetHead(model, target.text_model, text_parent, target.embed_tokens,
+                                     None if inner.tied else inner.module, target.arch, target.hidden_size, inner=True))
+    except UnsupportedTargetError as failed:
+        raise UnsupportedTargetError(f"{target.arch}: {failed}") from None
+    if found is None:
+        raise refusal
+    return found
+
+
 class Target:
     """A DFlash view of an mlx-lm model (never modifies it).
 
@@ -97,15 +113,7 @@ class Target:
             self.vocab = TargetHead(model, self.text_model, text_parent, self.embed_tokens, self._lm_head,
                                     self.arch, self.hidden_size)
         except HeadInsideTextModel as refusal:
-            # its head step, found by the logits it gives, and the head that matches them; else refused
-            found = inner_head.head_inside(model, self.text_model, self._embedding_name, HEAD_NAMES, self.vocab_size,
-                                           self.hidden_size, lambda inner: TargetHead(
-                                               model, self.text_model, text_parent, self.embed_tokens,
-                                               None if inner.tied else inner.module, self.arch, self.hidden_size,
-                                               inner=True))
-            if found is None:
-                raise refusal
-            self.inner_head, self.vocab = found
+            self.inner_head, self.vocab = _inner_head(self, model, text_parent, refusal)
             self._lm_head = self._lm_head if self.inner_head.tied else self.inner_head.module
         self._rope_slots = None
         self._deterministic = False  # every row in plain decoding's shapes (`exact_rows`)

@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.models.target.rollback import StandIn, swaps
+from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError, swaps
 
 
 class _PassThrough(StandIn):
@@ -96,12 +96,14 @@ def passing_through(text_model, inner: InnerHead):
 def find(model, text_model, found: List[InnerHead], hidden_size: int, vocab_size: int,
          logits_of: Callable[[InnerHead, mx.array], mx.array]) -> Optional[InnerHead]:
     """The candidate that, passed through, leaves final hidden states [.., hidden_size] from which
-    `logits_of(candidate, h)` gives the model's own logits (apart from rounding), else None."""
+    `logits_of(candidate, h)` gives the model's own logits (apart from rounding), else None.
+    Raises `UnsupportedTargetError` where the model itself fails on two tokens (mlx-lm's OLMo)."""
     tokens = mx.array([[1 % vocab_size, 2 % vocab_size]])
     try:
         theirs = model(tokens).astype(mx.float32)
-    except Exception:  # the model does not run on two tokens alone: nothing to match
-        return None
+    except Exception as e:  # nothing to match, and nothing mlx-lm itself decodes (its prefill takes several)
+        raise UnsupportedTargetError(f"mlx-lm's own model fails on a prompt of two tokens ({type(e).__name__}: "
+                                     f"{str(e).splitlines()[0] if str(e) else ''})") from None
     scale = mx.abs(theirs).max().item() or 1.0
     for inner in found:
         try:
