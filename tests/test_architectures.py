@@ -57,10 +57,27 @@ def test_a_refused_target_fails_before_anything_decodes():
     from dflash_mlx.models.target.adapter import UnsupportedTargetError
     from dflash_mlx.testing.targets import byte_tokenizer
 
-    model = model_for("phixtral")
+    model = model_for("olmo")
     stream = stream_generate(model, None, byte_tokenizer(), [1, 2, 3], max_tokens=4, baseline=False)
-    with pytest.raises(UnsupportedTargetError, match="cannot find the decoder layers and token embedding"):
+    with pytest.raises(UnsupportedTargetError, match="mlx-lm's own model fails on a prompt of two tokens"):
         next(stream)
+
+
+def test_a_text_model_that_takes_its_models_mask_and_a_head_with_its_own_norm():
+    """Phixtral (the old `phi-msft` checkpoints) keeps its token table one module deeper
+    (`embd.wte`), its text model takes the mask its `Model` makes, and its head is a LayerNorm then
+    a linear layer: the forward gets mlx-lm's mask, the head runs whole (the reduced vocabulary
+    takes its columns), and the logits are the model's own. Greedy DFlash: the quick check."""
+    from dflash_mlx.models.target.adapter import Target
+
+    model = model_for("phixtral")
+    target = Target(model)
+    assert target.embed_tokens is model.transformer.embd.wte and target._takes_mask
+    ids = mx.array([[1, 2, 3]])
+    h, _, _ = target.forward(ids, target.make_cache(), layer_ids=[0])
+    assert mx.allclose(target.logits(h), model(ids), atol=1e-5).item()
+    vocab = mx.array([5, 1, 9])
+    assert mx.allclose(target.head(h, vocab), mx.take(model(ids), vocab, axis=-1), atol=1e-5).item()
 
 
 def test_layers_the_model_never_calls_whole_are_read_at_the_next_layers_input_norm():

@@ -309,5 +309,4 @@ NOT_RUN: Dict[str, str] = {
 # Keys DFlash refuses when the target is built, with a fragment of the one line it gives.
 REFUSED: Dict[str, str] = {
     "olmo": "mlx-lm.s own model fails on a prompt of two tokens",
-    "phixtral": "cannot find the decoder layers and token embedding",
 }

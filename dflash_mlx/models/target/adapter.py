@@ -12,6 +12,7 @@ from contextlib import nullcontext
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
+from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import ArraysCache, RotatingKVCache, make_prompt_cache
 
 from dflash_mlx.models.draft.config import validate_for_target
@@ -23,7 +24,8 @@ from dflash_mlx.models.target.rollback import (
     UnsupportedTargetError, VerifyRecord, gdn_class, recorded_apart, sub_caches, replay_gdn, replay_layer,
     rollback_cache, rollback_kind,
 )
-from dflash_mlx.models.target.parts import EMBEDDING_NAMES, find_text_model, layer_list, text_args, token_embedding
+from dflash_mlx.models.target.parts import (EMBEDDING_NAMES, find_text_model, layer_list, takes_mask, text_args,
+                                            token_embedding)
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
 from dflash_mlx.models.target.sharding import (gather_features, on_every_rank, own_layers_caches, sharding_of,
                                                split_stream)
@@ -74,6 +76,7 @@ class Target:
         self.arch = getattr(self.args, "model_type", None) or getattr(model, "model_type", "?")
         self.name = name or f"{self.arch} target"
         self.layers = layer_list(self.text_model)  # the model's own list: taps swap its entries
+        self._takes_mask = takes_mask(self.text_model)
         self._embedding_name = next(n for n in EMBEDDING_NAMES if n in self.text_model)
         self.embed_tokens = token_embedding(self.text_model[self._embedding_name])
         # (a quantized embedding's weight is packed: its own output gives the width, not the weight's)
@@ -264,7 +267,10 @@ class Target:
     def run_text_model(self, tokens: mx.array, cache) -> mx.array:
         """The text model's forward (inside the swaps `taps` made) -> final hidden states: its
         output, or, where it applies its LM head itself, what its head step was handed."""
-        out = self.text_model(tokens, cache=cache)
+        if self._takes_mask:  # (what its Model makes: mlx-lm's mask of the tokens over the first cache)
+            out = self.text_model(tokens, create_attention_mask(tokens, cache[0] if cache else None), cache=cache)
+        else:
+            out = self.text_model(tokens, cache=cache)
         return out if self.inner_head is None else self.inner_head.hidden(out)
 
     def _pipeline_forward(self, tokens, cache, layer_ids, record, tree, fuse):

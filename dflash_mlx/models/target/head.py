@@ -105,6 +105,9 @@ class TargetHead:
         reference path is exactly the layer's own `mx.quantized_matmul`.
         """
         layer = self._lm_head if self._lm_head is not None else self.embed_tokens
+        if "weight" not in layer and "scales" not in layer:  # a head with its own norm (Phixtral's)
+            out = layer(h)
+            return out if vocab_ids is None else mx.take(out, vocab_ids, axis=-1)
         if self._vocab_group is not None:  # each rank's rows, gathered; then the draft's vocabulary
             with split_stream(True):
                 out = gather_vocab(layer(h), self._vocab_group)

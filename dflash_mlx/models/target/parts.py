@@ -3,10 +3,11 @@ token embedding, and the text model's arguments (a wrapper's nested config).
 
 mlx-lm has no one place for them: a text model sits at `model`, `language_model`, `backbone` or
 `transformer`, one or two levels down; its layers are `layers`, `h` or `blocks` (or a decoder
-module holding `layers`); its embedding goes by ten names. `find_text_model` takes the innermost
+module holding `layers`); its embedding goes by eleven names. `find_text_model` takes the innermost
 module holding both; a model with neither is refused in one line naming what was looked for.
 """
 
+import inspect
 from typing import Any, Optional, Tuple
 
 import mlx.nn as nn
@@ -15,7 +16,7 @@ from dflash_mlx.models.target.rollback import UnsupportedTargetError
 
 # Where mlx-lm's text models keep their token embedding, and their decoder layers.
 EMBEDDING_NAMES = ("embed_tokens", "embeddings", "wte", "tok_embeddings", "word_embeddings", "embed_in", "embedding",
-                   "token_embeddings", "embed", "ngram_embeddings")
+                   "token_embeddings", "embed", "ngram_embeddings", "embd")
 LAYER_LIST_NAMES = ("layers", "h", "blocks")
 
 
@@ -51,7 +52,8 @@ def layer_list(holder) -> Optional[list]:
 
 def token_embedding(module):
     """The token table the draft embeds with: the module, or the one an embedding that adds more
-    to it holds (LongCat's n-gram embedding: `word_embeddings`, plus hashed n-grams of the context)."""
+    to it holds (LongCat's n-gram embedding: `word_embeddings`, plus hashed n-grams of the context),
+    or wraps (Phixtral's `embd.wte`)."""
     inner = next((module[n] for n in EMBEDDING_NAMES if "weight" not in module and n in module), None)
     return inner if inner is not None else module
 
@@ -72,3 +74,10 @@ def text_args(model, text_model):
         if hasattr(own, "hidden_size"):
             args = own
     return args
+
+
+def takes_mask(text_model) -> bool:
+    """Whether the text model's forward needs the attention mask handed in (Phixtral's `Model`
+    makes it from the tokens and the first cache, as mlx-lm's `create_attention_mask`)."""
+    parameter = inspect.signature(type(text_model).__call__).parameters.get("mask")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
