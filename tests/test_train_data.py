@@ -137,3 +137,32 @@ def test_run_format_data_rebuilds_null_prompts_by_id_and_counts_the_rest(tmp_pat
     plain.write_text("".join(json.dumps(r) + "\n" for r in recs))
     run_data.merge_packed(plain, tmp_path / "run" / "responses.jsonl", tok, logs.append)
     assert [r["id"] for r in D.read_records(tmp_path / "run" / "responses.jsonl")] == ["gsm8k-train:5", "sharegpt:c1:1"]
+
+
+import pytest  # noqa: E402
+
+
+@pytest.mark.parametrize("key, batched", [("deepseek_v41", False), ("gemma3n", True), ("iquestloopcoder", True)])
+def test_responses_are_each_prompts_own_greedy_whatever_its_caches(tmp_path, key, batched):
+    """Responses on batch caches shaped as the model's own: sliding windows shorter than a prompt
+    (Gemma 3n, 8 tokens) batch in mlx-lm's rotating batch cache, a loop coder's two caches a layer
+    line up, and caches no left padding serves (DeepSeek V4.1's) go one prompt at a time. Each
+    response is mlx-lm's greedy decode of that prompt alone, and its cached features the
+    target's own."""
+    from dflash_mlx.testing import arch_check
+    from dflash_mlx.testing.targets import byte_tokenizer, greedy_reference
+
+    model, tok = arch_check.build(key), byte_tokenizer()
+    assert (D._batch_cache(Target(model), [0, 1]) is not None) == batched
+    prompts = [D.Prompt(f"p{i}", "abcdefg"[: 3 + i] * (2 + i)) for i in range(3)]
+    out, feat_dir = tmp_path / "resp.jsonl", tmp_path / "feats"
+    assert D.generate_responses(model, tok, prompts, out, max_tokens=8, batch_size=3, feature_layers=[0, 1],
+                                feature_dir=feat_dir) == 3
+    target = Target(model)
+    for rec in D.read_records(out):
+        ref = greedy_reference(model, rec["prompt"], len(rec["response"]), stop_ids=tok.eos_token_ids)
+        assert rec["response"] == ref
+        seq = rec["prompt"] + rec["response"][:-1]
+        _, feats, _ = target.forward(mx.array([seq]), target.make_cache(), [0, 1])
+        cached = np.load(D.feature_file(feat_dir, rec["id"]))
+        np.testing.assert_allclose(cached, np.array(feats[0].astype(mx.float16)), atol=2e-2)

@@ -482,3 +482,15 @@ def test_grown_draft_adopts_the_trained_runs_adam_moments(setup, trained, tmp_pa
     assert new and all(not np.any(np.array(state[k])) for k in new)
     # the schedule is this run's: its step count is not taken over
     assert int(saved["step"].item()) == 30 and int(state["step"].item()) == 0
+
+
+def test_default_taps_stay_inside_a_small_target():
+    """z-lab's spread skips the first and last layers; on a target of 1 or 2 layers it ran below
+    layer 0 ([-1, 0, 1] for 2), which the draft's config then refused."""
+    from dflash_mlx.models.draft.config import default_target_layer_ids
+
+    for layers in range(1, 8):
+        for draft_layers in (1, 2, 4, 5):
+            taps = default_target_layer_ids(layers, draft_layers)
+            assert len(taps) == draft_layers and all(0 <= t < layers for t in taps), (layers, taps)
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # z-lab's Qwen3-8B drafts

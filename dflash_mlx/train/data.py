@@ -185,9 +185,7 @@ def generate_responses(
     trainer then does not run the target again. `deadline` (time.time()) stops
     cleanly between batches. Returns the number of records written.
     """
-    import mlx.core as mx
     import numpy as np
-    from mlx_lm.models.cache import BatchKVCache
 
     from dflash_mlx.models.target.adapter import Target
 
@@ -212,6 +210,8 @@ def generate_responses(
         todo.append((p.id, ids))
     if not todo:
         return 0
+    if _batch_cache(target, [0]) is None:  # caches no left padding serves: one prompt at a time
+        batch_size = 1
     # Similar lengths together: little padding. The order is deterministic.
     group = 8 * batch_size
     todo = [x for g in range(0, len(todo), group) for x in sorted(todo[g : g + group], key=lambda x: len(x[1]))]
@@ -241,32 +241,37 @@ def generate_responses(
     return written
 
 
-def _batch_cache(target, pads, n_layers):
-    """Left-padded batch caches: `BatchKVCache` per layer; on hybrid targets (recurrent
-    layers, mlx-lm's `ArraysCache`: Gated DeltaNet, Mamba) the model's own cache list with
-    each recurrent state given the padding (the layers mask padded positions out of it and
-    advance it) and each other entry a `BatchKVCache`."""
-    from mlx_lm.models.cache import ArraysCache, BatchKVCache
+def _batch_cache(target, pads):
+    """Left-padded batch caches shaped as the model's own: `BatchKVCache` for attention KV,
+    `BatchRotatingKVCache` for a sliding window, and each recurrent state (mlx-lm's `ArraysCache`:
+    Gated DeltaNet, Mamba) given the padding (the layers mask padded positions out of it and
+    advance it). None where the model keeps another kind (DeepSeek V4.1's layer caches, lists of
+    caches): its prompts then go one at a time, on its own caches."""
+    from mlx_lm.models.cache import ArraysCache, BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
-    own = target.make_cache()
-    if not any(isinstance(c, ArraysCache) for c in own):
-        return [BatchKVCache(pads) for _ in range(n_layers)]
-    return [ArraysCache(len(c.cache), left_padding=pads) if isinstance(c, ArraysCache) else BatchKVCache(pads)
-            for c in own]
+    out = []
+    for c in target.make_cache():
+        if type(c) is KVCache:
+            out.append(BatchKVCache(pads))
+        elif type(c) is RotatingKVCache and c.keep == 0:
+            out.append(BatchRotatingKVCache(c.max_size, pads))
+        elif type(c) is ArraysCache:
+            out.append(ArraysCache(len(c.cache), left_padding=pads))
+        else:
+            return None
+    return out
 
 
 def _generate_batch(target, batch, eos, max_tokens, layer_ids):
     """Greedy-decode one left-padded batch; yields (record, features or None) per row."""
     import mlx.core as mx
     import numpy as np
-    from mlx_lm.models.cache import BatchKVCache
 
-    n_layers = target.num_layers
     lens = [len(ids) for _, ids in batch]
     S = max(lens)
     pads = [S - n for n in lens]
     x = mx.array([[0] * p + ids for p, (_, ids) in zip(pads, batch)])
-    cache = _batch_cache(target, pads, n_layers)
+    cache = _batch_cache(target, pads) if len(batch) > 1 else target.make_cache()
     h, feats, _ = target.forward(x, cache, layer_ids)
     tok = mx.argmax(target.logits(h[:, -1]), axis=-1)
     mx.eval(tok, feats) if feats is not None else mx.eval(tok)

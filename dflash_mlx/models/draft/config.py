@@ -186,12 +186,13 @@ def _int_or_raw(value):
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> List[int]:
-    """z-lab's default: spread the taps over the target, skipping the very first and last layers."""
+    """z-lab's default: spread the taps over the target, skipping the very first and last layers
+    (on a target of 2 layers or fewer, whose spread would run below layer 0, its layers)."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     step = (end - start) / (num_draft_layers - 1)
-    return [int(round(start + i * step)) for i in range(num_draft_layers)]
+    return [min(max(int(round(start + i * step)), 0), num_target_layers - 1) for i in range(num_draft_layers)]
 
 
 
