@@ -255,7 +255,7 @@ def _batch_cache(target, pads):
             out.append(BatchKVCache(pads))
         elif type(c) is RotatingKVCache and c.keep == 0:
             out.append(BatchRotatingKVCache(c.max_size, pads))
-        elif type(c) is ArraysCache:
+        elif isinstance(c, ArraysCache):
             out.append(ArraysCache(len(c.cache), left_padding=pads))
         else:
             return None
