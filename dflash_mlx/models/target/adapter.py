@@ -127,8 +127,8 @@ class Target:
 
     def _check_caches(self) -> List[Optional[str]]:
         """Each cache entry's rollback ("trim" | "gdn" | "replay" | "rerun"); refuses what has none."""
-        kinds = []
-        for i, c in enumerate(self.make_cache()):
+        kinds, caches = [], self.make_cache()
+        for i, c in enumerate(caches):
             kind = rollback_kind(c)
             if kind is None:
                 parts = "/".join(type(s).__name__ for s in sub_caches(c))
@@ -140,7 +140,7 @@ class Target:
             if kind == "replay" and i + self.layer_offset in self._gdn_layers and isinstance(c, ArraysCache):
                 kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
             kinds.append(kind)
-        reason = rerun.refusal(kinds, self.make_cache())
+        reason = rerun.refusal(kinds, caches)
         if reason is not None:
             raise UnsupportedTargetError(f"{self.arch}: {reason}")
         return kinds
