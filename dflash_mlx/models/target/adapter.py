@@ -40,7 +40,7 @@ def _verify_record(target, record: bool, tokens: mx.array, cache) -> Optional[Ve
     if not (record and target.recurrent):
         return None
     rec = VerifyRecord()
-    if target.rollback_kinds()[:1] == ["rerun"]:
+    if rerun.takes(target.rollback_kinds()):
         rec.rerun = rerun.before_verify(tokens, cache)
     return rec
 
@@ -286,7 +286,7 @@ class Target:
             ride = rider.outbox[: tokens.shape[1] * self.hidden_size] if carrying else []
             carry = Carry(tokens.shape[0], features, ride, self.sharding.rank, fuse)
             # DeepSeek V4.1's receive adds what it gets to its caches before a held layer refuses the carry
-            kept = rerun.before_verify(tokens, cache) if carrying and self.rollback_kinds()[:1] == ["rerun"] else None
+            kept = rerun.before_verify(tokens, cache) if carrying and rerun.takes(self._replay_kinds) else None
             try:
                 with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree,
                           tokens.shape[:2]), \
@@ -297,7 +297,7 @@ class Target:
             except CarryRefused:  # its layers take more than one hidden state: gather the taps
                 self._carries = False
                 if kept is not None:
-                    rerun.rerun(self.text_model, cache, kept, 0)
+                    rerun.rerun(self.run_text_model, cache, kept, 0)
         if carrying:
             feats = carry.tap_features()
             del rider.outbox[: len(ride)]
@@ -330,7 +330,7 @@ class Target:
             return
         if record is not None and record.rerun is not None:  # every cache back, the kept tokens again
             with split_stream(self.sharding is not None):  # (a split's collectives: the forwards' stream)
-                rerun.rerun(self.text_model, cache, record.rerun, keep)
+                rerun.rerun(self.run_text_model, cache, record.rerun, keep)
             return
         for idx, (c, kind) in enumerate(zip(cache, self._replay_kinds)):
             if kind == "trim":

@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache
 
 from dflash_mlx.identity import IdentityMap
+from dflash_mlx.models.target import rerun
 from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError, VerifyRecord, recorded_apart, sub_caches
 from dflash_mlx.models.target.sharding import agreed_reason, on_every_rank, smallest_on_any_rank, split_stream
 from dflash_mlx.models.target.taps import taps
@@ -85,7 +86,7 @@ def _probe(target):
         reason = agreed_reason(sharding, reason)
         if reason is None and mixers:
             reason = agreed_reason(sharding, _mixers_replay(target))
-        if reason is None and target.rollback_kinds()[:1] == ["rerun"]:
+        if reason is None and rerun.takes(target.rollback_kinds()):
             reason = agreed_reason(sharding, _rerun_keeps_state(target))
         window = smallest_on_any_rank(sharding, mask_wider_than_cache(target)) if reason is None else None
     return reason, target.replay_mixers, target.tap_inputs, window

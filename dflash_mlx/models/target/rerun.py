@@ -17,7 +17,7 @@ pipeline splits of DeepSeek V4.1: `benchmarks/results/20261205-split-variants-de
 """
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
@@ -32,6 +32,12 @@ def can_rerun(c) -> bool:
     if not callable(trimmable) or trimmable():
         return False
     return all(v is None or isinstance(v, (mx.array, int, float, bool)) for v in vars(c).values())
+
+
+def takes(kinds: List[str]) -> bool:
+    """Whether a target of these rollback kinds takes this path (all of its caches do, or none:
+    `refusal`)."""
+    return kinds[:1] == ["rerun"]
 
 
 def refusal(kinds: List[str], cache: List[Any]) -> Optional[str]:
@@ -57,11 +63,12 @@ def before_verify(tokens: mx.array, cache: List[Any]) -> Rerun:
     return Rerun(tokens, [dict(vars(c)) for c in cache])
 
 
-def rerun(text_model, cache: List[Any], record: Rerun, keep: int):
-    """Put every cache back as it was before the verify, then run the text model on its first
-    `keep` tokens (queued: the next forward's evaluation takes it along)."""
+def rerun(forward: Callable[[mx.array, List[Any]], mx.array], cache: List[Any], record: Rerun, keep: int):
+    """Put every cache back as it was before the verify, then run the text model's forward
+    (`Target.run_text_model`) on its first `keep` tokens (queued: the next forward's evaluation
+    takes it along)."""
     for c, fields in zip(cache, record.fields):
         vars(c).clear()
         vars(c).update(fields)
     if keep:  # (queued now: a split model's ranks then run its collectives before the next forward's)
-        mx.async_eval(text_model(record.tokens[:, :keep], cache=cache))
+        mx.async_eval(forward(record.tokens[:, :keep], cache))
