@@ -36,16 +36,12 @@ NOT_RUN = "mlx-lm's own split model does not run"
 REFUSED = "refused in one line"
 
 
-def _first_line(error: Exception) -> str:
-    """An exception as a report shows it: its type and the first line of its message."""
-    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-
-
 def check_split(v, over, mode) -> str:
     """"exact", or the first width whose tokens part from the split model's greedy decode, and where."""
     from dflash_mlx.models.draft.checkpoints import random_draft
     from dflash_mlx.models.sharded import split
     from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
+    from dflash_mlx.models.target.probe import error_line
     from dflash_mlx.policy.sizer import forget_sizers
     from dflash_mlx.testing import variants
     from dflash_mlx.testing.targets import ScriptedDraft, clean_case
@@ -57,19 +53,19 @@ def check_split(v, over, mode) -> str:
     try:
         split(model, mode)
     except Exception as e:  # (one KV head cannot be split in two): nothing to compare with
-        return f"{NOT_RUN}: {_first_line(e)}"[:200]
+        return f"{NOT_RUN}: {error_line(e)}"[:200]
     try:
         target = Target(model)  # (built on every rank together: its construction agrees over the split)
     except UnsupportedTargetError as refusal:
         try:  # where mlx-lm's own split model runs, a refusal is worth a look; where it does not, it is why
             clean_case(model, PROMPT_LEN, MAX_TOKENS, seed=1)
         except Exception as e:
-            return f"{NOT_RUN}: {_first_line(e)}"[:200]
+            return f"{NOT_RUN}: {error_line(e)}"[:200]
         return f"{REFUSED}: {refusal}"[:200]
     try:  # the split model's own greedy decode, with the caches of each rank's own layers (`make_cache`)
         prompt, ref = clean_case(model, PROMPT_LEN, MAX_TOKENS, seed=1, make_cache=target.make_cache)
     except Exception as e:
-        return f"{NOT_RUN}: {_first_line(e)}"[:200]
+        return f"{NOT_RUN}: {error_line(e)}"[:200]
     n = target.num_layers
     taps = sorted({0, n // 2, n - 1})
     for width in WIDTHS:
@@ -114,6 +110,7 @@ def rank_main(out_dir: str, families):
     import dflash_mlx  # noqa: F401  (before mlx.core)
     import mlx.core as mx
 
+    from dflash_mlx.models.target.probe import error_line
     from dflash_mlx.testing import variants
 
     rank = mx.distributed.init().rank()
@@ -130,7 +127,7 @@ def rank_main(out_dir: str, families):
             try:
                 outcome = check_split(v, over, mode)
             except Exception as e:  # failing where mlx-lm's split model runs: as wrong as a wrong token
-                outcome = f"raised {_first_line(e)}"[:200]
+                outcome = f"raised {error_line(e)}"[:200]
             log.write(json.dumps({"name": name, "option": variants.Variant(v.key, v.kind, over).option(),
                                   "outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}) + "\n")
             log.flush()

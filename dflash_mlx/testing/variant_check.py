@@ -19,6 +19,7 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from dflash_mlx.models.target.probe import error_line
 from dflash_mlx.testing import arch_check, variants
 from dflash_mlx.testing.targets import (EOS_ID, RankedDraft, RowScriptedDrafts, ScriptedDraft, byte_tokenizer,
                                        clean_case)
@@ -205,7 +206,7 @@ def _built(variant: variants.Variant, seed: int):
             mx.eval(model(mx.array([list(range(1, arch_check.PROMPT_LEN + 1))])))
             return model, over, None
         except Exception as e:  # mlx-lm's own args or forward reject this config
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160])
+            errors.append(error_line(e)[:160])
     return None, None, errors[0]
 
 
@@ -259,7 +260,7 @@ def check(variant: variants.Variant, widths=WIDTHS, turns: bool = True, trees: b
             try:
                 wrong = step()
             except Exception as e:  # DFlash failing where mlx-lm runs: as wrong as a wrong token
-                wrong = f"{what}: raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+                wrong = f"{what}: raised {error_line(e)}"[:200]
             if wrong is not None:
                 break
             result.checked.append(what)

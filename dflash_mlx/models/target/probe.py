@@ -47,6 +47,11 @@ from dflash_mlx.models.target.taps import taps
 _CHECKED = IdentityMap()
 
 
+def error_line(error: Exception) -> str:
+    """An exception as a one-line refusal or report shows it: its type and its message's first line."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
 def check_forward(target) -> None:
     """Raises `UnsupportedTargetError` naming why, when `target` cannot run exactly; sets
     `target.replay_mixers` where a rollback must re-run the modules the layers hand their
@@ -153,9 +158,8 @@ def _reason(target) -> Tuple[Optional[str], bool]:
     try:
         _forward(target, [1 % target.vocab_size, 2 % target.vocab_size], cache, features, record)
     except Exception as e:  # the model's own code, handed what a text-only verify gives it
-        return (f"its text model does not run on token ids and caches alone ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}); DFlash runs it without the arguments "
-                "its Model makes for it"), False
+        return (f"its text model does not run on token ids and caches alone ({error_line(e)}); DFlash runs "
+                "it without the arguments its Model makes for it"), False
     held = [i for i, layer in enumerate(layers) if layer is not None]  # (a pipeline rank's own)
     missing = [i for i in held if features[i] is None]
     if missing:
