@@ -29,6 +29,29 @@ def _session_cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = before
 
 
+def shared_folder(tmp_path_factory) -> "os.PathLike":
+    """One folder per test session, the same in every pytest-xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+LAUNCH_RUNNING = "distributed-launch-running"
+
+
+@pytest.fixture(autouse=True)
+def _yield_to_the_two_rank_launch(tmp_path_factory):
+    """While tests/test_distributed.py's two-rank launch runs, other workers start no test: its
+    ranks poll their sockets while they wait on each other, so a rank that shares its core with a
+    test stalls the other one too (the launch took 111 s beside the suite, 25 s alone)."""
+    import time
+
+    flag = shared_folder(tmp_path_factory) / LAUNCH_RUNNING
+    deadline = time.monotonic() + 600
+    while flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default target, loaded once per test process: (model, tokenizer), the same

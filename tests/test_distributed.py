@@ -21,6 +21,7 @@ from dflash_mlx.models.sharded import ShardingError, choose_mode, modes_of, spli
 from dflash_mlx.testing import archs
 from dflash_mlx.testing.targets import EOS_ID, tiny_target
 from distributed_driver import MAX_TOKENS, MODES, UNEVEN, WIDTHS, build
+from conftest import LAUNCH_RUNNING, shared_folder
 from ring_ports import free_starting_port
 
 # Every seed family, each under every parallelism mlx-lm gives it: dense qwen3 (tensor only),
@@ -47,9 +48,8 @@ def _launcher():
 def _idle_launcher():
     """The launcher gets only CPU nobody else wants: each of its output threads spins (it selects
     on the rank's stdin pipe, always writable), a whole core, 88% of one measured here. The ranks
-    take back the normal policy (distributed_driver.py), niced: a rank waiting on the other polls
-    its sockets, and the other pytest worker's tests should get that core first."""
-    os.nice(10)
+    take back the normal policy (distributed_driver.py); the other workers start no test while
+    they run (conftest.py), so each rank has a core."""
     if hasattr(os, "sched_setscheduler"):
         try:
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
@@ -78,19 +78,23 @@ def _launch(out: Path):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, worker_id):
+def ranks(tmp_path_factory):
     """What each of the two ranks decoded: [rank0, rank1], each {"cases", "errors"}. One launch
     per test session: under pytest-xdist, the first worker to get here launches, the others wait
     on a lock and read its files (a module fixture alone would launch once per worker)."""
     from filelock import FileLock
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent  # one folder per session either way
+    shared = shared_folder(tmp_path_factory)
     out = shared / "distributed-ranks"
     with FileLock(str(shared / "distributed-ranks.lock")):
         if not (out / "launched").exists():
             out.mkdir(exist_ok=True)
-            skipped = _launch(out)
+            running = shared / LAUNCH_RUNNING  # the other workers wait (conftest.py)
+            running.touch()
+            try:
+                skipped = _launch(out)
+            finally:
+                running.unlink()
             (out / "launched").write_text(skipped or "")
     skipped = (out / "launched").read_text()
     if skipped:
