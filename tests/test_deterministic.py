@@ -17,7 +17,7 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.engine.cycle import prefill_bounds
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
-from dflash_mlx.testing.targets import ScriptedDraft, greedy_reference, tiny_target
+from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, clean_case, greedy_reference, tiny_target
 
 FULL_LLAMA = dict(layer_types=["full_attention"] * 4, sliding_window=None)
 
@@ -116,10 +116,42 @@ def test_prefill_bounds_follow_mlx_lm():
     assert prefill_bounds(1025, 512, False) == [(0, 512), (512, 1024), (1024, 1025)]
 
 
+@pytest.mark.parametrize("key,dtype", [(key, mx.float32) for key in ("qwen3_5", "jamba", "rwkv7", "recurrent_gemma",
+                                                                     "deepseek_v41")]
+                         # (MoE layers run bfloat16 on a GPU only: MLX's CPU GatherMM takes float32)
+                         + [(key, mx.bfloat16) for key in ("qwen3_5", "rwkv7", "recurrent_gemma")])
+def test_deterministic_mode_puts_recurrent_state_back_as_the_last_kept_row_left_it(key, dtype):
+    """Gated DeltaNet (qwen3_5), Mamba beside attention (jamba), RWKV-7, a recurrent layer beside
+    a sliding window (recurrent_gemma), DeepSeek V4.1's compressed groups: each row's state is
+    kept, and a rollback puts back the last kept row's (until 2026-12-05 refused)."""
+    from dflash_mlx.testing import arch_check
+
+    model = arch_check.build(key)
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+    tok = byte_tokenizer()
+    for length in (1, 9):
+        prompt, ref = clean_case(model, length, 20, seed=length)  # (no EOS: the engine would stop there)
+        right = [random.Random(length + c).randrange(0, 8) for c in range(100)]
+        draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=8)
+        out, accepts = _decode(model, draft, tok, prompt, "draft", len(ref))
+        assert out == ref, (key, length)
+        assert max(accepts) > 1 and min(accepts) < 7, "partial accepts: rows kept and rows rolled back"
+
+
 def test_targets_deterministic_mode_cannot_run_are_refused_in_one_line():
-    model, tok = _model("qwen3_5", mx.float32)  # Gated DeltaNet state
-    with pytest.raises(UnsupportedTargetError, match="recurrent state") as e:
-        list(stream_generate(model, None, tok, [1, 2, 3], max_tokens=4, deterministic=True))
+    from dflash_mlx.models.target.exact_rows import refusal
+
+    class Split:  # what a target split over processes looks like to the refusal
+        name, sharding = "qwen3", object()
+
+    assert "split over processes" in refusal(Split())
+    model, tok = _model("qwen3", mx.float32)
+    target = Target(model)
+    target.deterministic = True
+    with pytest.raises(UnsupportedTargetError, match="not trees or batches") as e:
+        target.forward(mx.array([[1, 2, 3], [4, 5, 6]]), target.make_cache(), record=True)
     assert "\n" not in str(e.value)
 
 
@@ -184,12 +216,12 @@ def test_the_server_in_deterministic_mode_answers_one_request_at_a_time_as_mlx_l
         assert got == greedy_reference(model, ids, 16)
 
 
-def test_the_server_refuses_deterministic_mode_for_a_recurrent_target_in_one_line():
+def test_the_server_takes_deterministic_mode_for_a_recurrent_target():
     from dflash_mlx.serve.worker import Worker
 
     model, tok = _model("qwen3_5", mx.float32)
-    with pytest.raises(UnsupportedTargetError, match="recurrent state"):
-        Worker(model, None, tok, model_name="tiny", deterministic=True)
+    worker = Worker(model, None, tok, model_name="tiny", deterministic=True)
+    assert worker.max_batch == 1
 
 
 def test_every_mode_runs_the_last_prompt_token_alone_as_mlx_lm_does():

@@ -114,12 +114,26 @@ class Outcome:
 
 def case(model, seed: int = 0, length: int = PROMPT_LEN):
     """(prompt, greedy reference): a random byte prompt whose greedy continuation has no EOS
-    and is varied (at least 5 distinct tokens), so that a wrong token shows."""
+    and is varied (at least 5 distinct tokens), so that a wrong token shows, of a model that
+    reads its context (`reads_context`), so that a wrong cache shows."""
     for s in range(seed, seed + 20):
         prompt, ref = clean_case(model, length, MAX_TOKENS, seed=s)
         if len(set(ref)) >= 5:
+            if length > 1 and not reads_context(model, prompt):
+                raise AssertionError("the tiny model's next token does not depend on the tokens before the last: "
+                                     "a check of its caches tests nothing")
             return prompt, ref
     raise AssertionError("the tiny model's greedy continuations are near-constant runs: they test nothing")
+
+
+def reads_context(model, prompt) -> bool:
+    """Whether the logits after `prompt` change when every token before its last does. A tiny
+    model whose attention or recurrent state ends in a parameter that starts at zeros (RWKV-7's
+    output norm, Baichuan-M1's key and value convolutions) ignores them, and its rollbacks and
+    caches can then be wrong without a wrong token (`more_archs.TWEAKS`)."""
+    other = [(t + 1) % VOCAB for t in prompt[:-1]] + [prompt[-1]]
+    a, b = (model(mx.array([p]))[0, -1] for p in (prompt, other))
+    return mx.abs(a - b).max().item() > 1e-4
 
 
 def refusal(model) -> Optional[str]:

@@ -317,6 +317,10 @@ def _x3(p):
     return p * 3.0
 
 
+def _uniform(p):
+    return mx.random.uniform(shape=p.shape)
+
+
 # key -> {parameter path suffix: function applied to that parameter after init}
 TWEAKS: Dict[str, Dict[str, Callable]] = {
     "gemma": {"model.norm.weight": lambda p: 16.0 * (1.0 + p) - 1.0},
@@ -326,6 +330,10 @@ TWEAKS: Dict[str, Dict[str, Callable]] = {
     "gemma4_text_moe": {"model.norm.weight": lambda p: 8.0 * p},
     "lfm2": {"model.embedding_norm.weight": lambda p: 8.0 * p, "q_proj.weight": _x3, "k_proj.weight": _x3},
     "starcoder2": {"q_proj.weight": _x3, "k_proj.weight": _x3},
+    # RWKV-7's parameters that start at zeros, its time-mix output norm among them, which left so
+    # cut the context out (`arch_check.reads_context`); its token-shift mixes and key/receptance scales
+    "rwkv7": {"g_norm.weight": lambda p: mx.ones(p.shape), **{f"attn.x_{n}": _uniform for n in "rwkvag"},
+              "ffn.x_k": _uniform, "k_k": _uniform, "k_a": _uniform, "r_k": lambda p: 0.5 * mx.random.normal(p.shape)},
 }
 
 # The rest of mlx-lm's architectures, and the multimodal wrappers: testing/more_archs.py.

@@ -288,6 +288,10 @@ def _normal(p):
     return mx.random.normal(p.shape) * 0.5
 
 
+def _uniform(p):
+    return mx.random.uniform(shape=p.shape)
+
+
 _SHARPER = {"q_proj.weight": _x3, "k_proj.weight": _x3}  # sharper random attention
 # key -> {parameter path suffix: function applied to it after init}
 TWEAKS: Dict[str, Dict[str, Callable]] = {
@@ -297,6 +301,9 @@ TWEAKS: Dict[str, Dict[str, Callable]] = {
     "qwen3": {"q_norm.weight": _x3, "k_norm.weight": _x3},  # (q/k are normalized per head)
     "lfm2_moe": _SHARPER,
     "lfm2-vl": _SHARPER,
+    # Baichuan-M1's short convolutions of its keys and values start at zeros: zero keys and values,
+    # no context (`arch_check.reads_context`)
+    "baichuan_m1": {"conv_k": _uniform, "conv_v": _uniform},
 }
 
 # Keys this machine cannot run (Linux, MLX's CPU backend), and why; listed in the table, not checked.

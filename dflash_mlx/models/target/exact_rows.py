@@ -16,10 +16,11 @@ it, so deterministic mode (`Target.deterministic`) runs:
 Every kernel then sees the shapes it sees in plain decoding, so greedy DFlash is plain
 decoding token for token in every dtype, on every backend. The price is that a verify
 costs its rows' decode steps (less the host syncs between them): on a GPU, where a wide
-verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches
-and puts every other attention cache (sliding windows, chunks) back and replays the kept rows'
-updates (`RowsRecord`). Targets with recurrent state, split targets, token trees and batches of
-rows are refused (`refusal`, the engine): their verify has no plain-decoding twin here.
+verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches,
+puts every other attention cache (sliding windows, chunks) back and replays the kept rows'
+updates, and puts any other state (recurrent layers' states, DeepSeek V4.1's compressed groups)
+back as the last kept row left it (`RowsRecord`). Split targets, token trees and batches of rows
+are refused (`refusal`, the engine): their verify has no plain-decoding twin here.
 """
 
 from contextlib import contextmanager
@@ -35,10 +36,21 @@ def refusal(target) -> Optional[str]:
     """Why `target` cannot run in deterministic mode, or None."""
     if target.sharding is not None:
         return f"{target.name} is split over processes: deterministic mode runs one process's decode shapes"
-    if target.recurrent:
-        return (f"{target.name} holds recurrent state (kinds {sorted(set(target.rollback_kinds()) - {'trim'})}): "
-                "deterministic mode rolls back attention caches only")
     return None
+
+
+def _copied(value):
+    """A cache attribute as it is now: arrays as new array objects (a one-token update may
+    assign into the cache's own), lists and tuples of them copied."""
+    if isinstance(value, mx.array):
+        return value[...]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def _state(c) -> dict:
+    return {k: _copied(v) for k, v in vars(c).items()}
 
 
 class RowsRecord:
@@ -47,7 +59,10 @@ class RowsRecord:
     A full KVCache trims. Any other attention cache (sliding windows: a full window's one-token
     update overwrites its oldest entry; chunked attention: its front is dropped as the rows go
     on) is put back as it was before the rows, and the calls that changed it are made again,
-    in order, up to the last kept row's update: plain decoding's own steps."""
+    in order, up to the last kept row's update: plain decoding's own steps. Any other cache
+    (a recurrent layer's conv and SSM states, which each step replaces whole; DeepSeek V4.1's
+    window and compressed groups) is kept as each row leaves it (`snapshot`, references: no
+    copy of a state the step replaced) and put back as the last kept row left it."""
 
     CALLS = ("update_and_fetch", "maybe_trim_front")  # what the models call on a cache
 
@@ -56,12 +71,19 @@ class RowsRecord:
 
         from dflash_mlx.models.target.rollback import sub_caches
 
-        self.trimmed = [c for entry in cache for c in sub_caches(entry) if type(c) is KVCache]
-        self.replayed = [c for entry in cache for c in sub_caches(entry) if type(c) is not KVCache]
-        # arrays are copied as new array objects: one-token updates assign into the cache's own
-        self.before = [{k: (v[...] if isinstance(v, mx.array) else v) for k, v in vars(c).items()}
-                       for c in self.replayed]
+        subs = [c for entry in cache for c in sub_caches(entry)]
+        self.trimmed = [c for c in subs if type(c) is KVCache]
+        # (a window's buffer is written in place: a state kept per row would copy it every row)
+        self.replayed = [c for c in subs if type(c) is not KVCache and hasattr(c, "update_and_fetch")]
+        self.stateful = [c for c in subs if type(c) is not KVCache and not hasattr(c, "update_and_fetch")]
+        self.before = [_state(c) for c in self.replayed]
+        self.states: List[List[dict]] = [[_state(c)] for c in self.stateful]  # [cache][rows run]
         self.calls: List[List[Tuple[str, tuple]]] = [[] for _ in self.replayed]
+
+    def snapshot(self):
+        """After each row: what it left in the caches that are put back whole."""
+        for c, states in zip(self.stateful, self.states):
+            states.append(_state(c))
 
     @contextmanager
     def recording(self):
@@ -86,6 +108,9 @@ class RowsRecord:
 
         for c in self.trimmed:
             rollback_cache(c, num_rows - keep)
+        for c, states in zip(self.stateful, self.states):
+            vars(c).clear()
+            vars(c).update(states[keep])
         for c, before, calls in zip(self.replayed, self.before, self.calls):
             vars(c).clear()
             vars(c).update(before)
@@ -105,6 +130,7 @@ def forward_rows(one_forward, tokens: mx.array, cache: List[Any], num_layer_ids:
     with record.recording():
         for i in range(tokens.shape[1]):
             h, f, _ = one_forward(tokens[:, i : i + 1])
+            record.snapshot()
             hs.append(h)
             if f is not None:
                 feats.append(f)
