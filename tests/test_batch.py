@@ -146,6 +146,20 @@ def test_sliding_windows_and_recurrent_states_batch_exactly(arch):
     assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
 
 
+@pytest.mark.parametrize("arch", ["gpt_oss", "cohere2", "gemma2"])
+def test_a_row_joins_one_that_decoded_alone_past_its_window_with_rollbacks(arch):
+    """A lone row verifies past its window and rolls back, which leaves its window holding one
+    entry fewer than mlx-lm's `size()` counts (the rejected tail goes, and the oldest key a
+    one-token step no longer needs with it); a second request then joins and the lone row's
+    caches become the batch's. Until 2026-12-05 mlx-lm's merge raised there (broadcast_shapes)."""
+    model = build(arch)
+    cs = [clean_case(model, 20, 30, seed=0), clean_case(model, 5, 10, seed=1)]
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: c % 3, block_size=6)  # partial accepts
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=2, prefill_chunk=16, block_size=6)
+    tokens, _ = run(engine, [request(p, len(ref)) for p, ref in cs], join_every=6)
+    assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "rwkv7", "lfm2"])
 def test_replay_of_batch_rows_is_each_rows_own_forward(arch):
     """Each row's recurrent state after `replay_layer_rows` equals a forward of that row's kept

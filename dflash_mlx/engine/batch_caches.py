@@ -20,6 +20,7 @@ lengths even with `HeadAxisMask` (which mlx-lm's Gemma 2 needs); those are serve
 request at a time (`stream_generate`).
 """
 
+import copy
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -220,8 +221,23 @@ def _batched(c):
     if isinstance(c, CacheList):
         return CacheList(*(_batched(s) for s in c.caches))
     if isinstance(c, RotatingKVCache):
-        return BatchRotatingKVCache.merge([c])
+        return _batched_window(c)
     return BatchKVCache.merge([c]) if isinstance(c, KVCache) else ArraysCache.merge([c])
+
+
+def _batched_window(c: RotatingKVCache) -> BatchRotatingKVCache:
+    """A lone row's window as a batch's. mlx-lm's merge copies `size()` = min(offset, window)
+    entries; a window a verify rolled back holds one fewer (`rollback_rotating` drops the
+    rejected tail, and with it the oldest key, which a one-token step no longer reads): it is
+    merged with the entries it holds, at its own positions."""
+    held = 0 if c.keys is None else c._temporal_order(c.keys).shape[2]
+    if c.keys is None or held >= c.size():
+        return BatchRotatingKVCache.merge([c])
+    view = copy.copy(c)
+    view.offset = held  # (merge's count of the entries to copy)
+    batch = BatchRotatingKVCache.merge([view])
+    batch.offset = mx.array([c.offset])
+    return batch
 
 
 def rollback_rows(caches: List, kinds: Sequence[str], record: Optional[VerifyRecord], width: int,
