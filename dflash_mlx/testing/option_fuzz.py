@@ -1,0 +1,216 @@
+"""Random engine options on random architectures, each case checked against mlx-lm's own greedy
+decode: what no hand-written test combines (a width with a prefill chunk, a stop, a second turn
+on the prompt cache, deterministic mode; in the batch engine, rows joining a lone row after its
+rollbacks, second turns joining together, the index of earlier answers).
+
+A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`, `batch_case(seed)`
+serves 2-5 requests through one `BatchEngine`. Each returns a row: "exact", "refused" (the one
+line the engine gave), "no batch" (the target takes no batches, as `batch_support` says),
+"mismatch" (where the tokens part) or "raised" (DFlash failed where mlx-lm runs). The tiny models
+are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_option_fuzz.py` a few.
+"""
+
+import random
+import time
+import traceback
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+
+from dflash_mlx.testing import arch_check, more_archs
+from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer
+
+STATUSES = ("exact", "refused", "no batch", "mismatch", "raised")
+# Prompt lengths: one token, shorter and longer than the tiny configs' windows and chunks (8)
+PROMPT_LENGTHS = (1, 2, 3, 5, 9, 20, 33)
+
+
+def keys() -> List[str]:
+    """The architectures a case draws from: every one this machine runs and DFlash takes."""
+    return sorted(k for k in arch_check.ARCHITECTURES if k not in more_archs.NOT_RUN and k not in more_archs.REFUSED)
+
+
+def greedy(model, prompt, max_tokens: int, stops=(), prefill_step_size: int = 2048) -> List[int]:
+    """mlx-lm's `generate_step`, greedy, up to the first of `stops` (included)."""
+    from mlx_lm.generate import generate_step
+
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size,
+                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+        out.append(int(token))
+        if out[-1] in stops:
+            break
+    return out
+
+
+def _draft(kind: str, model, reference, rng):
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.models.target.adapter import Target
+
+    if kind == "random":
+        return random_draft(model, num_layers=1, block_size=rng.choice([4, 8, 16]), seed=3)
+    if kind == "scripted":  # right for a random number of tokens each cycle: every rollback length
+        right = [rng.randrange(0, 16) for _ in range(400)]
+        return ScriptedDraft(Target(model), reference, lambda c: right[c], block_size=16, layer_ids="every")
+    return None
+
+
+def _run(fn, row: dict) -> dict:
+    from dflash_mlx.models.target.rollback import UnsupportedTargetError
+
+    start = time.perf_counter()
+    try:
+        fn(row)
+    except UnsupportedTargetError as e:
+        row.update(status="refused", reason=str(e))
+    except Exception:  # DFlash failing where mlx-lm runs: as wrong as a wrong token
+        row.update(status="raised", reason=traceback.format_exc(limit=-3)[-1200:])
+    row["seconds"] = round(time.perf_counter() - start, 3)
+    return row
+
+
+def _parted(out, ref) -> str:
+    i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+    return f"first difference at token {i} of {len(ref)}: {out[i:i + 4]} != mlx-lm's {ref[i:i + 4]}"
+
+
+def stream_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    row = dict(seed=seed, kind="stream", key=rng.choice(keys()))
+    row["options"] = dict(block_size=rng.choice([1, 2, 3, 4, 7, 16, "auto", "draft"]),
+                          split_head=rng.choice([None, True, False]), prefill_step_size=rng.choice([2, 3, 7, 2048]),
+                          logprobs=rng.choice([None, 0, 2]), copy_proposals=rng.random() < 0.5,
+                          token_trees=rng.random() < 0.5, deterministic=rng.choice([None, None, True]))
+    row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([1, 2, 5, 12, 20]),
+               draft=rng.choice(["random", "scripted", "scripted", "none"]), turns=rng.random() < 0.3)
+    return _run(lambda r: _stream(r, rng), row)
+
+
+def _stream(row: dict, rng: random.Random):
+    from dflash_mlx import stream_generate
+    from dflash_mlx.generate import make_prompt_cache
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.policy.sizer import forget_sizers
+
+    model = arch_check.build(row["key"])
+    Target(model)  # a refused target: its one line
+    opts, max_tokens = row["options"], row["max_tokens"]
+    prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
+    whole = greedy(model, prompt, max_tokens, prefill_step_size=opts["prefill_step_size"])
+    stops = [rng.choice(whole)] if whole and rng.random() < 0.4 else []
+    row["stops"] = stops
+    stops += [EOS_ID]
+    ref = greedy(model, prompt, max_tokens, set(stops), opts["prefill_step_size"])
+    draft = _draft(row["draft"], model, prompt + whole, rng)
+    forget_sizers()
+    cache = make_prompt_cache(model, draft) if row["turns"] else None
+
+    def decode(ids, n, stop_ids):
+        return [t for r in stream_generate(model, draft, byte_tokenizer(), ids, max_tokens=n, stop_token_ids=stop_ids,
+                                           prompt_cache=cache, **opts) for t in r.tokens]
+
+    out = decode(prompt, max_tokens, stops)
+    if out != ref:
+        row.update(status="mismatch", reason=_parted(out, ref))
+        return
+    row["status"] = "exact"
+    if row["turns"]:  # a second turn that extends the first's prompt and answer, on its caches
+        turn2 = prompt + out + [rng.randrange(3, arch_check.VOCAB) for _ in range(rng.choice([1, 4, 9]))]
+        if isinstance(draft, ScriptedDraft):  # (scripted for the first turn only)
+            draft = _draft("random", model, None, rng)
+            cache = make_prompt_cache(model, draft)
+            decode(prompt, max_tokens, stops)
+        want = greedy(model, turn2, 8, {EOS_ID}, opts["prefill_step_size"])
+        second = decode(turn2, 8, [EOS_ID])
+        if second != want:
+            row.update(status="mismatch", reason="second turn: " + _parted(second, want))
+
+
+def batch_case(seed: int) -> dict:
+    rng = random.Random(seed)
+    row = dict(seed=seed, kind="batch", key=rng.choice(keys()))
+    row.update(prompt_lens=rng.sample(PROMPT_LENGTHS + (4, 6, 12, 17, 25), rng.choice([2, 3, 4, 5])),
+               draft=rng.choice(["random", "scripted", "none"]), join_every=rng.choice([1, 2, 3, 6]),
+               turns=rng.random() < 0.5, suffix_index=rng.random() < 0.3)
+    row["options"] = dict(max_batch=rng.choice([2, 3, 4, 8]), prefill_chunk=rng.choice([2, 5, 16, 256]),
+                          prefill_budget=rng.choice([3, 16, 512]), block_size=rng.choice([1, 2, 4, 6, 16, "auto"]),
+                          copy_proposals=rng.random() < 0.5, token_trees=rng.random() < 0.5,
+                          split_head=rng.choice([None, True, False]))
+    return _run(lambda r: _batch(r, rng), row)
+
+
+def _serve(engine, requests: List, join_every: int) -> Tuple[Dict[int, List[int]], Dict[int, object]]:
+    """Each request's tokens and prompt cache, one joining every `join_every` steps while there is room."""
+    waiting, index, tokens, states = list(range(len(requests))), {}, {}, {}
+    steps = 0
+    while waiting or not engine.idle:
+        if waiting and engine.room and steps % join_every == 0:
+            i = waiting.pop(0)
+            row = engine.add(requests[i])
+            if hasattr(engine.draft, "register"):
+                engine.draft.register(row.state, requests[i].prompt_ids)
+            index[row.uid], tokens[i], states[i] = i, [], row.state
+        for row, response in engine.step():
+            tokens[index[row.uid]] += response.tokens
+        steps += 1
+        if steps > 5000:
+            raise RuntimeError("the engine did not finish its requests")
+    return tokens, states
+
+
+def _batch(row: dict, rng: random.Random):
+    from dflash_mlx.engine.batch_caches import batch_support
+    from dflash_mlx.engine.engine import BatchEngine
+    from dflash_mlx.engine.rows import BatchRequest
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.options import GenerationOptions
+    from dflash_mlx.policy.sizer import forget_sizers
+    from dflash_mlx.speculation.suffix_index import SuffixIndex
+
+    model = arch_check.build(row["key"])
+    if batch_support(Target(model)) is not None:
+        row["status"] = "no batch"
+        return
+    cases, wants, requests = [], [], []
+    for length in row["prompt_lens"]:
+        prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(length)]
+        max_tokens = rng.choice([1, 3, 8, 15])
+        whole = greedy(model, prompt, max_tokens)
+        stops = ([rng.choice(whole)] if whole and rng.random() < 0.3 else []) + [EOS_ID]
+        cases.append((prompt, whole))
+        wants.append(greedy(model, prompt, max_tokens, set(stops)))
+        requests.append(BatchRequest(prompt, GenerationOptions(max_tokens=max_tokens), stop_token_ids=stops))
+    if row["draft"] == "scripted":  # (a row's reference is the case of its prompt's length)
+        right = random.Random(row["seed"])
+        draft = RowScriptedDrafts(Target(model), cases, lambda c: right.randrange(0, 9), block_size=8)
+    else:
+        draft = _draft(row["draft"], model, None, rng)
+    forget_sizers()
+    index = SuffixIndex(model=model) if row["suffix_index"] else None
+    engine = BatchEngine(model, draft, byte_tokenizer(), suffix_index=index, **row["options"])
+    tokens, states = _serve(engine, requests, row["join_every"])
+    wrong = [i for i in range(len(requests)) if tokens[i] != wants[i]]
+    if wrong:
+        i = wrong[0]
+        row.update(status="mismatch", reason=f"request {i}: " + _parted(tokens[i], wants[i]))
+        return
+    row["status"] = "exact"
+    if not row["turns"]:
+        return
+    # second turns, each extending a request's prompt and answer, on its prompt cache, joining together
+    lengths, seconds, wants2 = set(row["prompt_lens"]), [], []
+    for i, request in enumerate(requests):
+        turn2 = request.prompt_ids + tokens[i] + [rng.randrange(3, arch_check.VOCAB) for _ in range(rng.choice([1, 4]))]
+        while len(turn2) in lengths:  # (scripted drafts tell rows apart by their prompts' lengths)
+            turn2.append(rng.randrange(3, arch_check.VOCAB))
+        lengths.add(len(turn2))
+        if row["draft"] == "scripted":
+            draft.add_case(turn2, greedy(model, turn2, 8))
+        wants2.append(greedy(model, turn2, 8, {EOS_ID}))
+        seconds.append(BatchRequest(turn2, GenerationOptions(max_tokens=8), stop_token_ids=[EOS_ID],
+                                    prompt_cache=states[i]))
+    tokens, _ = _serve(engine, seconds, row["join_every"])
+    wrong = [i for i in range(len(seconds)) if tokens[i] != wants2[i]]
+    if wrong:
+        i = wrong[0]
+        row.update(status="mismatch", reason=f"second turn of request {i}: " + _parted(tokens[i], wants2[i]))

@@ -1,0 +1,42 @@
+"""A few cases of the option fuzz (`dflash_mlx.testing.option_fuzz`; thousands run in
+benchmarks/option_fuzz.py): random widths, prefill chunks, stops, logprobs, copies, trees, split
+heads, deterministic mode and second turns on random architectures, alone and in the batch
+engine, each exact against mlx-lm's greedy decode or refused in one line."""
+
+import pytest
+
+from dflash_mlx.testing import option_fuzz
+
+# seeds whose cases the full runs found nothing wrong in; the batch ones include rows joining a
+# lone row after its rollbacks past a window (which raised until 2026-12-05)
+STREAM_SEEDS = range(0, 30)
+BATCH_SEEDS = range(0, 12)
+
+
+def _ok(row):
+    assert row["status"] in ("exact", "refused", "no batch"), row
+    if row["status"] == "refused":
+        assert "\n" not in row["reason"]
+
+
+@pytest.mark.parametrize("start", range(0, len(STREAM_SEEDS), 10))
+def test_stream_cases_are_exact_or_refused(start):
+    for seed in STREAM_SEEDS[start : start + 10]:
+        _ok(option_fuzz.stream_case(seed))
+
+
+@pytest.mark.parametrize("start", range(0, len(BATCH_SEEDS), 4))
+def test_batch_cases_are_exact_or_refused(start):
+    for seed in BATCH_SEEDS[start : start + 4]:
+        _ok(option_fuzz.batch_case(seed))
+
+
+def test_the_fuzz_sees_a_rollback_that_does_nothing(monkeypatch):
+    """Negative control: with rollbacks turned into no-ops, scripted drafts' rejected tokens stay
+    in the caches, and the cases that roll back must mismatch."""
+    from dflash_mlx.models.target.adapter import Target
+
+    monkeypatch.setattr(Target, "rollback", lambda self, *args, **kwargs: None)
+    rows = [option_fuzz.stream_case(seed) for seed in STREAM_SEEDS[:15]]
+    scripted = [r for r in rows if r["draft"] == "scripted" and r["max_tokens"] >= 12]
+    assert scripted and any(r["status"] == "mismatch" for r in scripted), rows
