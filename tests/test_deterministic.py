@@ -64,7 +64,7 @@ def rows_seen(target):
                          ids=["qwen3", "llama", "llama-sliding", "gemma3"])
 def test_deterministic_greedy_is_mlx_lm_greedy(arch, overrides, dtype):
     model, tok = _model(arch, dtype, **overrides)
-    for length in (1, 9, 33):
+    for length in (1, 33):  # one token; past the tiny configs' windows (16, 24)
         rng = random.Random(length)
         prompt = [rng.randrange(0, 256) for _ in range(length)]
         ref = greedy_reference(model, prompt, 24)
