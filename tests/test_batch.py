@@ -24,6 +24,7 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.testing.targets import (EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, chain_target, clean_case,
                                 greedy_reference, tiny_target)
 from dflash_mlx.testing.archs import build
+from dflash_mlx.testing.serving import serve
 
 
 @lru_cache(maxsize=None)
@@ -38,26 +39,8 @@ def cases(arch, n, seed=0):
 
 
 def run(engine, requests, join_every=1, cancel=None):
-    """Feed `requests` (one joining every `join_every` steps while there is room) and step
-    until all end. `cancel`: {request index: after how many responses to cancel it}.
-    Returns each request's tokens and responses."""
-    waiting = list(range(len(requests)))
-    index, tokens, responses = {}, {}, {}
-    steps = 0
-    while waiting or not engine.idle:
-        if waiting and engine.room and steps % join_every == 0:
-            i = waiting.pop(0)
-            row = engine.add(requests[i])
-            if hasattr(engine.draft, "register"):
-                engine.draft.register(row.state, requests[i].prompt_ids)
-            index[row.uid], tokens[i], responses[i] = i, [], []
-        for row, r in engine.step():
-            i = index[row.uid]
-            tokens[i] += r.tokens
-            responses[i].append(r)
-            if cancel and cancel.get(i) == len(responses[i]):
-                engine.remove(row)
-        steps += 1
+    """Each request's tokens and responses (`testing.serving.serve`)."""
+    tokens, responses, _ = serve(engine, requests, join_every, cancel)
     return tokens, responses
 
 

@@ -13,11 +13,12 @@ are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_opti
 import random
 import time
 import traceback
-from typing import Dict, List, Tuple
+from typing import List
 
 import mlx.core as mx
 
 from dflash_mlx.testing import arch_check, more_archs
+from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer
 
 STATUSES = ("exact", "refused", "no batch", "mismatch", "raised")
@@ -139,25 +140,6 @@ def batch_case(seed: int) -> dict:
     return _run(lambda r: _batch(r, rng), row)
 
 
-def _serve(engine, requests: List, join_every: int) -> Tuple[Dict[int, List[int]], Dict[int, object]]:
-    """Each request's tokens and prompt cache, one joining every `join_every` steps while there is room."""
-    waiting, index, tokens, states = list(range(len(requests))), {}, {}, {}
-    steps = 0
-    while waiting or not engine.idle:
-        if waiting and engine.room and steps % join_every == 0:
-            i = waiting.pop(0)
-            row = engine.add(requests[i])
-            if hasattr(engine.draft, "register"):
-                engine.draft.register(row.state, requests[i].prompt_ids)
-            index[row.uid], tokens[i], states[i] = i, [], row.state
-        for row, response in engine.step():
-            tokens[index[row.uid]] += response.tokens
-        steps += 1
-        if steps > 5000:
-            raise RuntimeError("the engine did not finish its requests")
-    return tokens, states
-
-
 def _batch(row: dict, rng: random.Random):
     from dflash_mlx.engine.batch_caches import batch_support
     from dflash_mlx.engine.engine import BatchEngine
@@ -188,7 +170,7 @@ def _batch(row: dict, rng: random.Random):
     forget_sizers()
     index = SuffixIndex(model=model) if row["suffix_index"] else None
     engine = BatchEngine(model, draft, byte_tokenizer(), suffix_index=index, **row["options"])
-    tokens, states = _serve(engine, requests, row["join_every"])
+    tokens, _, states = serve(engine, requests, row["join_every"], max_steps=5000)
     wrong = [i for i in range(len(requests)) if tokens[i] != wants[i]]
     if wrong:
         i = wrong[0]
@@ -209,7 +191,7 @@ def _batch(row: dict, rng: random.Random):
         wants2.append(greedy(model, turn2, 8, {EOS_ID}))
         seconds.append(BatchRequest(turn2, GenerationOptions(max_tokens=8), stop_token_ids=[EOS_ID],
                                     prompt_cache=states[i]))
-    tokens, _ = _serve(engine, seconds, row["join_every"])
+    tokens, _, _ = serve(engine, seconds, row["join_every"], max_steps=5000)
     wrong = [i for i in range(len(seconds)) if tokens[i] != wants2[i]]
     if wrong:
         i = wrong[0]
