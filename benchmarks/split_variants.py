@@ -1,6 +1,11 @@
 """Config variants of the seed families under every split mlx-lm gives them, on two ranks (issue 47).
 
     OPENBLAS_NUM_THREADS=1 python benchmarks/split_variants.py [--families gpt_oss,kimi_k25] [--ranks 3] [--out DIR]
+        [--fuzz 500 --seed 0]
+
+`--fuzz N`: instead of the variants, N option-fuzz cases on the families split
+(`dflash_mlx.testing.option_fuzz.split_case`: random widths, prefill chunks, stops, copies, trees,
+drafts and second turns, each against the split model's own greedy decode).
 
 For each seed family that mlx-lm splits (or `--families`, any architecture), its own tiny config and
 every config variant `dflash_mlx.testing.variants` gives it (one option, and the options together:
@@ -104,9 +109,30 @@ def _cases(families):
             yield v, over, mode
 
 
-def rank_main(out_dir: str, families):
+def _fuzz_cases(families, fuzz: int, seed: int):
+    """(name, what it drew, check) of `fuzz` option-fuzz cases (`option_fuzz.split_case`), seeds from
+    `seed`; what a case drew is known once it has run (`drawn`)."""
+    from dflash_mlx.testing import option_fuzz
+
+    def check(case_seed, drawn):
+        row = option_fuzz.split_case(case_seed, families)
+        drawn.append(f"{row['key']}/{row['mode']}, {row['options']}, prompt {row['prompt_len']}, "
+                     f"{row['max_tokens']} tokens, draft {row['draft']}" + (", two turns" if row["turns"] else ""))
+        if row["status"] == "no split":
+            return f"{NOT_RUN}: mlx-lm gives it no split"
+        if row["status"] == "refused":
+            return f"{REFUSED}: {row['reason']}"[:200]
+        return "exact" if row["status"] == "exact" else f"{row['status']}: {row['reason'].strip().splitlines()[-1]}"[:300]
+
+    for case_seed in range(seed, seed + fuzz):
+        drawn = []
+        yield f"fuzz/{case_seed}", drawn, lambda case_seed=case_seed, drawn=drawn: check(case_seed, drawn)
+
+
+def rank_main(out_dir: str, families, fuzz: int = 0, seed: int = 0):
     """Run every case this rank's log (`rank<r>.jsonl`) has not ended; each is logged as it starts and
-    as it ends, so that a launch stopped mid-case (a hang) can be resumed past it."""
+    as it ends, so that a launch stopped mid-case (a hang) can be resumed past it. `fuzz`: that many
+    option-fuzz cases instead of the variants."""
     import dflash_mlx  # noqa: F401  (before mlx.core)
     import mlx.core as mx
 
@@ -116,19 +142,22 @@ def rank_main(out_dir: str, families):
     rank = mx.distributed.init().rank()
     path = os.path.join(out_dir, f"rank{rank}.jsonl")
     ended = set(_read_log(path)[0]) if os.path.exists(path) else set()
+    cases = _fuzz_cases(families, fuzz, seed) if fuzz else (
+        (f"{v.name}/{mode}", variants.Variant(v.key, v.kind, over).option(),
+         lambda v=v, over=over, mode=mode: check_split(v, over, mode)) for v, over, mode in _cases(families))
     with open(path, "a") as log:
-        for index, (v, over, mode) in enumerate(_cases(families)):
-            name = f"{v.name}/{mode}"
+        for index, (name, option, check) in enumerate(cases):
             if name in ended:
                 continue
             log.write(json.dumps({"start": name, "index": index}) + "\n")
             log.flush()
             start = time.perf_counter()
             try:
-                outcome = check_split(v, over, mode)
+                outcome = check()
             except Exception as e:  # failing where mlx-lm's split model runs: as wrong as a wrong token
                 outcome = f"raised {error_line(e)}"[:200]
-            log.write(json.dumps({"name": name, "option": variants.Variant(v.key, v.kind, over).option(),
+            option = option if isinstance(option, str) else "".join(option)  # (a fuzz case's: what it drew)
+            log.write(json.dumps({"name": name, "option": option,
                                   "outcome": outcome, "seconds": round(time.perf_counter() - start, 2)}) + "\n")
             log.flush()
             if rank == 0:
@@ -208,12 +237,15 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=2, help="processes to split over (default 2)")
     ap.add_argument("--case-timeout", type=float, default=600,
                     help="seconds without a case ending before the ranks are stopped and the case counted hung")
+    ap.add_argument("--fuzz", type=int, default=0,
+                    help="run this many option-fuzz cases (`option_fuzz.split_case`) instead of the variants")
+    ap.add_argument("--seed", type=int, default=0, help="the first fuzz case's seed")
     ap.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)  # what mlx.launch runs
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     out = args.out or os.path.join(HERE, "results", datetime.now(timezone.utc).strftime("%Y%m%d") + "-split-variants")
     if args.rank:
-        return rank_main(out, families)
+        return rank_main(out, families, args.fuzz, args.seed)
     os.makedirs(out, exist_ok=True)
     from dflash_mlx.testing.ports import free_starting_port
 
@@ -224,7 +256,8 @@ def main(argv=None):
     start = time.perf_counter()
     cmd = [launcher, "-n", str(args.ranks), "--backend", "ring", "--starting-port", str(port),
            "--python", sys.executable,
-           os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out]
+           os.path.abspath(__file__), "--rank", "--families", ",".join(families), "--out", out,
+           "--fuzz", str(args.fuzz), "--seed", str(args.seed)]
     for r in range(args.ranks):  # logs of an earlier run into this folder
         if os.path.exists(os.path.join(out, f"rank{r}.jsonl")):
             os.remove(os.path.join(out, f"rank{r}.jsonl"))
@@ -249,17 +282,23 @@ def main(argv=None):
     from dflash_mlx.cli.doctor import machine_line
 
     exact = checked - len(bad) - len(refused)
-    lines = [f"# Config variants on {args.ranks} ranks: {exact} of {checked} exact"
+    what = "Option-fuzz cases" if args.fuzz else "Config variants"
+    lines = [f"# {what} on {args.ranks} ranks: {exact} of {checked} exact"
              + (f", {len(refused)} refused in one line" if refused else "")
              + (f" ({len(not_run)} more that mlx-lm's own split model does not run)" if not_run else ""),
              "", f"Command: `{' '.join(sys.argv)}`; {elapsed / 60:.1f} min. Machine: {machine_line()}.", "",
-             f"Each case: a family's own tiny config or a variant of it (`dflash_mlx.testing.variants`, single options "
-             f"and `combined`), "
-             f"split over {args.ranks} ranks (`mlx.launch --backend ring`), DFlash at widths "
-             f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode (mlx-lm's "
-             f"`generate_step`; on a pipeline rank with the caches of its own layers, `Target.make_cache`; "
-             f"{PROMPT_LEN}-token prompt, "
-             f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Every rank must agree.", "",
+             (f"Each case: a seed that draws a family of {', '.join(families)}, one of the splits mlx-lm gives it, a width, a "
+              f"prefill chunk, stops, logprobs, copies, trees, split head, a draft (random, scripted or none) and "
+              f"maybe a second turn on the prompt cache (`dflash_mlx.testing.option_fuzz.split_case`), split over "
+              f"{args.ranks} ranks (`mlx.launch --backend ring`), against the split model's own greedy decode with "
+              f"the same prefill chunks (float32, MLX CPU backend). Every rank must agree." if args.fuzz else
+              f"Each case: a family's own tiny config or a variant of it (`dflash_mlx.testing.variants`, single options "
+              f"and `combined`), "
+              f"split over {args.ranks} ranks (`mlx.launch --backend ring`), DFlash at widths "
+              f"{', '.join(map(str, WIDTHS))} against the split model's own greedy decode (mlx-lm's "
+              f"`generate_step`; on a pipeline rank with the caches of its own layers, `Target.make_cache`; "
+              f"{PROMPT_LEN}-token prompt, "
+              f"{MAX_TOKENS} tokens, float32, MLX CPU backend). Every rank must agree."), "",
              "| case | config | " + " | ".join(f"rank {r}" for r in range(args.ranks)) + " |",
              "|---|---|" + "---|" * args.ranks]
     for n in names:

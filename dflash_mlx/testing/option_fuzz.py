@@ -4,8 +4,10 @@ on the prompt cache, deterministic mode; in the batch engine, rows joining a lon
 rollbacks, second turns joining together, the index of earlier answers).
 
 A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`, `batch_case(seed)`
-serves 2-5 requests through one `BatchEngine`. Each returns a row: "exact", "refused" (the one
-line the engine gave), "no batch" (the target takes no batches, as `batch_support` says),
+serves 2-5 requests through one `BatchEngine`, `split_case(seed, families)` decodes on a model
+split over the ranks of an `mlx.launch` (`benchmarks/split_variants.py --fuzz`). Each returns a
+row: "exact", "refused" (the one line the engine gave), "no batch" (the target takes no batches,
+as `batch_support` says), "no split" (mlx-lm gives the model no split of the kind drawn),
 "mismatch" (where the tokens part) or "raised" (DFlash failed where mlx-lm runs). The tiny models
 are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_option_fuzz.py` a few.
 """
@@ -21,7 +23,7 @@ from dflash_mlx.testing import arch_check, more_archs
 from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer
 
-STATUSES = ("exact", "refused", "no batch", "mismatch", "raised")
+STATUSES = ("exact", "refused", "no batch", "no split", "mismatch", "raised")
 # Prompt lengths: one token, shorter and longer than the tiny configs' windows and chunks (8)
 PROMPT_LENGTHS = (1, 2, 3, 5, 9, 20, 33)
 
@@ -31,13 +33,15 @@ def keys() -> List[str]:
     return sorted(k for k in arch_check.ARCHITECTURES if k not in more_archs.NOT_RUN and k not in more_archs.REFUSED)
 
 
-def greedy(model, prompt, max_tokens: int, stops=(), prefill_step_size: int = 2048) -> List[int]:
-    """mlx-lm's `generate_step`, greedy, up to the first of `stops` (included)."""
+def greedy(model, prompt, max_tokens: int, stops=(), prefill_step_size: int = 2048, make_cache=None) -> List[int]:
+    """mlx-lm's `generate_step`, greedy, up to the first of `stops` (included); `make_cache`: the
+    caches it decodes with (a pipeline rank's: those of its own layers), mlx-lm's own where None."""
     from mlx_lm.generate import generate_step
 
     out = []
+    cache = make_cache() if make_cache is not None else None
     for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size,
-                                  sampler=lambda x: mx.argmax(x, axis=-1)):
+                                  prompt_cache=cache, sampler=lambda x: mx.argmax(x, axis=-1)):
         out.append(int(token))
         if out[-1] in stops:
             break
@@ -87,21 +91,54 @@ def stream_case(seed: int) -> dict:
     return _run(lambda r: _stream(r, rng), row)
 
 
+def split_case(seed: int, families) -> dict:
+    """One case on a model split over the ranks of `mx.distributed.init()` (every rank runs the
+    same seed together), against the split model's own greedy decode: a family of `families`
+    under one of the parallelisms mlx-lm gives it ("no split" where it gives none)."""
+    rng = random.Random(seed)
+    row = dict(seed=seed, kind="split", key=rng.choice(sorted(families)), mode=rng.random())  # (a split it has)
+    row["options"] = dict(block_size=rng.choice([1, 2, 4, 16, "auto", "draft"]),
+                          split_head=rng.choice([None, True, False]), prefill_step_size=rng.choice([3, 7, 2048]),
+                          logprobs=rng.choice([None, 2]), copy_proposals=rng.random() < 0.5,
+                          token_trees=rng.random() < 0.5)
+    row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([2, 5, 12, 20]),
+               draft=rng.choice(["random", "scripted", "none"]), turns=rng.random() < 0.3)
+    return _run(lambda r: _stream(r, rng), row)
+
+
+def _model_of(row: dict):
+    """(the case's model, split where the case says, the caches its reference decodes with)."""
+    from dflash_mlx.models.sharded import modes_of, split
+    from dflash_mlx.models.target.adapter import Target
+
+    model = arch_check.build(row["key"])
+    if "mode" not in row:
+        Target(model)  # a refused target: its one line
+        return model, None
+    modes = [m for m, ok in zip(("tensor", "pipeline"), modes_of(model)) if ok]
+    if not modes:
+        return None, None
+    row["mode"] = modes[int(row["mode"] * len(modes))]
+    split(model, row["mode"])
+    return model, Target(model).make_cache  # (built on every rank together: it agrees over the split)
+
+
 def _stream(row: dict, rng: random.Random):
     from dflash_mlx import stream_generate
     from dflash_mlx.generate import make_prompt_cache
-    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.policy.sizer import forget_sizers
 
-    model = arch_check.build(row["key"])
-    Target(model)  # a refused target: its one line
+    model, make_cache = _model_of(row)
+    if model is None:
+        row["status"] = "no split"
+        return
     opts, max_tokens = row["options"], row["max_tokens"]
     prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
-    whole = greedy(model, prompt, max_tokens, prefill_step_size=opts["prefill_step_size"])
+    whole = greedy(model, prompt, max_tokens, prefill_step_size=opts["prefill_step_size"], make_cache=make_cache)
     stops = [rng.choice(whole)] if whole and rng.random() < 0.4 else []
     row["stops"] = stops
     stops += [EOS_ID]
-    ref = greedy(model, prompt, max_tokens, set(stops), opts["prefill_step_size"])
+    ref = greedy(model, prompt, max_tokens, set(stops), opts["prefill_step_size"], make_cache)
     draft = _draft(row["draft"], model, prompt + whole, rng)
     forget_sizers()
     cache = make_prompt_cache(model, draft) if row["turns"] else None
@@ -121,7 +158,7 @@ def _stream(row: dict, rng: random.Random):
             draft = _draft("random", model, None, rng)
             cache = make_prompt_cache(model, draft)
             decode(prompt, max_tokens, stops)
-        want = greedy(model, turn2, 8, {EOS_ID}, opts["prefill_step_size"])
+        want = greedy(model, turn2, 8, {EOS_ID}, opts["prefill_step_size"], make_cache)
         second = decode(turn2, 8, [EOS_ID])
         if second != want:
             row.update(status="mismatch", reason="second turn: " + _parted(second, want))
