@@ -197,3 +197,18 @@ def test_a_text_model_that_applies_its_head_itself_runs_exact(key, name, tied):
     r = variant_check.check(variants.Variant(key, "base", {}))
     assert r.status == "exact", r.reason
     assert r.checked[:7] == ["1", "4", "16", "auto", "turns", "trees", "batches"]
+
+
+@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu,
+                    reason="MLX's CPU GatherMM takes float32 only; a GPU runs a bfloat16 MoE")
+def test_a_target_mlx_lm_itself_cannot_run_is_refused_as_such():
+    """A bfloat16 MoE on MLX's CPU backend: mlx-lm's own forward raises, and the refusal says so
+    rather than blaming how DFlash calls the text model."""
+    from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
+
+    model = arch_check.build("jamba")
+    model.set_dtype(mx.bfloat16)
+    with pytest.raises(UnsupportedTargetError, match="mlx-lm's own model fails on a prompt of two tokens "
+                                                     r"\(RuntimeError: \[GatherMM::eval\]") as e:
+        Target(model)
+    assert "\n" not in str(e.value)

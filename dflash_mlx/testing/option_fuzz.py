@@ -7,7 +7,8 @@ A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`,
 serves 2-5 requests through one `BatchEngine`, `split_case(seed, families)` decodes on a model
 split over the ranks of an `mlx.launch` (`benchmarks/split_variants.py --fuzz`). Each returns a
 row: "exact", "refused" (the one line the engine gave), "no batch" (the target takes no batches,
-as `batch_support` says), "no split" (mlx-lm gives the model no split of the kind drawn),
+as `batch_support` says), "no split" (mlx-lm gives the model no split), "not run" (mlx-lm
+cannot quantize the config or run it in the dtype drawn),
 "mismatch" (where the tokens part) or "raised" (DFlash failed where mlx-lm runs). The tiny models
 are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_option_fuzz.py` a few.
 """
@@ -19,11 +20,13 @@ from typing import List
 
 import mlx.core as mx
 
+from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.testing import arch_check, more_archs
+from dflash_mlx.testing.quantized_variants import GROUP_SIZE, quantize
 from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer
 
-STATUSES = ("exact", "refused", "no batch", "no split", "mismatch", "raised")
+STATUSES = ("exact", "refused", "no batch", "no split", "not run", "mismatch", "raised")
 # Prompt lengths: one token, shorter and longer than the tiny configs' windows and chunks (8)
 PROMPT_LENGTHS = (1, 2, 3, 5, 9, 20, 33)
 
@@ -88,6 +91,11 @@ def stream_case(seed: int) -> dict:
                           token_trees=rng.random() < 0.5, deterministic=rng.choice([None, None, True]))
     row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([1, 2, 5, 12, 20]),
                draft=rng.choice(["random", "scripted", "scripted", "none"]), turns=rng.random() < 0.3)
+    # bfloat16 (in deterministic mode: outside it a verify may round apart from a one-token step, as
+    # docs/targets.md says) and 4- or 8-bit weights as `mlx_lm.convert -q` makes them
+    row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
+    if row["dtype"] == "bfloat16":
+        row["options"]["deterministic"] = True
     return _run(lambda r: _stream(r, rng), row)
 
 
@@ -113,6 +121,10 @@ def _model_of(row: dict):
 
     model = arch_check.build(row["key"])
     if "mode" not in row:
+        if row.get("dtype", "float32") != "float32":
+            model.set_dtype(getattr(mx, row["dtype"]))
+        if row.get("bits"):
+            quantize(model, {"quantization": {"group_size": GROUP_SIZE, "bits": row["bits"]}})
         Target(model)  # a refused target: its one line
         return model, None
     modes = [m for m, ok in zip(("tensor", "pipeline"), modes_of(model)) if ok]
@@ -126,19 +138,33 @@ def _model_of(row: dict):
 def _stream(row: dict, rng: random.Random):
     from dflash_mlx import stream_generate
     from dflash_mlx.generate import make_prompt_cache
+    from dflash_mlx.models.target.probe import error_line
+    from dflash_mlx.models.target.rollback import UnsupportedTargetError
     from dflash_mlx.policy.sizer import forget_sizers
 
-    model, make_cache = _model_of(row)
+    try:
+        model, make_cache = _model_of(row)
+    except UnsupportedTargetError:
+        raise
+    except Exception as e:  # mlx-lm cannot quantize the tiny config (its widths do not divide)
+        row.update(status="not run", reason=f"mlx-lm: {error_line(e)}")
+        return
     if model is None:
         row["status"] = "no split"
         return
     opts, max_tokens = row["options"], row["max_tokens"]
+    # deterministic mode prefills in mlx-lm's own chunks, whatever `prefill_step_size` says
+    step = MLX_LM_PREFILL_STEP if opts.get("deterministic") else opts["prefill_step_size"]
     prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
-    whole = greedy(model, prompt, max_tokens, prefill_step_size=opts["prefill_step_size"], make_cache=make_cache)
+    try:
+        whole = greedy(model, prompt, max_tokens, prefill_step_size=step, make_cache=make_cache)
+    except Exception as e:  # mlx-lm's own decode fails (MLX's CPU GatherMM takes float32 only)
+        row.update(status="not run", reason=f"mlx-lm: {error_line(e)}")
+        return
     stops = [rng.choice(whole)] if whole and rng.random() < 0.4 else []
     row["stops"] = stops
     stops += [EOS_ID]
-    ref = greedy(model, prompt, max_tokens, set(stops), opts["prefill_step_size"], make_cache)
+    ref = greedy(model, prompt, max_tokens, set(stops), step, make_cache)
     draft = _draft(row["draft"], model, prompt + whole, rng)
     forget_sizers()
     cache = make_prompt_cache(model, draft) if row["turns"] else None
@@ -152,13 +178,16 @@ def _stream(row: dict, rng: random.Random):
         row.update(status="mismatch", reason=_parted(out, ref))
         return
     row["status"] = "exact"
-    if row["turns"]:  # a second turn that extends the first's prompt and answer, on its caches
+    # a second turn that extends the first's prompt and answer, on its caches, against a fresh decode
+    # of the whole: in float32 only, where the reused entries (computed in the first turn's shapes)
+    # round as a fresh prefill's do to the last bits or so (docs/targets.md, deterministic mode)
+    if row["turns"] and row.get("dtype", "float32") == "float32":
         turn2 = prompt + out + [rng.randrange(3, arch_check.VOCAB) for _ in range(rng.choice([1, 4, 9]))]
         if isinstance(draft, ScriptedDraft):  # (scripted for the first turn only)
             draft = _draft("random", model, None, rng)
             cache = make_prompt_cache(model, draft)
             decode(prompt, max_tokens, stops)
-        want = greedy(model, turn2, 8, {EOS_ID}, opts["prefill_step_size"], make_cache)
+        want = greedy(model, turn2, 8, {EOS_ID}, step, make_cache)
         second = decode(turn2, 8, [EOS_ID])
         if second != want:
             row.update(status="mismatch", reason="second turn: " + _parted(second, want))

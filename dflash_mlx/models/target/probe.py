@@ -148,6 +148,15 @@ def _forward(target, tokens, cache, features=None, record=None):
     return h
 
 
+def _own_failure(target) -> Optional[str]:
+    """The one-line error of mlx-lm's own Model on two tokens, or None where it runs."""
+    try:
+        mx.eval(target.model(mx.array([[1 % target.vocab_size, 2 % target.vocab_size]])))
+    except Exception as e:
+        return error_line(e)
+    return None
+
+
 def _reason(target) -> Tuple[Optional[str], bool]:
     """(why `target` cannot run exactly or None, whether its recurrent layers' calls take an
     argument a replay cannot cut while `replay_mixers` is off: their mixers may be replayed)."""
@@ -158,6 +167,9 @@ def _reason(target) -> Tuple[Optional[str], bool]:
     try:
         _forward(target, [1 % target.vocab_size, 2 % target.vocab_size], cache, features, record)
     except Exception as e:  # the model's own code, handed what a text-only verify gives it
+        own = _own_failure(target) if target.sharding is None else None
+        if own is not None:  # (a bfloat16 MoE on MLX's CPU backend, whose GatherMM takes float32 only)
+            return f"mlx-lm's own model fails on a prompt of two tokens ({own})", False
         return (f"its text model does not run on token ids and caches alone ({error_line(e)}); DFlash runs "
                 "it without the arguments its Model makes for it"), False
     held = [i for i, layer in enumerate(layers) if layer is not None]  # (a pipeline rank's own)
