@@ -72,8 +72,9 @@ def main(argv=None):
 
 def report(rows, command: str, elapsed: float):
     lines = [f"# Option fuzz: {len(rows)} cases in {format_duration(elapsed)}", "",
-             f"Command: `{command}`. Each case against mlx-lm's own greedy decode of the same tiny float32 model "
-             "(`dflash_mlx/testing/option_fuzz.py`); its options in `results.json`.", "",
+             f"Command: `{command}`. Each case against mlx-lm's own greedy decode of the same tiny model (float32, "
+             "or bfloat16 in deterministic mode, 4- or 8-bit where drawn; `dflash_mlx/testing/option_fuzz.py`); "
+             "its options in `results.json`.", "",
              "| cases | " + " | ".join(option_fuzz.STATUSES) + " | architectures |",
              "|---|" + "---:|" * (len(option_fuzz.STATUSES) + 1)]
     for kind in ("stream", "batch"):
