@@ -1,5 +1,6 @@
 # Import dflash_mlx before anything imports mlx.core, so its BLAS routing applies.
 import os
+from pathlib import Path
 
 import dflash_mlx  # noqa: F401
 import pytest
@@ -29,7 +30,7 @@ def _session_cache(tmp_path_factory):
         os.environ["XDG_CACHE_HOME"] = before
 
 
-def shared_folder(tmp_path_factory) -> "os.PathLike":
+def shared_folder(tmp_path_factory) -> Path:
     """One folder per test session, the same in every pytest-xdist worker."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
@@ -42,7 +43,7 @@ LAUNCH_RUNNING = "distributed-launch-running"
 def _yield_to_the_two_rank_launch(tmp_path_factory):
     """While tests/test_distributed.py's two-rank launch runs, other workers start no test: its
     ranks poll their sockets while they wait on each other, so a rank that shares its core with a
-    test stalls the other one too (the launch took 111 s beside the suite, 25 s alone)."""
+    test stalls the other one too (the launch took 111 s beside the suite, 24-28 s alone)."""
     import time
 
     flag = shared_folder(tmp_path_factory) / LAUNCH_RUNNING
