@@ -212,3 +212,18 @@ def test_a_target_mlx_lm_itself_cannot_run_is_refused_as_such():
                                                      r"\(RuntimeError: \[GatherMM::eval\]") as e:
         Target(model)
     assert "\n" not in str(e.value)
+
+
+def test_every_tiny_model_with_recurrent_state_reads_it():
+    """A check of a recurrent rollback on a model whose state does not reach its tokens cannot
+    fail: every tiny model's recurrent states move its next token's logits."""
+    checked = []
+    for key in arch_check.ARCHITECTURES:
+        if key in more_archs.REFUSED or key in more_archs.NOT_RUN:
+            continue
+        model = model_for(key)
+        reads = arch_check.reads_state(model)
+        if reads is not None:
+            assert reads, key
+            checked.append(key)
+    assert {"qwen3_5", "rwkv7", "recurrent_gemma", "mamba", "jamba"} <= set(checked)

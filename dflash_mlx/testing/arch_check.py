@@ -136,6 +136,32 @@ def reads_context(model, prompt) -> bool:
     return mx.abs(a - b).max().item() > 1e-4
 
 
+def reads_state(model) -> Optional[bool]:
+    """Whether the next token's logits change when the recurrent states (mlx-lm's `ArraysCache`
+    entries) a prompt left are zeroed; None for a model without any. A hybrid's attention
+    layers read the context whatever its recurrent layers do (`reads_context` cannot tell), and
+    Recurrent Gemma's temporal convolution, left at its zeros, kept its state at zero."""
+    import copy as copying
+
+    from mlx_lm.models.cache import ArraysCache, make_prompt_cache
+
+    from dflash_mlx.models.target.rollback import sub_caches
+
+    cache = make_prompt_cache(model)
+    states = [s for entry in cache for s in sub_caches(entry) if isinstance(s, ArraysCache)]
+    if not states:
+        return None
+    prompt = [(7 * i + 5) % VOCAB for i in range(PROMPT_LEN)]
+    model(mx.array([prompt[:-1]]), cache=cache)
+    zeroed = copying.deepcopy(cache)
+    for entry in zeroed:
+        for s in sub_caches(entry):
+            if isinstance(s, ArraysCache):
+                s.cache = [None if a is None else mx.zeros_like(a) for a in s.cache]
+    a, b = (model(mx.array([prompt[-1:]]), cache=c)[0, -1] for c in (cache, zeroed))
+    return mx.abs(a - b).max().item() > 1e-3
+
+
 def refusal(model) -> Optional[str]:
     """The one line `Target` refuses `model` with, or None when it takes it."""
     from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError

@@ -334,6 +334,11 @@ TWEAKS: Dict[str, Dict[str, Callable]] = {
     # cut the context out (`arch_check.reads_context`); its token-shift mixes and key/receptance scales
     "rwkv7": {"g_norm.weight": lambda p: mx.ones(p.shape), **{f"attn.x_{n}": _uniform for n in "rwkvag"},
               "ffn.x_k": _uniform, "k_k": _uniform, "k_a": _uniform, "r_k": lambda p: 0.5 * mx.random.normal(p.shape)},
+    # Recurrent Gemma's temporal convolution starts at zeros, which leaves its RG-LRU's input, and state, at
+    # zero (its attention layers alone read the context); its recurrence made to remember (softplus(-4))
+    "recurrent_gemma": {"conv_1d.weight": lambda p: 0.5 * mx.random.normal(p.shape),
+                        "recurrent_param": lambda p: mx.full(p.shape, -4.0),
+                        "gate_weight": lambda p: 0.25 * mx.random.normal(p.shape)},
 }
 
 # The rest of mlx-lm's architectures, and the multimodal wrappers: testing/more_archs.py.
