@@ -120,6 +120,8 @@ def _fuzz_cases(families, fuzz: int, seed: int):
                      f"{row['max_tokens']} tokens, draft {row['draft']}" + (", two turns" if row["turns"] else ""))
         if row["status"] == "no split":
             return f"{NOT_RUN}: mlx-lm gives it no split"
+        if row["status"] == "not run":  # (mlx-lm's own split raised)
+            return f"{NOT_RUN}: {row['reason']}"[:200]
         if row["status"] == "refused":
             return f"{REFUSED}: {row['reason']}"[:200]
         return "exact" if row["status"] == "exact" else f"{row['status']}: {row['reason'].strip().splitlines()[-1]}"[:300]
