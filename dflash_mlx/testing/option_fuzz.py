@@ -24,7 +24,7 @@ from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.testing import arch_check, more_archs
 from dflash_mlx.testing.quantized_variants import GROUP_SIZE, quantize
 from dflash_mlx.testing.serving import serve
-from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer
+from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, greedy_reference
 
 STATUSES = ("exact", "refused", "no batch", "no split", "not run", "mismatch", "raised")
 # Prompt lengths: one token, shorter and longer than the tiny configs' windows and chunks (8)
@@ -34,21 +34,6 @@ PROMPT_LENGTHS = (1, 2, 3, 5, 9, 20, 33)
 def keys() -> List[str]:
     """The architectures a case draws from: every one this machine runs and DFlash takes."""
     return sorted(k for k in arch_check.ARCHITECTURES if k not in more_archs.NOT_RUN and k not in more_archs.REFUSED)
-
-
-def greedy(model, prompt, max_tokens: int, stops=(), prefill_step_size: int = 2048, make_cache=None) -> List[int]:
-    """mlx-lm's `generate_step`, greedy, up to the first of `stops` (included); `make_cache`: the
-    caches it decodes with (a pipeline rank's: those of its own layers), mlx-lm's own where None."""
-    from mlx_lm.generate import generate_step
-
-    out = []
-    cache = make_cache() if make_cache is not None else None
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, prefill_step_size=prefill_step_size,
-                                  prompt_cache=cache, sampler=lambda x: mx.argmax(x, axis=-1)):
-        out.append(int(token))
-        if out[-1] in stops:
-            break
-    return out
 
 
 def _draft(kind: str, model, reference, rng):
@@ -157,14 +142,14 @@ def _stream(row: dict, rng: random.Random):
     step = MLX_LM_PREFILL_STEP if opts.get("deterministic") else opts["prefill_step_size"]
     prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
     try:
-        whole = greedy(model, prompt, max_tokens, prefill_step_size=step, make_cache=make_cache)
+        whole = greedy_reference(model, prompt, max_tokens, make_cache=make_cache, prefill_step_size=step)
     except Exception as e:  # mlx-lm's own decode fails (MLX's CPU GatherMM takes float32 only)
         row.update(status="not run", reason=f"mlx-lm: {error_line(e)}")
         return
     stops = [rng.choice(whole)] if whole and rng.random() < 0.4 else []
     row["stops"] = stops
     stops += [EOS_ID]
-    ref = greedy(model, prompt, max_tokens, set(stops), step, make_cache)
+    ref = greedy_reference(model, prompt, max_tokens, set(stops), make_cache, step)
     draft = _draft(row["draft"], model, prompt + whole, rng)
     forget_sizers()
     cache = make_prompt_cache(model, draft) if row["turns"] else None
@@ -187,7 +172,7 @@ def _stream(row: dict, rng: random.Random):
             draft = _draft("random", model, None, rng)
             cache = make_prompt_cache(model, draft)
             decode(prompt, max_tokens, stops)
-        want = greedy(model, turn2, 8, {EOS_ID}, step, make_cache)
+        want = greedy_reference(model, turn2, 8, {EOS_ID}, make_cache, step)
         second = decode(turn2, 8, [EOS_ID])
         if second != want:
             row.update(status="mismatch", reason="second turn: " + _parted(second, want))
@@ -223,10 +208,10 @@ def _batch(row: dict, rng: random.Random):
     for length in row["prompt_lens"]:
         prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(length)]
         max_tokens = rng.choice([1, 3, 8, 15])
-        whole = greedy(model, prompt, max_tokens)
+        whole = greedy_reference(model, prompt, max_tokens)
         stops = ([rng.choice(whole)] if whole and rng.random() < 0.3 else []) + [EOS_ID]
         cases.append((prompt, whole))
-        wants.append(greedy(model, prompt, max_tokens, set(stops)))
+        wants.append(greedy_reference(model, prompt, max_tokens, set(stops)))
         requests.append(BatchRequest(prompt, GenerationOptions(max_tokens=max_tokens), stop_token_ids=stops))
     if row["draft"] == "scripted":  # (a row's reference is the case of its prompt's length)
         right = random.Random(row["seed"])
@@ -253,8 +238,8 @@ def _batch(row: dict, rng: random.Random):
             turn2.append(rng.randrange(3, arch_check.VOCAB))
         lengths.add(len(turn2))
         if row["draft"] == "scripted":
-            draft.add_case(turn2, greedy(model, turn2, 8))
-        wants2.append(greedy(model, turn2, 8, {EOS_ID}))
+            draft.add_case(turn2, greedy_reference(model, turn2, 8))
+        wants2.append(greedy_reference(model, turn2, 8, {EOS_ID}))
         seconds.append(BatchRequest(turn2, GenerationOptions(max_tokens=8), stop_token_ids=[EOS_ID],
                                     prompt_cache=states[i]))
     tokens, _, _ = serve(engine, seconds, row["join_every"], max_steps=5000)

@@ -89,15 +89,17 @@ def _scale_embeddings(params):
     return tree_map_with_path(lambda path, p: p * 4.0 if path.endswith("embed_tokens.weight") else p, params)
 
 
-def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=(), make_cache=None) -> List[int]:
+def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=(), make_cache=None,
+                     prefill_step_size: int = 2048) -> List[int]:
     """Plain mlx-lm greedy decoding: the ground truth DFlash must reproduce (`make_cache`: the
-    caches it decodes with, mlx-lm's own for the model where None)."""
+    caches it decodes with, mlx-lm's own for the model where None; `prefill_step_size`: its
+    prompt chunks, mlx-lm's default)."""
     from mlx_lm.generate import generate_step
 
     out = []
     cache = make_cache() if make_cache is not None else None
     for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, prompt_cache=cache,
-                                sampler=lambda x: mx.argmax(x, axis=-1)):
+                                prefill_step_size=prefill_step_size, sampler=lambda x: mx.argmax(x, axis=-1)):
         tok = int(tok)
         out.append(tok)
         if tok in stop_ids:
