@@ -43,6 +43,7 @@ REFUSED = "refused in one line"
 
 def check_split(v, over, mode) -> str:
     """"exact", or the first width whose tokens part from the split model's greedy decode, and where."""
+    from dflash_mlx.bench.metrics import first_mismatch
     from dflash_mlx.models.draft.checkpoints import random_draft
     from dflash_mlx.models.sharded import split
     from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
@@ -85,7 +86,7 @@ def check_split(v, over, mode) -> str:
                                   block_size=16 if width == "auto" else width, layer_ids="every")
             out = _decode(model, draft, prompt, len(ref), block_size="auto" if width == "auto" else "draft")
         if out != ref:
-            i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            i = first_mismatch(out, ref)
             return f"width {width}: first difference at token {i} of {len(ref)}"
     if batch_support(target) is None:  # three rows of different lengths in one batch, at width 4
         wrong = variant_check._batches(model, 5)

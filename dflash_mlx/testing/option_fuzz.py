@@ -20,6 +20,7 @@ from typing import List
 
 import mlx.core as mx
 
+from dflash_mlx.bench.metrics import first_mismatch
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.testing import arch_check, more_archs
 from dflash_mlx.testing.quantized_variants import GROUP_SIZE, quantize
@@ -63,7 +64,7 @@ def _run(fn, row: dict) -> dict:
 
 
 def _parted(out, ref) -> str:
-    i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+    i = first_mismatch(out, ref)
     return f"first difference at token {i} of {len(ref)}: {out[i:i + 4]} != mlx-lm's {ref[i:i + 4]}"
 
 

@@ -19,6 +19,7 @@ import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
+from dflash_mlx.bench.metrics import first_mismatch
 from dflash_mlx.models.target.probe import error_line
 from dflash_mlx.testing import arch_check, variants
 from dflash_mlx.testing.targets import (EOS_ID, RankedDraft, RowScriptedDrafts, ScriptedDraft, byte_tokenizer,
@@ -66,7 +67,7 @@ def _wrong(model, context, out, ref, what) -> Optional[str]:
     own top two logits tie (a random model's accident, not the engine's), else where they part."""
     if out == ref:
         return None
-    i = next((i for i, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+    i = first_mismatch(out, ref)
     if i < len(ref):
         logits = model(mx.array([list(context) + list(ref[:i])]))[0, -1]
         top = mx.sort(logits)
