@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.models.target.probe import error_line
+from dflash_mlx.models.target.probe import own_model_fails
 from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError, swaps
 
 
@@ -103,7 +103,7 @@ def find(model, text_model, found: List[InnerHead], hidden_size: int, vocab_size
     try:
         theirs = model(tokens).astype(mx.float32)
     except Exception as e:  # nothing to match, and nothing mlx-lm itself decodes (its prefill takes several)
-        raise UnsupportedTargetError(f"mlx-lm's own model fails on a prompt of two tokens ({error_line(e)})") from None
+        raise UnsupportedTargetError(own_model_fails(e)) from None
     scale = mx.abs(theirs).max().item() or 1.0
     for inner in found:
         try:

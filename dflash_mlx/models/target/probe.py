@@ -148,12 +148,17 @@ def _forward(target, tokens, cache, features=None, record=None):
     return h
 
 
+def own_model_fails(error: Exception) -> str:
+    """The one line a model is refused with when mlx-lm's own Model raises `error` on two tokens."""
+    return f"mlx-lm's own model fails on a prompt of two tokens ({error_line(error)})"
+
+
 def _own_failure(target) -> Optional[str]:
-    """The one-line error of mlx-lm's own Model on two tokens, or None where it runs."""
+    """`own_model_fails` where mlx-lm's own Model raises on two tokens, else None."""
     try:
         mx.eval(target.model(mx.array([[1 % target.vocab_size, 2 % target.vocab_size]])))
     except Exception as e:
-        return error_line(e)
+        return own_model_fails(e)
     return None
 
 
@@ -169,7 +174,7 @@ def _reason(target) -> Tuple[Optional[str], bool]:
     except Exception as e:  # the model's own code, handed what a text-only verify gives it
         own = _own_failure(target) if target.sharding is None else None
         if own is not None:  # (a bfloat16 MoE on MLX's CPU backend, whose GatherMM takes float32 only)
-            return f"mlx-lm's own model fails on a prompt of two tokens ({own})", False
+            return own, False
         return (f"its text model does not run on token ids and caches alone ({error_line(e)}); DFlash runs "
                 "it without the arguments its Model makes for it"), False
     held = [i for i, layer in enumerate(layers) if layer is not None]  # (a pipeline rank's own)
