@@ -141,8 +141,6 @@ def reads_state(model) -> Optional[bool]:
     entries) a prompt left are zeroed; None for a model without any. A hybrid's attention
     layers read the context whatever its recurrent layers do (`reads_context` cannot tell), and
     Recurrent Gemma's temporal convolution, left at its zeros, kept its state at zero."""
-    import copy as copying
-
     from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
     from dflash_mlx.models.target.rollback import sub_caches
@@ -153,7 +151,7 @@ def reads_state(model) -> Optional[bool]:
         return None
     prompt = [(7 * i + 5) % VOCAB for i in range(PROMPT_LEN)]
     model(mx.array([prompt[:-1]]), cache=cache)
-    zeroed = copying.deepcopy(cache)
+    zeroed = copy.deepcopy(cache)
     for entry in zeroed:
         for s in sub_caches(entry):
             if isinstance(s, ArraysCache):
