@@ -28,6 +28,8 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 
+from dflash_mlx.models.target.rerun import put_back
+
 # mlx-lm's generate_step(prefill_step_size=...) default: plain decoding's prompt chunks.
 MLX_LM_PREFILL_STEP = 2048
 
@@ -109,11 +111,9 @@ class RowsRecord:
         for c in self.trimmed:
             rollback_cache(c, num_rows - keep)
         for c, states in zip(self.stateful, self.states):
-            vars(c).clear()
-            vars(c).update(states[keep])
+            put_back(c, states[keep])
         for c, before, calls in zip(self.replayed, self.before, self.calls):
-            vars(c).clear()
-            vars(c).update(before)
+            put_back(c, before)
             updates = 0
             for name, args in calls:
                 if updates == keep:

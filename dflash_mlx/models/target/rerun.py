@@ -63,12 +63,18 @@ def before_verify(tokens: mx.array, cache: List[Any]) -> Rerun:
     return Rerun(tokens, [dict(vars(c)) for c in cache])
 
 
+def put_back(cache_entry: Any, fields: dict):
+    """`cache_entry`'s instance attributes made `fields` again: those set since (a forward may
+    add one, as a first update sets its arrays) go too, not only those it changed."""
+    vars(cache_entry).clear()
+    vars(cache_entry).update(fields)
+
+
 def rerun(forward: Callable[[mx.array, List[Any]], mx.array], cache: List[Any], record: Rerun, keep: int):
     """Put every cache back as it was before the verify, then run the text model's forward
     (`Target.run_text_model`) on its first `keep` tokens (queued: the next forward's evaluation
     takes it along)."""
     for c, fields in zip(cache, record.fields):
-        vars(c).clear()
-        vars(c).update(fields)
+        put_back(c, fields)
     if keep:  # (queued now: a split model's ranks then run its collectives before the next forward's)
         mx.async_eval(forward(record.tokens[:, :keep], cache))
