@@ -308,6 +308,7 @@ def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
     best["ceiling"] = compute_ceiling(model, widths, len(prompt), tokens)
     for w, c in best["cycles"].items():
         c["efficiency"] = round(c["speedup"] / best["ceiling"]["ideal"][w], 3)
+    best["host_calls"] = host_calls(model, tok, prompt, ref, widths, min(tokens, 64))
     return best
 
 
@@ -334,3 +335,68 @@ def oracle_cycles(model, tok, prompt, ref, widths, tokens: int, reps: int) -> Di
             times.append(secs / max(len(accepts) - 1, 1))
         cycles[w] = 1000 * min(times)
     return cycles
+
+
+# The calls through which the host waits for the device: evaluations, and reads of an array's
+# values (a read of an array not yet evaluated evaluates it and waits; of one evaluated, it only copies).
+WAITS = ("eval", "item", "tolist")
+
+
+def host_calls(model, tok, prompt, ref, widths, tokens: int) -> Dict:
+    """Per step of mlx-lm's plain decode and per cycle of the engine at each width (oracle draft,
+    every block accepted): how many times the host calls `mx.eval`, `mx.async_eval` and an
+    array's `item`/`tolist`. Counted through wrappers put on those four for the count only and
+    taken off after (MLX's functions are not Python functions: no profile hook sees them); no
+    timing here. `syncs`: the evaluations, plus reads where no evaluation came first in the step."""
+    from mlx_lm.generate import generate_step
+
+    def counted(run):
+        calls = []
+        owners = [(mx, "eval"), (mx, "async_eval"), (mx.array, "item"), (mx.array, "tolist")]
+        originals = [getattr(owner, name) for owner, name in owners]
+
+        def wrapper(name, original):
+            def call(*args, **kwargs):
+                calls.append(name)
+                return original(*args, **kwargs)
+            return call
+
+        marks = []
+        for (owner, name), original in zip(owners, originals):
+            setattr(owner, name, wrapper(name, original))
+        try:
+            for _ in run():
+                marks.append(len(calls))
+        finally:
+            for (owner, name), original in zip(owners, originals):
+                setattr(owner, name, original)
+        steps = [calls[a:b] for a, b in zip(marks[1:], marks[2:])]  # past the prefill and first token
+        return _per_step(steps)
+
+    def lm():
+        return generate_step(mx.array(prompt), model, max_tokens=tokens, sampler=lambda x: mx.argmax(x, axis=-1))
+
+    def engine(w):
+        draft = None if w == 1 else OracleDraft(model, prompt + ref, model.args.vocab_size, lambda c: 10**9,
+                                                block_size=w)
+        return stream_generate(model, draft, tok, prompt, max_tokens=tokens, block_size=w, stop_token_ids=[],
+                               baseline=w == 1)
+
+    return {"mlx_lm_step": counted(lm), **{w: counted(lambda w=w: engine(w)) for w in widths}}
+
+
+def _per_step(steps: List[List[str]]) -> Dict:
+    """Mean calls of each kind a step, and the syncs: an `eval`, or a read with no `eval` before it
+    in its step (that read evaluates what it reads)."""
+    n = max(len(steps), 1)
+    out = {name: round(sum(s.count(name) for s in steps) / n, 2) for name in WAITS + ("async_eval",)}
+    syncs = 0
+    for s in steps:
+        evaluated = False
+        for name in s:
+            if name == "eval":
+                syncs, evaluated = syncs + 1, True
+            elif name in ("item", "tolist") and not evaluated:
+                syncs, evaluated = syncs + 1, True
+    out["syncs"] = round(syncs / n, 2)
+    return out

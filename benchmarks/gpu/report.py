@@ -72,6 +72,14 @@ def write_report(results: dict, out: Path):
                          f"{c.get('efficiency', '')} |")
         lines += ["", "Ideal: w * t(1) / t(w), t(k) the target's own forward of k tokens averaged over the "
                   "decode's contexts (`parts.compute_ceiling`).", ""]
+        if "host_calls" in h:
+            lines += ["| decode | syncs a step | `mx.eval` | `mx.async_eval` | `item` | `tolist` |",
+                      "|---|---:|---:|---:|---:|---:|"]
+            for key, c in h["host_calls"].items():
+                name = "mlx-lm plain" if key == "mlx_lm_step" else f"engine, width {key}"
+                lines.append(f"| {name} | {c['syncs']} | {c['eval']} | {c['async_eval']} | {c['item']} | "
+                             f"{c['tolist']} |")
+            lines.append("")
     for name, res in p.items():
         if isinstance(res, dict) and ("error" in res or "skipped" in res):
             lines.append(f"- {name}: {res.get('error') or res.get('skipped')}")
