@@ -1,12 +1,13 @@
 """Random engine options on random architectures, each case checked against mlx-lm's own greedy
 decode: what no hand-written test combines (a width with a prefill chunk, a stop, a second turn
-on the prompt cache, deterministic mode; in the batch engine, rows joining a lone row after its
-rollbacks, second turns joining together, the index of earlier answers).
+on the prompt cache, deterministic mode, a prompt whose answer crosses the KV cache's growth step;
+in the batch engine, rows joining a lone row after its rollbacks, second turns joining together,
+the index of earlier answers).
 
 A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`, `batch_case(seed)`
 serves 2-5 requests through one `BatchEngine`, `split_case(seed, families)` decodes on a model
 split over the ranks of an `mlx.launch` (`benchmarks/split_variants.py --fuzz`). Each returns a
-row: "exact", "refused" (the one line the engine gave), "no batch" (the target takes no batches,
+row: "exact", "refused" (the one line the engine gave, a prompt past the target's context among them), "no batch" (the target takes no batches,
 as `batch_support` says), "no split" (mlx-lm gives the model no split), "not run" (mlx-lm
 cannot quantize the config or run it in the dtype drawn),
 "mismatch" (where the tokens part) or "raised" (DFlash failed where mlx-lm runs). The tiny models
@@ -16,7 +17,7 @@ are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_opti
 import random
 import time
 import traceback
-from typing import List
+from typing import List, Optional
 
 import mlx.core as mx
 
@@ -30,6 +31,10 @@ from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft,
 STATUSES = ("exact", "refused", "no batch", "no split", "not run", "mismatch", "raised")
 # Prompt lengths: one token, shorter and longer than the tiny configs' windows and chunks (8)
 PROMPT_LENGTHS = (1, 2, 3, 5, 9, 20, 33)
+# In about one case in eight, a prompt that crosses mlx-lm's KV-cache growth step (256 entries) as it
+# decodes; drawn by a generator of its own, so that a seed's other draws stay what they were
+LONG_PROMPTS = (250, 253)
+LONG_SHARE = 0.12
 
 
 def keys() -> List[str]:
@@ -57,10 +62,19 @@ def _run(fn, row: dict) -> dict:
         fn(row)
     except UnsupportedTargetError as e:
         row.update(status="refused", reason=str(e))
-    except Exception:  # DFlash failing where mlx-lm runs: as wrong as a wrong token
-        row.update(status="raised", reason=traceback.format_exc(limit=-3)[-1200:])
+    except Exception as e:  # DFlash failing where mlx-lm runs: as wrong as a wrong token
+        if isinstance(e, ValueError) and "has a context window of" in str(e):  # the engine's line for it
+            row.update(status="refused", reason=str(e))
+        else:
+            row.update(status="raised", reason=traceback.format_exc(limit=-3)[-1200:])
     row["seconds"] = round(time.perf_counter() - start, 3)
     return row
+
+
+def _long_prompt(seed: int) -> Optional[int]:
+    """A long prompt's length for the case of `seed`, or None (most cases)."""
+    rng = random.Random(f"long prompt {seed}")
+    return rng.choice(LONG_PROMPTS) if rng.random() < LONG_SHARE else None
 
 
 def _parted(out, ref) -> str:
@@ -77,6 +91,7 @@ def stream_case(seed: int) -> dict:
                           token_trees=rng.random() < 0.5, deterministic=rng.choice([None, None, True]))
     row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([1, 2, 5, 12, 20]),
                draft=rng.choice(["random", "scripted", "scripted", "none"]), turns=rng.random() < 0.3)
+    row["prompt_len"] = _long_prompt(seed) or row["prompt_len"]
     # bfloat16 (in deterministic mode: outside it a verify may round apart from a one-token step, as
     # docs/targets.md says) and 4- or 8-bit weights as `mlx_lm.convert -q` makes them
     row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
@@ -185,6 +200,9 @@ def batch_case(seed: int) -> dict:
     row.update(prompt_lens=rng.sample(PROMPT_LENGTHS + (4, 6, 12, 17, 25), rng.choice([2, 3, 4, 5])),
                draft=rng.choice(["random", "scripted", "none"]), join_every=rng.choice([1, 2, 3, 6]),
                turns=rng.random() < 0.5, suffix_index=rng.random() < 0.3)
+    long = _long_prompt(seed)
+    if long and long not in row["prompt_lens"]:
+        row["prompt_lens"][0] = long
     row["options"] = dict(max_batch=rng.choice([2, 3, 4, 8]), prefill_chunk=rng.choice([2, 5, 16, 256]),
                           prefill_budget=rng.choice([3, 16, 512]), block_size=rng.choice([1, 2, 4, 6, 16, "auto"]),
                           copy_proposals=rng.random() < 0.5, token_trees=rng.random() < 0.5,
