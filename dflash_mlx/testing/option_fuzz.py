@@ -7,9 +7,9 @@ the index of earlier answers).
 A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`, `batch_case(seed)`
 serves 2-5 requests through one `BatchEngine`, `split_case(seed, families)` decodes on a model
 split over the ranks of an `mlx.launch` (`benchmarks/split_variants.py --fuzz`). Each returns a
-row: "exact", "refused" (the one line the engine gave, a prompt past the target's context among them), "no batch" (the target takes no batches,
-as `batch_support` says), "no split" (mlx-lm gives the model no split), "not run" (mlx-lm
-cannot quantize the config or run it in the dtype drawn),
+row: "exact", "refused" (the one line the engine gave, for a prompt past the target's context
+too), "no batch" (the target takes no batches, as `batch_support` says), "no split" (mlx-lm
+gives the model no split), "not run" (mlx-lm cannot quantize the config or run it in the dtype drawn),
 "mismatch" (where the tokens part) or "raised" (DFlash failed where mlx-lm runs). The tiny models
 are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_option_fuzz.py` a few.
 """
