@@ -92,6 +92,11 @@ def stream_case(seed: int) -> dict:
     row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([1, 2, 5, 12, 20]),
                draft=rng.choice(["random", "scripted", "scripted", "none"]), turns=rng.random() < 0.3)
     row["prompt_len"] = _long_prompt(seed) or row["prompt_len"]
+    extra = random.Random(f"stream extras {seed}")  # (apart, as the long prompt)
+    row["options"]["profile"] = extra.random() < 0.1  # the engine syncs at each phase, launches nothing ahead
+    row["suffix_index"] = extra.choice([None, None, None, "answer", "other"])  # earlier answers: this one's or not
+    if row["suffix_index"]:  # (read only where copies are proposed)
+        row["options"].update(block_size="auto", copy_proposals=True)
     # bfloat16 (in deterministic mode: outside it a verify may round apart from a one-token step, as
     # docs/targets.md says) and 4- or 8-bit weights as `mlx_lm.convert -q` makes them
     row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
@@ -169,10 +174,11 @@ def _stream(row: dict, rng: random.Random):
     draft = _draft(row["draft"], model, prompt + whole, rng)
     forget_sizers()
     cache = make_prompt_cache(model, draft) if row["turns"] else None
+    index = _earlier_answers(model, row.get("suffix_index"), prompt, whole)
 
     def decode(ids, n, stop_ids):
         return [t for r in stream_generate(model, draft, byte_tokenizer(), ids, max_tokens=n, stop_token_ids=stop_ids,
-                                           prompt_cache=cache, **opts) for t in r.tokens]
+                                           prompt_cache=cache, suffix_index=index, **opts) for t in r.tokens]
 
     out = decode(prompt, max_tokens, stops)
     if out != ref:
@@ -192,6 +198,20 @@ def _stream(row: dict, rng: random.Random):
         second = decode(turn2, 8, [EOS_ID])
         if second != want:
             row.update(status="mismatch", reason="second turn: " + _parted(second, want))
+
+
+def _earlier_answers(model, kind, prompt, whole):
+    """The index of earlier answers a stream case decodes with: None, or one holding this prompt
+    and its whole answer past any stop ("answer": copies of it are right until they cross the stop
+    or the budget) or another text that shares the prompt's last tokens ("other": copies are wrong)."""
+    from dflash_mlx.speculation.suffix_index import SuffixIndex
+
+    if kind is None:
+        return None
+    index = SuffixIndex(model=model)
+    tail = prompt[-3:]
+    index.add(prompt + whole if kind == "answer" else tail + [(t * 7 + 1) % arch_check.VOCAB for t in whole] + tail)
+    return index
 
 
 def batch_case(seed: int) -> dict:
