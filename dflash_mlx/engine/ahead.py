@@ -194,7 +194,8 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
 
 
 # On MLX's CPU backend a plain step queued behind the one being read costs 0.19 ms a step on one
-# core and gains nothing on two (the oracle probe, 9 interleaved runs): there it waits for the read.
+# core (its worker thread and the host share it) and gains nothing on two over 256 tokens; 0.09 ms a
+# step over 3,000, where the probe's tiny steps wait on the attention (oracle probe, 2026-12-04/05).
 BEFORE_READING_ON_CPU = False
 
 
