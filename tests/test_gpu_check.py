@@ -35,5 +35,6 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     assert calls["4"]["eval"] == 1.0, calls
     readme = (tmp_path / "README.md").read_text()
     assert "(a) Divergence" in readme and "(d) Host time" in readme and "cpu backend" in readme.lower()
-    assert "syncs a step" in readme and "queued only after the last is read" in readme and "ideal from the forwards' cost" in readme
+    assert "syncs a step" in readme and "queued only after the last is read" in readme
+    assert "ideal from the forwards' cost" in readme
     assert (tmp_path / "shapes.png").exists() and (tmp_path / "host.png").exists()
