@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_mlx.engine.timing import NoTimer
-from dflash_mlx.speculation.accept import Proposal, accept_in_pieces, synced_acceptance
+from dflash_mlx.speculation.accept import Proposal, accept_in_pieces, pack_outcome, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
 
@@ -75,6 +75,8 @@ class Launched:
     committed: mx.array
     match: Optional[CopyMatch]
     copy_length: int
+    outcome: Optional[mx.array] = None  # accept_len, committed and verify_in packed for one host read
+    read: Any = None  # once landed: (accept lengths, committed rows, verify-input rows) on the host
     pieces: List[Tuple[int, mx.array]] = field(default_factory=list)  # (first row, logits) for logprobs
     unsure: Optional[mx.array] = None  # the acceptance took raw argmaxes and may differ from the exact one
     redo: Any = None  # () -> (accept_len, committed), the exact way (`GreedyAcceptor.exact`)
@@ -157,15 +159,19 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
         with mx.stream(generation_stream):
             return accept_in_pieces(acceptor.exact(), proposal, row_logits, first, drafter.draft)
 
-    return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, pieces,
-                    unsure, redo, started=started, built=time.perf_counter())
+    with mx.stream(generation_stream):
+        outcome = pack_outcome(accept_len, committed, verify_in)
+    return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, outcome,
+                    pieces=pieces, unsure=unsure, redo=redo, started=started, built=time.perf_counter())
 
 
 def land(launched: Launched):
-    """The cycle's host sync: its accept length, tokens and inputs evaluated, and, where the
-    acceptance took raw argmaxes that may differ from the exact ones (rare), the exact acceptance."""
-    launched.accept_len, launched.committed = synced_acceptance(
-        launched.accept_len, launched.committed, [launched.unsure], launched.redo, launched.verify_in)
+    """The cycle's host sync: its accept length, tokens and inputs evaluated and read at once
+    (`launched.read`), and, where the acceptance took raw argmaxes that may differ from the exact
+    ones (rare), the exact acceptance."""
+    launched.accept_len, launched.committed, launched.read = synced_acceptance(
+        launched.accept_len, launched.committed, [launched.unsure], launched.redo, launched.verify_in,
+        launched.outcome)
 
 
 def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:
@@ -185,8 +191,7 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
         state.ahead = plan
         return
     launched = launch(ctx, plan, last, timer)
-    mx.async_eval(launched.accept_len, launched.committed, launched.verify_in,
-                  *([] if launched.unsure is None else [launched.unsure]))
+    mx.async_eval(launched.outcome, *([] if launched.unsure is None else [launched.unsure]))
     # (on MLX's CPU backend async_eval hands each node of the graph to the stream's worker thread, ~1.6 us a
     # node: for a tiny target that is most of the cycle, and it is counted here)
     launched.built = time.perf_counter()

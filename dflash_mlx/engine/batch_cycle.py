@@ -82,9 +82,10 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
         with mx.stream(generation_stream):
             return _accept([a.exact() for a in acceptors], proposals, verify_in, logits, width, draft)
 
-    accept_len, committed = synced_acceptance(accept_len, committed, unsure, exact_again, verify_in)  # host sync
+    # the host sync, and its one read
+    accept_len, committed, (accepts, chosen, fed) = synced_acceptance(accept_len, committed, unsure, exact_again,
+                                                                      verify_in)
     seconds = time.perf_counter() - t0  # (a split target's ranks learn rank 0's: engine.distributed)
-    fed, accepts, chosen = verify_in.tolist(), accept_len.tolist(), committed.tolist()
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
                       copy_kind(matches[b]) if copied[b] else "draft" if width > 1 and draft is not None else None,
                       logits[b])

@@ -178,12 +178,12 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             share_seconds(target, seconds, widths.count(width, a, chain=False))
     else:
         width, feats, record = launched.width, launched.feats, launched.record
-        land(launched)  # the cycle's host sync
-        a = launched.accept_len.item()
-        # whole arrays to lists, sliced on the host: a slice in MLX would be one more op to run
-        tokens = launched.committed.tolist()[0][: a + 1]
+        land(launched)  # the cycle's host sync and its one read
+        accepts, chosen, fed = launched.read
+        a = accepts[0]
+        tokens = chosen[0][: a + 1]
         rows = list(range(a + 1))
-        verified = launched.verify_in.tolist()[0][: a + 1]
+        verified = fed[0][: a + 1]
         seconds = launched.seconds()
         if launched.copy_length:
             match = launched.match

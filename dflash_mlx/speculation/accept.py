@@ -35,7 +35,7 @@ makes a run reproducible.
 """
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
@@ -311,17 +311,37 @@ def accept_in_pieces(acceptor, proposal: Optional[Proposal], row_logits: Callabl
     return accept_length, committed
 
 
+def pack_outcome(accept_length: mx.array, committed: mx.array, verify_in: mx.array) -> mx.array:
+    """[B, 1 + C + W] int32: a verify's accept lengths, committed tokens [B, C] and inputs [B, W] in one
+    array, so that the host reads a cycle's outcome at once: on MLX's CUDA backend arrays live in
+    managed memory, and each host read of one the GPU wrote moves its pages (mlx-lm's plain step
+    reads one token)."""
+    parts = [accept_length[:, None], committed, verify_in]
+    return mx.concatenate([a if a.dtype == mx.int32 else a.astype(mx.int32) for a in parts], axis=1)
+
+
+def read_outcome(outcome: mx.array, committed_width: int) -> Tuple[List[int], List[List[int]], List[List[int]]]:
+    """(accept lengths [B], committed rows, verify-input rows) of an evaluated `pack_outcome`."""
+    rows = outcome.tolist()
+    return ([r[0] for r in rows], [r[1 : 1 + committed_width] for r in rows],
+            [r[1 + committed_width :] for r in rows])
+
+
 def synced_acceptance(accept_length: mx.array, committed: mx.array, unsure, exact_again: Callable[[], tuple],
-                      *also):
-    """The cycle's host sync: `accept_length` and `committed` evaluated (with `also`), and where a
-    `take_unsure` flag of theirs is set (raw argmaxes that may differ from the exact ones, rare),
-    `exact_again()`'s acceptance instead. `unsure`: the flags taken, None where none was."""
+                      verify_in: mx.array, outcome: Optional[mx.array] = None):
+    """The cycle's host sync and its one read: `outcome` (`pack_outcome` of the three, made here
+    when not given) evaluated, and where a `take_unsure` flag of theirs is set (raw argmaxes that
+    may differ from the exact ones, rare), `exact_again()`'s acceptance instead. `unsure`: the
+    flags taken, None where none was. Returns (accept_length, committed, `read_outcome`'s lists)."""
     flags = [u for u in unsure if u is not None]
-    mx.eval(accept_length, committed, *also, *flags)
+    if outcome is None:
+        outcome = pack_outcome(accept_length, committed, verify_in)
+    mx.eval(outcome, *flags)
     if any(u.item() for u in flags):
         accept_length, committed = exact_again()
-        mx.eval(accept_length, committed)
-    return accept_length, committed
+        outcome = pack_outcome(accept_length, committed, verify_in)
+        mx.eval(outcome)
+    return accept_length, committed, read_outcome(outcome, committed.shape[1])
 
 
 # Below these, sampling is greedy in the limit, and float32 cannot scale logits by 1/T
