@@ -40,6 +40,6 @@ def test_the_fuzz_sees_a_rollback_that_does_nothing(monkeypatch):
     from dflash_mlx.models.target.adapter import Target
 
     monkeypatch.setattr(Target, "rollback", lambda self, *args, **kwargs: None)
-    rows = [option_fuzz.stream_case(seed) for seed in STREAM_SEEDS[:15]]
+    rows = [option_fuzz.stream_case(seed) for seed in STREAM_SEEDS[:15] if not option_fuzz._long_prompt(seed)]
     scripted = [r for r in rows if r["draft"] == "scripted" and r["max_tokens"] >= 12]
     assert scripted and any(r["status"] == "mismatch" for r in scripted), rows
