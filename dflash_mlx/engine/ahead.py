@@ -154,13 +154,12 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
         first = ctx.head_rows.first(width)
         accept_len, committed = accept_in_pieces(acceptor, proposal, row_logits, first, drafter.draft)
         unsure = acceptor.take_unsure()
+        outcome = pack_outcome(accept_len, committed, verify_in)
 
     def redo():
         with mx.stream(generation_stream):
             return accept_in_pieces(acceptor.exact(), proposal, row_logits, first, drafter.draft)
 
-    with mx.stream(generation_stream):
-        outcome = pack_outcome(accept_len, committed, verify_in)
     return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, outcome,
                     pieces=pieces, unsure=unsure, redo=redo, started=started, built=time.perf_counter())
 
