@@ -225,7 +225,7 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
                 step_logprobs, kind)
     # a verified cycle's last token stays where the verify left it (a slice, as mlx-lm's step keeps its
     # token): a new array from the host would be one more copy to the GPU's memory each cycle
-    new_last = mx.array([tokens[a]], dtype=mx.int32) if tree_run is not None else launched.committed[:, a]
+    new_last = mx.array([tokens[a]], dtype=mx.int32)
     if early:
         if finish is not None:  # a stop token: the step queued behind it goes
             discard(target, state)
