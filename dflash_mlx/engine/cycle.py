@@ -223,8 +223,6 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
             else copy_kind(launched.match) if launched.copy_length else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
-    # a verified cycle's last token stays where the verify left it (a slice, as mlx-lm's step keeps its
-    # token): a new array from the host would be one more copy to the GPU's memory each cycle
     new_last = mx.array([tokens[a]], dtype=mx.int32)
     if early:
         if finish is not None:  # a stop token: the step queued behind it goes
