@@ -13,7 +13,7 @@ from typing import Callable, Dict
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 import mlx.core as mx
 
-from dflash_mlx.testing.archs import ALL_ARCHS, _c
+from dflash_mlx.testing.archs import ALL_ARCHS, _c, _uniform, _x3
 from dflash_mlx.testing.targets import TINY_CONFIGS
 
 V = 300
@@ -280,16 +280,8 @@ def _packed(p):
     return mx.random.randint(0, 2**31 - 1, p.shape).astype(p.dtype) if p.dtype == mx.uint32 else p
 
 
-def _x3(p):
-    return p * 3.0
-
-
 def _normal(p):
     return mx.random.normal(p.shape) * 0.5
-
-
-def _uniform(p):
-    return mx.random.uniform(shape=p.shape)
 
 
 _SHARPER = {"q_proj.weight": _x3, "k_proj.weight": _x3}  # sharper random attention
