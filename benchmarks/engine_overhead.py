@@ -24,6 +24,7 @@ import dflash_mlx  # noqa: E402,F401  (before mlx.core)
 import mlx.core as mx  # noqa: E402
 
 import parts  # noqa: E402
+import report  # noqa: E402
 
 
 def main(argv=None):
@@ -85,7 +86,9 @@ def main(argv=None):
               "evaluated), averaged over the contexts the decode passes through "
               f"({', '.join(map(str, runs['probe'][0]['ceiling']['contexts']))} tokens), best of the runs: "
               "" + ", ".join(f"t({w}) {best['verify_ms'][w]:.3f} ms" for w in widths) + "."]
-    lines += ["", host_calls_table(runs["probe"][0]["host_calls"])]
+    lines += ["", "Calls through which the host may wait for the device, a step (`parts.host_calls`; the mean over "
+              "a 64-token answer, past the first token; a sync is an evaluation, or a read with none before it "
+              "in the step):", ""] + report.host_calls_table(runs["probe"][0]["host_calls"])
     (out / "README.md").write_text("\n".join(lines) + "\n")
     import matplotlib
 
@@ -102,18 +105,6 @@ def main(argv=None):
     fig.tight_layout()
     fig.savefig(out / "overhead.png", dpi=110)
     print((out / "README.md").read_text())
-
-
-def host_calls_table(calls: dict) -> str:
-    """Markdown: the host's waiting calls a step of mlx-lm's plain decode and a cycle of the engine."""
-    rows = ["Calls through which the host may wait for the device, a step (`parts.host_calls`; the mean over "
-            "a 64-token answer, past the first token; a sync is an evaluation, or a read with none before it "
-            "in the step):", "",
-            "| decode | syncs | `mx.eval` | `mx.async_eval` | `item` | `tolist` |", "|---|---:|---:|---:|---:|---:|"]
-    for key, c in calls.items():
-        name = "mlx-lm's plain step" if key == "mlx_lm_step" else f"engine, width {key}"
-        rows.append(f"| {name} | {c['syncs']} | {c['eval']} | {c['async_eval']} | {c['item']} | {c['tolist']} |")
-    return "\n".join(rows)
 
 
 def not_ahead(widths, tokens: int, reps: int) -> dict:

@@ -4,6 +4,17 @@ import json
 from pathlib import Path
 
 
+def host_calls_table(calls: dict) -> list:
+    """Markdown rows: the host's waiting calls a step of mlx-lm's plain decode and a cycle of the
+    engine at each width (`parts.host_calls`)."""
+    rows = ["| decode | syncs a step | `mx.eval` | `mx.async_eval` | `item` | `tolist` |",
+            "|---|---:|---:|---:|---:|---:|"]
+    for key, c in calls.items():
+        name = "mlx-lm's plain step" if key == "mlx_lm_step" else f"engine, width {key}"
+        rows.append(f"| {name} | {c['syncs']} | {c['eval']} | {c['async_eval']} | {c['item']} | {c['tolist']} |")
+    return rows
+
+
 def write_report(results: dict, out: Path):
     from dflash_mlx.cli.doctor import machine_line
 
@@ -73,13 +84,7 @@ def write_report(results: dict, out: Path):
         lines += ["", "Ideal: w * t(1) / t(w), t(k) the target's own forward of k tokens averaged over the "
                   "decode's contexts (`parts.compute_ceiling`).", ""]
         if "host_calls" in h:
-            lines += ["| decode | syncs a step | `mx.eval` | `mx.async_eval` | `item` | `tolist` |",
-                      "|---|---:|---:|---:|---:|---:|"]
-            for key, c in h["host_calls"].items():
-                name = "mlx-lm plain" if key == "mlx_lm_step" else f"engine, width {key}"
-                lines.append(f"| {name} | {c['syncs']} | {c['eval']} | {c['async_eval']} | {c['item']} | "
-                             f"{c['tolist']} |")
-            lines.append("")
+            lines += host_calls_table(h["host_calls"]) + [""]
     for name, res in p.items():
         if isinstance(res, dict) and ("error" in res or "skipped" in res):
             lines.append(f"- {name}: {res.get('error') or res.get('skipped')}")
