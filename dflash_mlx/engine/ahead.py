@@ -75,7 +75,7 @@ class Launched:
     committed: mx.array
     match: Optional[CopyMatch]
     copy_length: int
-    outcome: Optional[mx.array] = None  # accept_len, committed and verify_in packed for one host read
+    outcome: mx.array  # [1, 1 + C + width]: accept_len, committed and verify_in packed for one host read
     read: Any = None  # once landed: (accept lengths, committed rows, verify-input rows) on the host
     pieces: List[Tuple[int, mx.array]] = field(default_factory=list)  # (first row, logits) for logprobs
     unsure: Optional[mx.array] = None  # the acceptance took raw argmaxes and may differ from the exact one
