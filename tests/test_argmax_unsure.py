@@ -91,10 +91,13 @@ def test_lone_rows_redo_every_flagged_acceptance(poisoned, width, split_head, mo
     prompt = list(range(3, 23))
     ref = greedy_reference(model, prompt, 24)
     draft = ScriptedDraft(Target(model), prompt + ref, lambda c: (c * 5) % 9, block_size=8)
-    out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=width,
-                                      stop_token_ids=[], split_head=split_head) for t in r.tokens]
-    # (at `auto`, copies of this repetitive answer can cover it in three cycles, fewer on a timing's whim)
-    assert out == ref and poisoned["n"] > (0 if width == "auto" else 3)
+    responses = list(stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=width,
+                                     stop_token_ids=[], split_head=split_head))
+    out = [t for r in responses for t in r.tokens]
+    # every cycle past the prefill's token that verified without a tree took the poisoned argmax at least
+    # once (token trees take none; at `auto`, copies of this repetitive answer can cover it in three cycles)
+    verified = sum(r.proposal not in ("tree", "copy_tree") for r in responses[1:])
+    assert out == ref and poisoned["n"] >= verified and poisoned["n"] > (0 if width == "auto" else 3)
 
 
 def test_a_batch_redoes_its_flagged_acceptance(poisoned):
