@@ -40,6 +40,10 @@ from dflash_mlx.policy.sizer import FixedWidth, sizer_for
 from dflash_mlx.speculation.suffix_index import SuffixIndex
 
 
+class PromptTooLongError(ValueError):
+    """A prompt at or past the target's context window (`Target.max_context`): refused whole."""
+
+
 class BatchEngine:
     """Rows decode together; requests join and leave between cycles. Single-threaded: the
     caller (the server's worker thread) calls `add`, `remove` and `step`."""
@@ -118,9 +122,9 @@ class BatchEngine:
         if not request.prompt_ids:
             raise ValueError("the prompt is empty: give at least one token of input")
         if self.target.max_context and len(request.prompt_ids) >= self.target.max_context:
-            raise ValueError(f"the prompt has {len(request.prompt_ids)} tokens but {self.target.name} has a "
-                             f"context window of {self.target.max_context} tokens: shorten the prompt"
-                             + (f" ({self.target.context_note})" if self.target.context_note else ""))
+            raise PromptTooLongError(f"the prompt has {len(request.prompt_ids)} tokens but {self.target.name} "
+                                     f"has a context window of {self.target.max_context} tokens: shorten the prompt"
+                                     + (f" ({self.target.context_note})" if self.target.context_note else ""))
         low, high = min(request.prompt_ids), max(request.prompt_ids)
         if low < 0 or high >= self.target.vocab_size:  # (embedded from outside the table: garbage, no error)
             raise ValueError(f"the prompt holds token id {low if low < 0 else high}, outside "

@@ -55,18 +55,16 @@ def _draft(kind: str, model, reference, rng):
 
 
 def _run(fn, row: dict) -> dict:
+    from dflash_mlx.engine.engine import PromptTooLongError
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
 
     start = time.perf_counter()
     try:
         fn(row)
-    except UnsupportedTargetError as e:
+    except (UnsupportedTargetError, PromptTooLongError) as e:
         row.update(status="refused", reason=str(e))
-    except Exception as e:  # DFlash failing where mlx-lm runs: as wrong as a wrong token
-        if isinstance(e, ValueError) and "has a context window of" in str(e):  # the engine's line for it
-            row.update(status="refused", reason=str(e))
-        else:
-            row.update(status="raised", reason=traceback.format_exc(limit=-3)[-1200:])
+    except Exception:  # DFlash failing where mlx-lm runs: as wrong as a wrong token
+        row.update(status="raised", reason=traceback.format_exc(limit=-3)[-1200:])
     row["seconds"] = round(time.perf_counter() - start, 3)
     return row
 
