@@ -63,7 +63,7 @@ class TurnStats:
         self.generation_tokens = r.generation_tokens
         self.tps = r.generation_tps
         self.peak_memory = r.peak_memory
-        self.accept_lengths = list(r.accept_lengths)
+        self.accept_lengths = r.accept_lengths  # (a new list)
         if r.verify_width is not None:  # None on the prefill response: keep the last cycle's
             self.verify_width = r.verify_width
         if r.finish_reason is not None:

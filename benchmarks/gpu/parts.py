@@ -119,14 +119,13 @@ def sync():
 
 def decode(model, draft, tok, prompt, max_tokens, width, deterministic=False, baseline=False):
     """(tokens, seconds from the first token to the last, accept lengths) of one greedy answer."""
-    out, first_at, accepts = [], None, []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, block_size=width,
-                             stop_token_ids=[], deterministic=deterministic, baseline=baseline):
-        out += r.tokens
+    out, first_at, last = [], None, None
+    for last in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, block_size=width,
+                                stop_token_ids=[], deterministic=deterministic, baseline=baseline):
+        out += last.tokens
         if first_at is None:
             first_at = time.perf_counter()
-        accepts = r.accept_lengths
-    return out, time.perf_counter() - first_at, list(accepts)
+    return out, time.perf_counter() - first_at, last.accept_lengths
 
 
 def first_divergence(out: List[int], ref: List[int]):

@@ -210,11 +210,9 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     token whatever it is, so the next cycle needs only its lazy value, where no policy reads the
     token (copies, trees) and a discard can take the step back (a stop token), and where the token
     is sure: not a raw argmax that may be done again the exact way (`land`)."""
-    if mx.default_device() == mx.cpu and not BEFORE_READING_ON_CPU:
-        return False
     return (launched.width == 1 and launched.unsure is None and not launched.copy_length and budget > 1
             and ctx.copies is None and ctx.trees is None and ctx.copy_trees is None and not ctx.target.rotating
-            and may_launch(ctx, timer, logprobs))
+            and may_launch(ctx, timer, logprobs) and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu))
 
 
 def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:

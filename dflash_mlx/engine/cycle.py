@@ -20,11 +20,7 @@ from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.tree_attention import compact_cache
-from dflash_mlx.policy.copies import CopyPolicy
-from dflash_mlx.policy.copy_trees import CopyTreePolicy
-from dflash_mlx.policy.trees import TreePolicy
-from dflash_mlx.speculation.copies import ContextIndex, CopyMatch
-from dflash_mlx.speculation.suffix_index import SuffixIndex
+from dflash_mlx.speculation.copies import CopyMatch
 from dflash_mlx.speculation.tree_verify import verify_token_tree, verify_tree
 
 
@@ -111,14 +107,13 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
     return first, len(new_ids)
 
 
-def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: mx.array,
-          budget: int, stops, timer, head_rows: HeadRows, logprobs: Optional[int] = None,
-          copies: Optional[CopyPolicy] = None, index: Optional[ContextIndex] = None,
-          trees: Optional[TreePolicy] = None, shared: Optional[SuffixIndex] = None,
-          copy_trees: Optional[CopyTreePolicy] = None) -> Tuple[Step, mx.array]:
+def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
+          logprobs: Optional[int] = None) -> Tuple[Step, mx.array]:
     """One draft -> verify -> accept -> rollback cycle of one sequence on its own (unbatched)
     caches: (its Step, the new last committed token [1]).
 
+    `ctx` (`ahead.Context`): the row's target, drafter, acceptor, width policy (`widths`), prompt
+    cache (`state`), head split (`head_rows`) and its copy and tree policies, kept by the row.
     `last` [1]: the last committed token; `budget`: tokens it may still commit. The cycle
     syncs with the host once, to read the accept length (twice when a split LM head needs
     its other rows, see `HeadRows`); `widths` picks its verify width.
@@ -137,8 +132,9 @@ def cycle(target: Target, drafter, acceptor, widths, state: PromptCache, last: m
     (`engine.ahead`): its graph is queued before this step's response is built and sent, so the
     device runs it meanwhile; the next call only reads it.
     """
+    target, drafter, acceptor, widths, state = ctx.target, ctx.drafter, ctx.acceptor, ctx.widths, ctx.state
+    head_rows, copies, index, trees, copy_trees = ctx.head_rows, ctx.copies, ctx.index, ctx.trees, ctx.copy_trees
     cache = state.target_cache
-    ctx = Context(target, drafter, acceptor, widths, state, head_rows, copies, index, trees, shared, copy_trees)
     launched, plan = take(state)
     if launched is None:
         if plan is None:

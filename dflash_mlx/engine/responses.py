@@ -38,13 +38,21 @@ class DFlashResponse:
     peak_memory: float
     finish_reason: Optional[str] = None
     accept_length: Optional[int] = None
-    accept_lengths: List[int] = field(default_factory=list)
     cycle_times: Optional[Dict[str, float]] = None
     verify_width: Optional[int] = None  # tokens the target verified in this cycle (block size)
     # what this cycle verified: "draft" | "tree" | "copy" | "global_copy" | "copy_tree" | None (plain step, prefill)
     proposal: Optional[str] = None
     proposal_counts: Dict[str, List[int]] = field(default_factory=dict)  # kind -> [cycles, tokens committed]
     logprobs: Optional[List["TokenLogprob"]] = None  # one per token of `tokens`, when asked for
+    # the answer's accept lengths (a list that only grows) and how many of them are this response's
+    _accepts: List[int] = field(default_factory=list, repr=False, compare=False)
+    _cycles: int = 0
+
+    @property
+    def accept_lengths(self) -> List[int]:
+        """Every cycle's accept length so far, as a new list: made when read, so a step's response
+        costs the same at the answer's first cycle and at its thousandth."""
+        return self._accepts[: self._cycles]
 
     @property
     def tau(self) -> float:
@@ -141,15 +149,16 @@ class Answer:
             self.detok.finalize()
         if not first:
             self.accept_lengths.append(step.accept_length)
-            counts = self.proposal_counts.setdefault(step.proposal or "plain", [0, 0])
-            counts[0] += 1
-            counts[1] += len(step.tokens)
+            kind = step.proposal or "plain"
+            cycles, tokens = self.proposal_counts.get(kind, (0, 0))
+            # a new list each time: the responses share the lists, never one that changes later
+            self.proposal_counts[kind] = [cycles + 1, tokens + len(step.tokens)]
         elapsed = time.perf_counter() - self.started
         return DFlashResponse(
             text=self.detok.last_segment,
             token=step.tokens[-1],
-            tokens=list(step.tokens),
-            from_draft=list(step.from_draft),
+            tokens=step.tokens,  # (a step's lists are its response's alone)
+            from_draft=step.from_draft,
             prompt_tokens=self.prompt_tokens,
             prompt_tps=self.prompt_tps,
             prompt_time=self.prompt_time,
@@ -159,12 +168,13 @@ class Answer:
             peak_memory=mx.get_peak_memory() / 1e9,
             finish_reason=step.finish,
             accept_length=None if first else step.accept_length,
-            accept_lengths=list(self.accept_lengths),
+            _accepts=self.accept_lengths,
+            _cycles=len(self.accept_lengths),
             cycle_times=step.times,
             verify_width=None if first else step.width,
             logprobs=step.logprobs,
             proposal=step.proposal,
-            proposal_counts={k: list(v) for k, v in self.proposal_counts.items()},
+            proposal_counts=dict(self.proposal_counts),
         )
 
 

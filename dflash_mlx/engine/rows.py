@@ -15,6 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from dflash_mlx.engine.ahead import Context
 from dflash_mlx.engine.cycle import HeadRows, cycle, prefill_chunks
 from dflash_mlx.engine.distributed import shared_seed
 from dflash_mlx.engine.drafter import DraftContext, PlainDecoding
@@ -72,6 +73,7 @@ class Row:
         # earlier requests' prompts and answers (`speculation.suffix_index`), unless this one opted out
         self.shared = engine.suffix_index if self.copies is not None and request.global_copies else None
         self.index = None  # the context's copy index (`context_index`), kept up to date by every cycle
+        self.context: Optional[Context] = None  # what its lone cycles read (`cycle.cycle`), made at the first
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         self.budget = opts.max_tokens  # (past the model's position limit it decodes on, as mlx-lm does)
         self.first_logits: Optional[list] = [] if request.logprobs is not None else None
@@ -131,10 +133,12 @@ class Row:
 
     def cycle_alone(self, target, widths, timer) -> Step:
         """One `cycle.cycle` on the row's own caches, with its copies and trees."""
-        index = self.context_index() if self.copies is not None else None
-        step, self.last = cycle(target, self.drafter, self.acceptor, widths, self.state, self.last, self.budget,
-                                self.stops, timer, self.head_rows, self.request.logprobs, self.copies, index,
-                                self.trees, self.shared, self.copy_trees)
+        if self.context is None:
+            index = self.context_index() if self.copies is not None else None
+            self.context = Context(target, self.drafter, self.acceptor, widths, self.state, self.head_rows,
+                                   self.copies, index, self.trees, self.shared, self.copy_trees)
+        self.context.widths = widths
+        step, self.last = cycle(self.context, self.last, self.budget, self.stops, timer, self.request.logprobs)
         self.budget -= len(step.tokens)
         return step
 

@@ -185,12 +185,11 @@ def quick_check(model, prompt, ref) -> Outcome:
     tok = byte_tokenizer()
 
     def decode(draft, width):
-        out, accepts = [], []
-        for r in stream_generate(model, draft, tok, prompt, max_tokens=MAX_TOKENS, block_size=width,
-                                 stop_token_ids=[]):
-            out += r.tokens
-            accepts = r.accept_lengths
-        return out, accepts
+        out, last = [], None
+        for last in stream_generate(model, draft, tok, prompt, max_tokens=MAX_TOKENS, block_size=width,
+                                    stop_token_ids=[]):
+            out += last.tokens
+        return out, last.accept_lengths
 
     for width in (1, "auto"):
         out, _ = decode(random_draft(model, num_layers=1, block_size=BLOCK, seed=3), width)

@@ -238,7 +238,7 @@ class Target:
         taps are in this process and nothing is sent, so it is not used. A split target runs on
         mlx-lm's generation stream, whatever the caller's (`sharding.split_stream`).
         """
-        with split_stream(self.sharding is not None):
+        with split_stream(True) if self.sharding is not None else nullcontext():
             return self._forward(tokens, cache, layer_ids, record, tree, fuse)
 
     def _forward(self, tokens, cache, layer_ids, record, tree, fuse):
@@ -249,11 +249,14 @@ class Target:
                 raise UnsupportedTargetError("deterministic mode verifies one sequence's chain, not trees or batches")
             return exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens, cache,
                                            len(layer_ids))
-        features = [None] * len(layer_ids)
         rec = _verify_record(self, record, tokens, cache)
+        small_m = use_small_m(self, tokens.size)
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
-        with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree, tokens.shape[:2]), \
+        if not (layer_ids or ride or small_m) and rec is None and tree is None and self.inner_head is None:
+            return self.run_text_model(tokens, cache), None, None  # nothing to tap, swap or carry: a plain forward
+        features = [None] * len(layer_ids)
+        with taps(self, layer_ids, features, rec, small_m, cache, tree, tokens.shape[:2]), \
                 (riding(self._ride_slot, ride, self.sharding.rank) if ride else nullcontext()) as summed:
             h = self.run_text_model(tokens, cache if tree is None else tree_caches(cache, tree))
         if ride:  # rank 0's values rode on the tensor split's own sum (`tensor_ride`)
