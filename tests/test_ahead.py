@@ -72,6 +72,23 @@ def test_cycles_launched_ahead_keep_mlx_lm_tokens(width, launches):
     assert launches["launched"] > 5 and launches["discarded"] == 0
 
 
+@pytest.mark.parametrize("queued_first", [True, False])
+def test_plain_steps_keep_mlx_lm_tokens_read_first_or_queued_first(queued_first, launches, monkeypatch):
+    """Plain steps queued before the last is read (a GPU, a CPU with a core for MLX's worker) and
+    read before the next is queued (a CPU with one core): both mlx-lm's tokens, with stop tokens."""
+    monkeypatch.setattr(ahead_mod, "BEFORE_READING_ON_CPU", queued_first)
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=40, seed=3)
+    out = [t for r in stream_generate(model, None, tok, prompt, max_tokens=len(ref), block_size=1,
+                                      stop_token_ids=[]) for t in r.tokens]
+    assert out == ref and (launches["before_reading"] > 30) == queued_first
+    stop = ref[20]  # a stop token ends the answer there; the step queued behind it goes
+    first = ref.index(stop)
+    out = [t for r in stream_generate(model, None, tok, prompt, max_tokens=len(ref), block_size=1,
+                                      stop_token_ids=[stop]) for t in r.tokens]
+    assert out == ref[: first + 1]
+
+
 def test_an_answer_broken_off_leaves_the_prompt_cache_whole(launches):
     """The caller stops reading with a cycle launched: the next call on the same prompt cache
     rolls it back, reuses the prefix and answers as mlx-lm does."""

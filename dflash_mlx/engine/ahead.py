@@ -18,6 +18,7 @@ profiler), where rows cannot be rolled back whole (recurrent state) or on a spli
 rank must run the same graphs in the same order).
 """
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, Tuple
@@ -197,10 +198,17 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
     state.ahead, state.valid = launched, False
 
 
-# On MLX's CPU backend a plain step queued behind the one being read costs 0.19 ms a step on one
-# core (its worker thread and the host share it) and gains nothing on two over 256 tokens; 0.09 ms a
-# step over 3,000, where the probe's tiny steps wait on the attention (oracle probe, 2026-12-04/05).
-BEFORE_READING_ON_CPU = False
+def _cores() -> int:
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# On MLX's CPU backend the host thread and the stream's worker thread share the machine's cores. With
+# a core each, a plain step queued before the last is read gains as mlx-lm's does (a tiny target's step
+# 0.80 against 0.85 ms over 256 tokens, 0.98 against 1.10 over 1,024); sharing one, it loses (1.35
+# against 0.94 ms, pinned to one core; 1.59 against 1.07 beside a busy process). (2026-12-05, once the
+# step's host syncs ran on its own stream: `BatchEngine.decode_step`.)
+BEFORE_READING_ON_CPU = _cores() > 1
 
 
 def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprobs: Optional[int]) -> bool:

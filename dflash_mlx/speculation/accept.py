@@ -336,7 +336,8 @@ def synced_acceptance(accept_length: mx.array, committed: mx.array, unsure, exac
     flags = [u for u in unsure if u is not None]
     if outcome is None:
         outcome = pack_outcome(accept_length, committed, verify_in)
-    mx.eval(outcome, *flags)
+    if flags:  # (else the read evaluates it)
+        mx.eval(outcome, *flags)
     if any(u.item() for u in flags):
         accept_length, committed = exact_again()
         outcome = pack_outcome(accept_length, committed, verify_in)
