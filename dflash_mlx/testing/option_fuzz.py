@@ -95,6 +95,8 @@ def stream_case(seed: int) -> dict:
     row["suffix_index"] = extra.choice([None, None, None, "answer", "other"])  # earlier answers: this one's or not
     if row["suffix_index"]:  # (read only where copies are proposed)
         row["options"].update(block_size="auto", copy_proposals=True)
+    # on the CPU, plain steps queued before the last is read (two cores or more) or after (one)
+    row["queued_first"] = extra.random() < 0.5
     # bfloat16 (in deterministic mode: outside it a verify may round apart from a one-token step, as
     # docs/targets.md says) and 4- or 8-bit weights as `mlx_lm.convert -q` makes them
     row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
@@ -141,6 +143,7 @@ def _model_of(row: dict):
 
 def _stream(row: dict, rng: random.Random):
     from dflash_mlx import stream_generate
+    from dflash_mlx.engine import ahead
     from dflash_mlx.generate import make_prompt_cache
     from dflash_mlx.models.target.probe import error_line
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
@@ -178,7 +181,12 @@ def _stream(row: dict, rng: random.Random):
         return [t for r in stream_generate(model, draft, byte_tokenizer(), ids, max_tokens=n, stop_token_ids=stop_ids,
                                            prompt_cache=cache, suffix_index=index, **opts) for t in r.tokens]
 
-    out = decode(prompt, max_tokens, stops)
+    queued_first = ahead.BEFORE_READING_ON_CPU
+    ahead.BEFORE_READING_ON_CPU = row.get("queued_first", queued_first)
+    try:
+        out = decode(prompt, max_tokens, stops)
+    finally:
+        ahead.BEFORE_READING_ON_CPU = queued_first
     if out != ref:
         row.update(status="mismatch", reason=_parted(out, ref))
         return
