@@ -126,6 +126,31 @@ def test_plain_decoding_runs_no_draft():
     assert draft.cycle == 0
 
 
+def test_each_response_keeps_the_statistics_of_its_own_step():
+    """A response's accept lengths and proposal counts are those up to its step, whatever comes
+    after (a response holds the answer's list and its length then, and reads make new lists)."""
+    model, tok = tiny_target("llama", seed=2)
+    prompt = list(range(10, 25))
+    ref = greedy_reference(model, prompt, 24)
+    right = [c % 4 for c in range(40)]  # accept lengths 0, 1, 2, 3, 0, ...
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: right[c], block_size=4)
+    rs = list(stream_generate(model, draft, tok, prompt, max_tokens=24, stop_token_ids=[], block_size="draft"))
+    assert [t for r in rs for t in r.tokens] == ref
+    assert rs[0].accept_lengths == [] and rs[0].proposal_counts == {}
+    for i, r in enumerate(rs[1:], 1):
+        assert r.accept_lengths == [q.accept_length for q in rs[1 : i + 1]]
+        assert r.proposal_counts == {"draft": [i, sum(len(q.tokens) for q in rs[1 : i + 1])]}
+        assert r.tau == pytest.approx(sum(a + 1 for a in r.accept_lengths) / i)
+    # what a caller does with a response's statistics changes no other response, nor the answer's
+    rs, cycles = [], []
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=24, stop_token_ids=[], block_size=4):
+        cycles.append(r.proposal_counts.get("draft", [0, 0])[0])
+        r.accept_lengths.append(99)  # (a new list each read)
+        r.proposal_counts.setdefault("draft", [0, 0])[0] = 99
+        rs.append(r)
+    assert all(99 not in r.accept_lengths for r in rs) and cycles == list(range(len(rs)))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
 def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     """The CPU's transposed copy of a dense head (tied embedding or lm_head, Gemma's

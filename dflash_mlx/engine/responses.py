@@ -149,10 +149,9 @@ class Answer:
             self.detok.finalize()
         if not first:
             self.accept_lengths.append(step.accept_length)
-            kind = step.proposal or "plain"
-            cycles, tokens = self.proposal_counts.get(kind, (0, 0))
-            # a new list each time: the responses share the lists, never one that changes later
-            self.proposal_counts[kind] = [cycles + 1, tokens + len(step.tokens)]
+            counts = self.proposal_counts.setdefault(step.proposal or "plain", [0, 0])
+            counts[0] += 1
+            counts[1] += len(step.tokens)
         elapsed = time.perf_counter() - self.started
         return DFlashResponse(
             text=self.detok.last_segment,
@@ -174,7 +173,7 @@ class Answer:
             verify_width=None if first else step.width,
             logprobs=step.logprobs,
             proposal=step.proposal,
-            proposal_counts=dict(self.proposal_counts),
+            proposal_counts={k: list(v) for k, v in self.proposal_counts.items()},  # (a few kinds at most)
         )
 
 
