@@ -89,6 +89,24 @@ def test_plain_steps_keep_mlx_lm_tokens_read_first_or_queued_first(queued_first,
     assert out == ref[: first + 1]
 
 
+def test_without_a_draft_plain_steps_are_queued_first_until_a_copy_pays(launches, monkeypatch):
+    """A row without a draft, copies on: its plain steps are queued before the last is read while
+    no copy would pay; once one would (its answer repeats), the step queued behind is discarded and
+    the copy verified. mlx-lm's tokens throughout."""
+    from dflash_mlx.policy.sizer import forget_sizers
+    from dflash_mlx.testing.targets import chain_target
+
+    monkeypatch.setattr(ahead_mod, "BEFORE_READING_ON_CPU", True)
+    model, tok = chain_target("Quick-brown,fx")  # the answer: these 14 tokens over and over
+    prompt = tok.encode("Q", add_special_tokens=False)
+    ref = greedy_reference(model, prompt, 60)
+    forget_sizers()
+    rs = list(stream_generate(model, None, tok, prompt, max_tokens=60, stop_token_ids=[]))
+    assert [t for r in rs for t in r.tokens] == ref
+    assert launches["before_reading"] >= 8  # the first period: nothing to copy yet
+    assert launches["discarded"] >= 1 and rs[-1].proposal_counts.get("copy", [0, 0])[1] >= 20
+
+
 def test_an_answer_broken_off_leaves_the_prompt_cache_whole(launches):
     """The caller stops reading with a cycle launched: the next call on the same prompt cache
     rolls it back, reuses the prefix and answers as mlx-lm does."""

@@ -46,6 +46,9 @@ class Context:
     trees: Any = None
     shared: Any = None
     copy_trees: Any = None
+    # whether the copy policies would copy after the context read last (`copy_in_sight`): until then,
+    # and while they would, a plain step is not queued before the last is read (`before_reading`)
+    copies_pay: bool = True
 
 
 @dataclass
@@ -97,19 +100,14 @@ class Launched:
 def make_plan(ctx: Context, budget: int, unread: int = 0) -> Plan:
     """The policies' choice for the next cycle (`budget`: tokens it may commit; `unread`: fed
     tokens not yet in `state.tokens`, a plain step's that the host has not read yet)."""
-    widths, copies, index, shared = ctx.widths, ctx.copies, ctx.index, ctx.shared
+    widths, copies = ctx.widths, ctx.copies
     context = len(ctx.state.tokens) + unread
     widths.at_context(context)
     budget = min(budget, ctx.target.verify_room(context))  # the rows it may verify
     width = widths.choose(budget)
     plan = Plan(width)
-    if copies is not None:
-        plan.match, plan.copy_length = copies.best(
-            [index.match(copies.max_length), shared.match(index.tokens, copies.max_length) if shared else None],
-            budget, width)
-        if ctx.copy_trees is not None:
-            plan.copy_tree = ctx.copy_trees.plan(index.tokens[-1], ctx.copy_trees.gather(index, shared), plan.match,
-                                                 plan.copy_length, budget, width)
+    if copies is not None and not unread:  # (the indexes lack an unread token: no copy lines up)
+        plan_copies(ctx, plan, budget)
     if ctx.trees is not None and not plan.copy_length and plan.copy_tree is None:
         explore = ctx.trees.explore(width, min(budget, widths.max_block))
         if explore is not None:
@@ -117,6 +115,30 @@ def make_plan(ctx: Context, budget: int, unread: int = 0) -> Plan:
         else:
             plan.use_tree = ctx.trees.choose(width, widths.chain_tokens(width))
     return plan
+
+
+def plan_copies(ctx: Context, plan: Plan, budget: int):
+    """`plan`'s copy, or copy tree, where the copy policies find one that pays after the context read
+    so far; `ctx.copies_pay` says whether they did."""
+    copies, index, shared = ctx.copies, ctx.index, ctx.shared
+    plan.match, plan.copy_length = copies.best(
+        [index.match(copies.max_length), shared.match(index.tokens, copies.max_length) if shared else None],
+        budget, plan.width)
+    if ctx.copy_trees is not None:
+        plan.copy_tree = ctx.copy_trees.plan(index.tokens[-1], ctx.copy_trees.gather(index, shared), plan.match,
+                                             plan.copy_length, budget, plan.width)
+    ctx.copies_pay = bool(plan.copy_length) or plan.copy_tree is not None
+
+
+def copy_in_sight(ctx: Context, budget: int) -> bool:
+    """Whether a copy would pay now that a plain step is read behind which the next was queued
+    (planned without copies, the indexes lacking this step's token): a row without a draft queues
+    its plain steps so while none would; where one would, the queued step is discarded and the
+    copy planned in its place (`ctx.copies_pay`)."""
+    if ctx.copies is None or budget < 2:
+        return False
+    plan_copies(ctx, Plan(1), budget)
+    return ctx.copies_pay
 
 
 def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[int] = None) -> Launched:
@@ -216,10 +238,12 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     as mlx-lm's `generate_step` queues its next step before it reads the last (on a GPU the host
     then builds the next graph while the device runs this one): a plain step commits its one
     token whatever it is, so the next cycle needs only its lazy value, where no policy reads the
-    token (copies, trees) and a discard can take the step back (a stop token), and where the token
-    is sure: not a raw argmax that may be done again the exact way (`land`)."""
+    token (trees; copies, where none paid after the last token read, without a draft: `copy_in_sight`)
+    and a discard can take the step back (a stop token), and where the token is sure: not a raw
+    argmax that may be done again the exact way (`land`)."""
     return (launched.width == 1 and launched.unsure is None and not launched.copy_length and budget > 1
-            and ctx.copies is None and ctx.trees is None and ctx.copy_trees is None and not ctx.target.rotating
+            and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay))
+            and ctx.trees is None and not ctx.target.rotating
             and may_launch(ctx, timer, logprobs) and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu))
 
 

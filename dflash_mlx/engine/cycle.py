@@ -13,7 +13,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_mlx.engine.ahead import Context, ahead, before_reading, discard, land, launch, make_plan, may_launch, take
+from dflash_mlx.engine.ahead import (Context, ahead, before_reading, copy_in_sight, discard, land, launch, make_plan,
+                                     may_launch, take)
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
@@ -216,6 +217,8 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
     state.valid = state.ahead is None
     if index is not None:
         index.extend(tokens[:kept])
+        if early and copy_in_sight(ctx, budget - kept - 1):
+            discard(target, state)  # the plain step queued behind this one goes: the copy runs now
     kind = ("copy_tree" if plan is not None and plan.copy_tree is not None else "tree" if tree_run is not None
             else copy_kind(launched.match) if launched.copy_length else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
