@@ -238,7 +238,7 @@ class Target:
         taps are in this process and nothing is sent, so it is not used. A split target runs on
         mlx-lm's generation stream, whatever the caller's (`sharding.split_stream`).
         """
-        with split_stream(True) if self.sharding is not None else nullcontext():
+        with split_stream(self.sharding is not None):
             return self._forward(tokens, cache, layer_ids, record, tree, fuse)
 
     def _forward(self, tokens, cache, layer_ids, record, tree, fuse):

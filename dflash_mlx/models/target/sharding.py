@@ -28,7 +28,7 @@ the CPU's stream (rank 0's numbers, as mlx-lm's server shares its requests) firs
 """
 
 from collections import deque
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Deque, List, Optional, Sequence
 
@@ -71,17 +71,15 @@ class Sharding:
         return self.group.size()
 
 
-@contextmanager
 def split_stream(split: bool):
     """For the call, with `split`: a split target's work on mlx-lm's `generation_stream` (its
-    collectives after those queued there before, never beside them); without, nothing changes."""
+    collectives after those queued there before, never beside them); without, nothing changes
+    (a `nullcontext`: every forward asks, split or not)."""
     if not split:
-        yield
-        return
+        return nullcontext()
     from mlx_lm.generate import generation_stream
 
-    with mx.stream(generation_stream):
-        yield
+    return mx.stream(generation_stream)
 
 
 def settle() -> None:
