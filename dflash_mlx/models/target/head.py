@@ -78,7 +78,6 @@ class TargetHead:
         self._vocab_group = head_group(lm_head) if lm_head is not None else None
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None
-        self._transposed = None  # (weight, its [H, V] copy or None), for `_transposed_head`
         # inner: the text model applies this head itself, passed through in forwards (`inner_head`),
         # which checked that the head on what comes out is the model's own logits
         self._own_head = False if inner else self._needs_own_head()
@@ -163,17 +162,11 @@ class TargetHead:
         head; a GPU reads the view at full speed, so there it is not made.
         """
         w = layer["weight"]
-        known = self._transposed
-        if known is not None and known[0] is w:  # (each cycle asks: the lookup below costs a few us)
-            return known[1]
         if mx.default_device() != mx.cpu or w.nbytes > self.MAX_TRANSPOSED_HEAD_BYTES:
-            wt = None
-        else:
-            # Kept per weight for the process (every Target of the model shares it; plain
-            # decoding makes a Target per call); an untied lm_head laid out at load needs no copy.
-            wt = transposed(w)
-        self._transposed = (w, wt)
-        return wt
+            return None
+        # Kept per weight for the process (every Target of the model shares it; plain
+        # decoding makes a Target per call); an untied lm_head laid out at load needs no copy.
+        return transposed(w)
 
     def logits(self, h: mx.array, own_head: Optional[bool] = None) -> mx.array:
         """The logits mlx-lm's `Model.__call__` produces from final hidden states (on the
