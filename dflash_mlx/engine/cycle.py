@@ -202,16 +202,15 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
                 next_row = start + piece.shape[1]
             chosen = mx.concatenate(chosen, axis=0)[:kept]
         step_logprobs = token_logprobs(chosen, tokens[:kept], logprobs)
-    if tree_run is not None or (not early and (kept < width or feats is not None)):  # (a plain step: nothing)
-        with mx.stream(generation_stream):
-            if tree_run is not None:
-                compact_cache(cache, tree_run.start, rows[:kept], len(tree_run.tree))
-                if feats is not None:
-                    drafter.keep(feats[:, mx.array(rows[:kept])])
-            else:
-                target.rollback(cache, width, width - kept, record)
-                if feats is not None:
-                    drafter.keep(feats[:, :kept])
+    with mx.stream(generation_stream):
+        if tree_run is not None:
+            compact_cache(cache, tree_run.start, rows[:kept], len(tree_run.tree))
+            if feats is not None:
+                drafter.keep(feats[:, mx.array(rows[:kept])])
+        elif not early:
+            target.rollback(cache, width, width - kept, record)
+            if feats is not None:
+                drafter.keep(feats[:, :kept])
     timer.mark("rollback", lambda: [c.state for c in cache])
     state.tokens.extend(verified[:kept])
     state.valid = state.ahead is None
