@@ -60,8 +60,19 @@ def _case(model, length=24, tokens=40, seed=0):
     return prompt, greedy_reference(model, prompt, tokens)
 
 
+@pytest.fixture
+def guesses(monkeypatch):
+    """`mode`: "never" (no chain's successor queued before its read), "always" (every one)."""
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    def use(mode):
+        monkeypatch.setattr(LookAhead, "pays", lambda self, width: mode == "always" and width > 1)
+    return use
+
+
 @pytest.mark.parametrize("width", [1, 4, "draft"])
-def test_cycles_launched_ahead_keep_mlx_lm_tokens(width, launches):
+def test_cycles_launched_ahead_keep_mlx_lm_tokens(width, launches, guesses):
+    guesses("never")  # (a guess thrown away is a discard: below)
     model, tok = tiny_target("llama", **FULL)
     prompt, ref = _case(model)
     right = [random.Random(c).randrange(0, 8) for c in range(100)]
@@ -215,3 +226,94 @@ def test_a_stop_token_discards_the_step_queued_behind_it(launches, drafted):
                               prompt_cache=cache))
     assert [t for r in rs for t in r.tokens] == want
     assert rs[0].prefill_tokens < len(follow)  # the whole prefix reused
+
+
+def _draft_state(cache):
+    """A prompt cache's draft side: context offsets, keys and values, the features waiting."""
+    kv = [c.fetch() for c in cache.draft_cache]
+    return ([c.offset for c in cache.draft_cache], [mx.array(k) for k, _ in kv], [mx.array(v) for _, v in kv],
+            None if cache.pending is None else mx.array(cache.pending))
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_chain_guessed_whole_and_wrong_is_rolled_back_target_and_draft(launches, guesses, version):
+    """Every drafted chain's successor queued before the read, as if the chain were accepted whole
+    (forced): a random draft's chains are not, so nearly every guess is thrown away. mlx-lm's
+    tokens, the same accept lengths as a run that never guessed, and the draft's context cache
+    and waiting features as that run leaves them (the rows a guess injected trimmed again)."""
+    from dflash_mlx.models.draft.checkpoints import random_draft
+
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=40)
+    draft = random_draft(model, num_layers=1, block_size=4, seed=5, version=version)
+    runs = {}
+    for mode in ("never", "always"):
+        guesses(mode)
+        cache = make_prompt_cache(model, draft)
+        rs = list(stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=4,
+                                  stop_token_ids=[], prompt_cache=cache))
+        runs[mode] = ([t for r in rs for t in r.tokens], rs[-1].accept_lengths, _draft_state(cache), cache)
+    assert runs["never"][0] == ref and runs["always"][0] == ref
+    assert runs["always"][1] == runs["never"][1]
+    assert launches["before_reading"] >= 8 and launches["discarded"] >= 8
+    (offsets, keys, values, pending), (offsets2, keys2, values2, pending2) = runs["never"][2], runs["always"][2]
+    assert offsets == offsets2 and offsets[0] + (0 if pending is None else pending.shape[1]) == len(prompt) + 39
+    for a, b in zip(keys + values, keys2 + values2):  # (rows injected 4 at a time or as kept: BLAS rounds apart)
+        assert a.shape == b.shape and mx.allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert (pending is None) == (pending2 is None) and (pending is None or mx.array_equal(pending, pending2))
+    follow = prompt + ref + ref[:2]  # the prompt cache stays whole for the next turn
+    want = greedy_reference(model, follow, 10)
+    rs = list(stream_generate(model, draft, tok, follow, max_tokens=10, block_size=4, stop_token_ids=[],
+                              prompt_cache=runs["always"][3]))
+    assert [t for r in rs for t in r.tokens] == want and rs[0].prefill_tokens < len(follow)
+
+
+@pytest.mark.parametrize("stop_at", [None, 13, 17])
+def test_chains_accepted_whole_are_queued_before_their_read(launches, stop_at):
+    """An oracle draft (every chain accepted whole): once the pair's look-ahead has seen a few, each
+    chain's successor is queued before the host reads it, and lands. A stop token ends the answer
+    inside or at the end of a chain: the successor goes and the prompt cache stays whole."""
+    from dflash_mlx.policy.lookahead import forget_lookaheads
+
+    forget_lookaheads()
+    model, tok = tiny_target("llama", **FULL)
+    prompt, ref = _case(model, tokens=60, seed=4)
+    stop = [ref[stop_at]] if stop_at is not None else []
+    want = ref if stop_at is None else ref[: ref.index(ref[stop_at]) + 1]
+    draft = ScriptedDraft(Target(model), prompt + ref + [0] * 40, lambda c: 10**9, block_size=4)
+    cache = make_prompt_cache(model, draft)
+    rs = list(stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=4,
+                              stop_token_ids=stop, prompt_cache=cache))
+    assert [t for r in rs for t in r.tokens] == want
+    cycles = len(rs[-1].accept_lengths)
+    if stop_at is None:
+        assert launches["before_reading"] >= cycles - 6 and launches["discarded"] <= 1
+    assert cache.valid and cache.ahead is None
+    follow = prompt + want + ref[:2]
+    rs = list(stream_generate(model, draft, tok, follow, max_tokens=8, block_size=4, stop_token_ids=[],
+                              prompt_cache=cache))
+    assert [t for r in rs for t in r.tokens] == greedy_reference(model, follow, 8)
+
+
+def test_unkeep_takes_rows_back_from_the_waiting_features_or_the_context_cache():
+    from dflash_mlx.engine.drafter import DraftContext
+    from dflash_mlx.models.draft.checkpoints import random_draft
+
+    model, _ = tiny_target("llama", **FULL)
+    draft = random_draft(model, num_layers=1, block_size=4, seed=1)
+    cache = make_prompt_cache(model, draft)
+    drafter = DraftContext(draft, cache)
+    width = Target(model).hidden_size * len(drafter.layer_ids)
+    feats = mx.random.normal((1, 5, width))
+    drafter.absorb(feats[:, :3])
+    before = _draft_state(cache)
+    drafter.keep(feats[:, 3:])
+    drafter.unkeep(1)
+    assert cache.pending.shape[1] == 1 and mx.array_equal(cache.pending, feats[:, 3:4])
+    drafter.unkeep(1)
+    assert cache.pending is None
+    drafter.keep(feats[:, 3:])
+    drafter.absorb(None)  # a draft forward took them
+    drafter.unkeep(2)
+    after = _draft_state(cache)
+    assert after[0] == before[0] == [3] and all(mx.array_equal(a, b) for a, b in zip(after[1], before[1]))

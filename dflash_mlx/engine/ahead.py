@@ -9,6 +9,11 @@ the device would sit idle meanwhile. So a cycle that may (`may_launch`) ends by 
 one and launching it (`ahead`); the response is then built while the device runs it. Its time for
 the width policy is its build plus the wait when it lands: what the gap did not hide.
 
+A plain step's successor is even launched before the host reads the step (`before_reading`), as
+mlx-lm's `generate_step` queues its steps; a drafted chain's, on the guess that the chain is accepted
+whole, where that pays (`policy.lookahead`): the guess is checked once read (`cycle.cycle`) and, where
+wrong, its cycle discarded and the draft's features it kept taken back (`DraftContext.unkeep`).
+
 A launched cycle has fed its rows to the target's caches. Where the next call is not its landing
 (a second row joins the batch, the answer is cancelled, the prompt cache is reused by another call),
 `discard` rolls them back first. Token trees are only planned ahead (their verify syncs midway), so are plain steps on
@@ -49,6 +54,9 @@ class Context:
     # whether the copy policies would copy after the context read last (`copy_in_sight`): until then,
     # and while they would, a plain step is not queued before the last is read (`before_reading`)
     copies_pay: bool = True
+    # a greedy row with a draft: whether a chain's successor is queued on the guess that it is
+    # accepted whole (`policy.lookahead.LookAhead`); None: never
+    lookahead: Any = None
 
 
 @dataclass
@@ -84,6 +92,7 @@ class Launched:
     pieces: List[Tuple[int, mx.array]] = field(default_factory=list)  # (first row, logits) for logprobs
     unsure: Optional[mx.array] = None  # the acceptance took raw argmaxes and may differ from the exact one
     redo: Any = None  # () -> (accept_len, committed), the exact way (`GreedyAcceptor.exact`)
+    redone: bool = False  # once landed: whether the exact acceptance replaced the raw one
     started: float = 0.0
     built: float = 0.0
     landing: Optional[float] = None  # when the next call took it (launched ahead)
@@ -130,14 +139,14 @@ def plan_copies(ctx: Context, plan: Plan, budget: int):
     ctx.copies_pay = bool(plan.copy_length) or plan.copy_tree is not None
 
 
-def copy_in_sight(ctx: Context, budget: int) -> bool:
-    """Whether a copy would pay now that a plain step is read behind which the next was queued
-    (planned without copies, the indexes lacking this step's token): a row without a draft queues
-    its plain steps so while none would; where one would, the queued step is discarded and the
-    copy planned in its place (`ctx.copies_pay`)."""
+def copy_in_sight(ctx: Context, budget: int, width: int = 1) -> bool:
+    """Whether a copy would pay now that a cycle is read behind which the next was queued (planned
+    without copies, the indexes lacking this cycle's tokens; `width`: the queued cycle's): a row
+    queues its successors so while none would; where one would, the queued cycle is discarded and
+    the copy planned in its place (`ctx.copies_pay`)."""
     if ctx.copies is None or budget < 2:
         return False
-    plan_copies(ctx, Plan(1), budget)
+    plan_copies(ctx, Plan(width), budget)
     return ctx.copies_pay
 
 
@@ -191,9 +200,11 @@ def land(launched: Launched):
     """The cycle's host sync: its accept length, tokens and inputs evaluated and read at once
     (`launched.read`), and, where the acceptance took raw argmaxes that may differ from the exact
     ones (rare), the exact acceptance."""
+    raw = launched.accept_len
     launched.accept_len, launched.committed, launched.read = synced_acceptance(
         launched.accept_len, launched.committed, [launched.unsure], launched.redo, launched.verify_in,
         launched.outcome)
+    launched.redone = launched.accept_len is not raw
 
 
 def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:
@@ -236,15 +247,21 @@ BEFORE_READING_ON_CPU = _cores() > 1
 def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprobs: Optional[int]) -> bool:
     """Whether the cycle after `launched` can be planned and launched before the host reads it,
     as mlx-lm's `generate_step` queues its next step before it reads the last (on a GPU the host
-    then builds the next graph while the device runs this one): a plain step commits its one
+    then builds the next graph while the device runs this one). A plain step commits its one
     token whatever it is, so the next cycle needs only its lazy value, where no policy reads the
-    token (trees; copies, where none paid after the last token read, without a draft: `copy_in_sight`)
-    and a discard can take the step back (a stop token), and where the token is sure: not a raw
-    argmax that may be done again the exact way (`land`)."""
-    return (launched.width == 1 and launched.unsure is None and not launched.copy_length and budget > 1
-            and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay))
-            and ctx.trees is None and not ctx.target.rotating
-            and may_launch(ctx, timer, logprobs) and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu))
+    token (trees; copies, where none paid after the last token read, without a draft:
+    `copy_in_sight`) and a discard can take the step back (a stop token), and where the token is
+    sure: not a raw argmax that may be done again the exact way (`land`). A drafted chain's
+    successor is queued on the guess that the chain is accepted whole, where that pays
+    (`policy.lookahead`; greedy rows, the guess checked once read, `cycle.cycle`)."""
+    if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
+            and may_launch(ctx, timer, logprobs) and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)):
+        return False
+    if launched.width > 1:
+        return (ctx.lookahead is not None and (ctx.copies is None or not ctx.copies_pay)
+                and ctx.lookahead.pays(launched.width))
+    return (launched.unsure is None and ctx.trees is None
+            and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay)))
 
 
 def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:

@@ -13,8 +13,8 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
-from dflash_mlx.engine.ahead import (Context, ahead, before_reading, copy_in_sight, discard, land, launch, make_plan,
-                                     may_launch, take)
+from dflash_mlx.engine.ahead import (Context, Launched, ahead, before_reading, copy_in_sight, discard, land, launch,
+                                     make_plan, may_launch, take)
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.prompt_cache import PromptCache
 from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
@@ -146,12 +146,12 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
     state.valid = False
     tree_run = None
     early = launched is not None and before_reading(ctx, launched, budget, timer, logprobs)
-    if early:  # the next plain step (or cycle) queued behind this one before the host reads it
+    if early:  # the next cycle queued behind this one before the host reads it: see `guessed` below
+        full = launched.width
         with mx.stream(generation_stream):
-            target.rollback(cache, 1, 0, launched.record)
             if launched.feats is not None:
                 drafter.keep(launched.feats)
-        ahead(ctx, budget - 1, launched.committed[:, 0], timer, unread=1)
+        ahead(ctx, budget - full, launched.committed[:, full - 1], timer, unread=full)
     if launched is None:  # a token tree: its own verify, two host syncs
         t0 = time.perf_counter()
         width = plan.width
@@ -176,6 +176,7 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
     else:
         width, feats, record = launched.width, launched.feats, launched.record
         land(launched)  # the cycle's host sync and its one read
+        read_at = time.perf_counter()
         accepts, chosen, fed = launched.read
         a = accepts[0]
         tokens = chosen[0][: a + 1]
@@ -187,10 +188,19 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
             share_seconds(target, seconds, copies.count(match.length, launched.copy_length, a, shared=match.shared))
         else:
             share_seconds(target, seconds, widths.count(width, a))
+            if ctx.lookahead is not None and width > 1:
+                ctx.lookahead.observe(width, a)
+                ctx.lookahead.timed_cycle(seconds)
     head_rows.update(a)
     timer.mark("verify")
 
     kept, finish = committed_span(tokens, stops, budget)  # fed tokens whose cache entries stay
+    # The cycle queued before the read guessed that every row is kept with the exact acceptance's
+    # tokens (a plain step's one always is, but for a stop); where not, it is rolled back whole.
+    guessed = early and kept == width and finish is None and not launched.redone
+    if early and not guessed:
+        discard(target, state)
+        drafter.unkeep(width - kept)
     step_logprobs = None
     if logprobs is not None:
         if tree_run is not None:
@@ -207,27 +217,27 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
             compact_cache(cache, tree_run.start, rows[:kept], len(tree_run.tree))
             if feats is not None:
                 drafter.keep(feats[:, mx.array(rows[:kept])])
-        elif not early:
+        else:
             target.rollback(cache, width, width - kept, record)
-            if feats is not None:
+            if feats is not None and not early:  # (queued early, it kept them all; `unkeep` took back the rest)
                 drafter.keep(feats[:, :kept])
     timer.mark("rollback", lambda: [c.state for c in cache])
     state.tokens.extend(verified[:kept])
     state.valid = state.ahead is None
     if index is not None:
         index.extend(tokens[:kept])
-        if early and copy_in_sight(ctx, budget - kept - 1):
-            discard(target, state)  # the plain step queued behind this one goes: the copy runs now
+        if guessed and copy_in_sight(ctx, budget - kept - 1, state.ahead.width):
+            discard(target, state)  # the cycle queued behind this one goes: the copy runs now
+            guessed = False
     kind = ("copy_tree" if plan is not None and plan.copy_tree is not None else "tree" if tree_run is not None
             else copy_kind(launched.match) if launched.copy_length else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
     new_last = mx.array([tokens[a]], dtype=mx.int32)
-    if early:
-        if finish is not None:  # a stop token: the step queued behind it goes
-            discard(target, state)
-    elif finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
+    if not guessed and finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
         ahead(ctx, budget - kept, new_last, timer)
+        if ctx.lookahead is not None and launched is not None and isinstance(state.ahead, Launched):
+            ctx.lookahead.timed_gap(state.ahead.built - read_at)  # what a guess would have hidden
     return step, new_last
 
 

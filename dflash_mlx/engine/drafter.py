@@ -26,6 +26,9 @@ class PlainDecoding:
     def keep(self, features):
         pass
 
+    def unkeep(self, rows: int):
+        pass
+
 
 class DraftContext:
     """A draft and its context cache (held by the prompt cache) as the cycles use them.
@@ -62,6 +65,19 @@ class DraftContext:
         self.state.pending = features if pending is None else mx.concatenate([pending, features], axis=1)
         if self.state.pending.shape[1] > self.MAX_PENDING:
             self.absorb(None)
+
+    def unkeep(self, rows: int):
+        """Take back the newest `rows` positions kept (a cycle queued before its read guessed they
+        would stay): from the features waiting, or, once a draft forward absorbed them, from the
+        context cache (a sliding layer holds `ContextCache.TRIM_SLACK` entries past its window for this)."""
+        if rows <= 0:
+            return
+        pending = self.state.pending
+        if pending is not None:
+            self.state.pending = pending[:, :-rows] if pending.shape[1] > rows else None
+        else:
+            for c in self.state.draft_cache:
+                c.trim(rows)
 
     def draft_logits(self, last: mx.array, width: int) -> mx.array:
         """The draft's logits [1, width - 1, V_draft] for the block after `last`."""

@@ -26,8 +26,9 @@ from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.copies import copy_policy_for
 from dflash_mlx.policy.copy_trees import copy_tree_policy_for
+from dflash_mlx.policy.lookahead import lookahead_for
 from dflash_mlx.policy.trees import tree_policy_for
-from dflash_mlx.speculation.accept import make_acceptor
+from dflash_mlx.speculation.accept import GreedyAcceptor, make_acceptor
 
 
 @dataclass
@@ -58,6 +59,9 @@ class Row:
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
+        # greedy only: a guess thrown away at T > 0 would have drawn from the seed's stream
+        self.lookahead = (lookahead_for(engine.model, engine.draft)
+                          if engine.draft is not None and isinstance(self.acceptor, GreedyAcceptor) else None)
         self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike
         # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence
         # call; trees only while the row decodes alone (`cycle.cycle`)
@@ -136,7 +140,8 @@ class Row:
         if self.context is None:
             index = self.context_index() if self.copies is not None else None
             self.context = Context(target, self.drafter, self.acceptor, widths, self.state, self.head_rows,
-                                   self.copies, index, self.trees, self.shared, self.copy_trees)
+                                   self.copies, index, self.trees, self.shared, self.copy_trees,
+                                   lookahead=self.lookahead)
         self.context.widths = widths
         step, self.last = cycle(self.context, self.last, self.budget, self.stops, timer, self.request.logprobs)
         self.budget -= len(step.tokens)

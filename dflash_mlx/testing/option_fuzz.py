@@ -97,6 +97,9 @@ def stream_case(seed: int) -> dict:
         row["options"].update(block_size="auto", copy_proposals=True)
     # on the CPU, plain steps queued before the last is read (two cores or more) or after (one)
     row["queued_first"] = extra.random() < 0.5
+    # every drafted chain's successor queued before its read, on the guess that it is accepted whole
+    # (`policy.lookahead`: a pair's own look-ahead rarely learns it pays within a case this short)
+    row["guess_whole"] = extra.random() < 0.5
     # bfloat16 (in deterministic mode: outside it a verify may round apart from a one-token step, as
     # docs/targets.md says) and 4- or 8-bit weights as `mlx_lm.convert -q` makes them
     row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
@@ -147,6 +150,7 @@ def _stream(row: dict, rng: random.Random):
     from dflash_mlx.generate import make_prompt_cache
     from dflash_mlx.models.target.probe import error_line
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
+    from dflash_mlx.policy.lookahead import LookAhead
     from dflash_mlx.policy.sizer import forget_sizers
 
     try:
@@ -181,12 +185,14 @@ def _stream(row: dict, rng: random.Random):
         return [t for r in stream_generate(model, draft, byte_tokenizer(), ids, max_tokens=n, stop_token_ids=stop_ids,
                                            prompt_cache=cache, suffix_index=index, **opts) for t in r.tokens]
 
-    queued_first = ahead.BEFORE_READING_ON_CPU
+    queued_first, pays = ahead.BEFORE_READING_ON_CPU, LookAhead.pays
     ahead.BEFORE_READING_ON_CPU = row.get("queued_first", queued_first)
+    if row.get("guess_whole"):
+        LookAhead.pays = lambda self, width: width > 1
     try:
         out = decode(prompt, max_tokens, stops)
     finally:
-        ahead.BEFORE_READING_ON_CPU = queued_first
+        ahead.BEFORE_READING_ON_CPU, LookAhead.pays = queued_first, pays
     if out != ref:
         row.update(status="mismatch", reason=_parted(out, ref))
         return
