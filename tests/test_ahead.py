@@ -317,3 +317,20 @@ def test_unkeep_takes_rows_back_from_the_waiting_features_or_the_context_cache()
     drafter.unkeep(2)
     after = _draft_state(cache)
     assert after[0] == before[0] == [3] and all(mx.array_equal(a, b) for a, b in zip(after[1], before[1]))
+
+
+def test_no_guess_where_a_forward_drops_a_chunked_caches_front(launches, guesses):
+    """Llama 4's chunked layers drop entries off their cache's front by the offset a forward finds:
+    a cycle queued on a guess would count the rows the guess's rollback takes away, so none is."""
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.testing import arch_check
+    from dflash_mlx.testing.targets import byte_tokenizer
+
+    guesses("always")
+    model = arch_check.build("llama4/chunk4")
+    prompt = list(range(3, 36))
+    ref = greedy_reference(model, prompt, 24)
+    draft = random_draft(model, num_layers=1, block_size=5, seed=2)
+    out = [t for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=24, block_size=5,
+                                      stop_token_ids=[]) for t in r.tokens]
+    assert out == ref and launches["before_reading"] == 0

@@ -28,6 +28,22 @@ def test_stream_cases_are_exact_or_refused(start):
         _ok(option_fuzz.stream_case(seed))
 
 
+def test_guess_cases_are_exact_or_refused():
+    """Drafted chains' successors queued before their read on the guess that they are accepted whole
+    (forced on), most guesses right, the rest rolled back whole."""
+    for seed in range(10):
+        _ok(option_fuzz.stream_case(seed, guess=True))
+
+
+def test_the_fuzz_sees_a_wrong_guess_kept(monkeypatch):
+    """Negative control: with a wrong guess's cycle kept (never discarded), guess cases mismatch."""
+    import dflash_mlx.engine.cycle as cycle_mod
+
+    monkeypatch.setattr(cycle_mod, "discard", lambda target, state: None)
+    rows = [option_fuzz.stream_case(seed, guess=True) for seed in range(10)]
+    assert any(r["status"] == "mismatch" for r in rows), rows
+
+
 @pytest.mark.parametrize("start", range(0, len(BATCH_SEEDS), 4))
 def test_batch_cases_are_exact_or_refused(start):
     for seed in BATCH_SEEDS[start : start + 4]:

@@ -324,12 +324,14 @@ def compute_ceiling(model, widths, prompt_len: int, tokens: int, points: int = 4
 
 
 def oracle_cycles(model, tok, prompt, ref, widths, tokens: int, reps: int) -> Dict[int, float]:
-    """ms a cycle at each width, best of `reps`, with an oracle draft (every block accepted)."""
+    """ms a cycle at each width, best of `reps`, with an oracle draft (every block accepted). One draft a
+    width for all its reps: what the pair's policies learn (`policy.lookahead`) carries over from one
+    answer to the next, as in a chat or a server."""
     cycles = {}
     for w in widths:
         times = []
+        draft = OracleDraft(model, prompt + ref, model.args.vocab_size, lambda c: 10**9, block_size=w)
         for _ in range(reps):
-            draft = OracleDraft(model, prompt + ref, model.args.vocab_size, lambda c: 10**9, block_size=w)
             _, secs, accepts = decode(model, draft, tok, prompt, tokens, w)
             times.append(secs / max(len(accepts) - 1, 1))
         cycles[w] = 1000 * min(times)

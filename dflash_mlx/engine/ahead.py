@@ -31,7 +31,10 @@ from typing import Any, List, Optional, Tuple
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from mlx_lm.models.cache import ChunkedKVCache
+
 from dflash_mlx.engine.timing import NoTimer
+from dflash_mlx.models.target.rollback import sub_caches
 from dflash_mlx.speculation.accept import Proposal, accept_in_pieces, pack_outcome, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
@@ -262,6 +265,14 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
                 and ctx.lookahead.pays(launched.width))
     return (launched.unsure is None and ctx.trees is None
             and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay)))
+
+
+def guesses_roll_back(target) -> bool:
+    """Whether a cycle queued on a guess can be rolled back with the cycle before it: not where a
+    forward drops entries off a cache's front by the offset it finds (mlx-lm's `ChunkedKVCache`, Llama
+    4's chunked layers), which would count the rows the guess's rollback takes away. (Sliding windows:
+    `before_reading` queues nothing behind a cycle on them.)"""
+    return not any(isinstance(s, ChunkedKVCache) for c in target.make_cache() for s in sub_caches(c))
 
 
 def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:

@@ -80,7 +80,10 @@ def _parted(out, ref) -> str:
     return f"first difference at token {i} of {len(ref)}: {out[i:i + 4]} != mlx-lm's {ref[i:i + 4]}"
 
 
-def stream_case(seed: int) -> dict:
+def stream_case(seed: int, guess: bool = False) -> dict:
+    """`guess`: options drawn where drafted chains' successors are queued on the guess that they are
+    accepted whole (`policy.lookahead`, forced on): longer answers, narrower widths, one host sync a
+    cycle, a scripted draft right for a random number of tokens (often all of them)."""
     rng = random.Random(seed)
     row = dict(seed=seed, kind="stream", key=rng.choice(keys()))
     row["options"] = dict(block_size=rng.choice([1, 2, 3, 4, 7, 16, "auto", "draft"]),
@@ -105,6 +108,10 @@ def stream_case(seed: int) -> dict:
     row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
     if row["dtype"] == "bfloat16":
         row["options"]["deterministic"] = True
+    if guess:
+        row["options"].update(block_size=extra.choice([2, 3, 4, 5, 8]), split_head=False, logprobs=None, profile=False)
+        row.update(kind="guess", max_tokens=extra.choice([24, 40, 64]), draft=extra.choice(["scripted", "random"]),
+                   guess_whole=True, queued_first=True)
     return _run(lambda r: _stream(r, rng), row)
 
 
