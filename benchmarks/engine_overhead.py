@@ -67,6 +67,7 @@ def main(argv=None):
     best["ideal"] = {w: round(w * best["verify_ms"][1] / best["verify_ms"][w], 2) for w in widths}
     best["efficiency"] = {w: round(best["speedup"][w] / best["ideal"][w], 3) for w in widths}
     best["cycle_ms_not_ahead"] = not_ahead(widths, args.tokens, args.reps)
+    best["cycle_ms_no_guess"] = no_guess(widths, args.tokens, args.reps)
     out = Path(args.out or HERE / "results" / f"{datetime.date.today():%Y%m%d}-engine-overhead")
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"machine": machine(), "best": best, "runs": runs}, indent=1))
@@ -76,12 +77,13 @@ def main(argv=None):
              f"{best['mlx_lm_step_ms']:.3f} ms (`generate_step`), {best['mlx_lm_stream_ms']:.3f} ms "
              f"(`stream_generate`, detokenizing); the engine's plain step {best['engine_plain_step_ms']:.3f} ms.", "",
              "| width | ms a cycle | above the engine's width-1 step | tokens/s vs mlx-lm's plain step "
-             "| ideal from the forwards' cost | efficiency | ms a cycle, none launched ahead |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ideal from the forwards' cost | efficiency | ms a cycle, none launched ahead "
+             "| ms a cycle, none queued on a guess |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for w in widths:
         lines.append(f"| {w} | {best['cycle_ms'][w]:.3f} | {best['cycle_ms'][w] - best['cycle_ms'][1]:+.3f} | "
                      f"{best['speedup'][w]}x | {best['ideal'][w]}x | {best['efficiency'][w]:.0%} | "
-                     f"{best['cycle_ms_not_ahead'][w]:.3f} |")
+                     f"{best['cycle_ms_not_ahead'][w]:.3f} | {best['cycle_ms_no_guess'][w]:.3f} |")
     lines += ["", "Ideal: w * t(1) / t(w), where t(k) is the target's own forward of k tokens (mlx-lm's model, "
               "evaluated), averaged over the contexts the decode passes through "
               f"({', '.join(map(str, runs['probe'][0]['ceiling']['contexts']))} tokens), best of the runs: "
@@ -121,6 +123,23 @@ def not_ahead(widths, tokens: int, reps: int) -> dict:
         return parts.oracle_cycles(model, tok, prompt, ref, widths, tokens, reps)
     finally:
         cycle.may_launch = launches
+
+
+def no_guess(widths, tokens: int, reps: int) -> dict:
+    """The same cycles with no chain's successor queued before its read on the guess that it is
+    accepted whole (`policy.lookahead`; still launched ahead of the response): what the guess buys."""
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    model = parts.build(parts.TINY, parts.default_dtype())
+    tok = parts.tokenizer_for(parts.TINY["vocab_size"])
+    prompt = list(range(10, 42))
+    ref = parts.greedy_reference(model, prompt, tokens + 16)
+    pays = LookAhead.pays
+    LookAhead.pays = lambda self, width: False  # this process only, for the comparison
+    try:
+        return parts.oracle_cycles(model, tok, prompt, ref, widths, tokens, reps)
+    finally:
+        LookAhead.pays = pays
 
 
 if __name__ == "__main__":

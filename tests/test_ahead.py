@@ -235,7 +235,7 @@ def _draft_state(cache):
             None if cache.pending is None else mx.array(cache.pending))
 
 
-@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("version", [1, 2, "sliding"])
 def test_a_chain_guessed_whole_and_wrong_is_rolled_back_target_and_draft(launches, guesses, version):
     """Every drafted chain's successor queued before the read, as if the chain were accepted whole
     (forced): a random draft's chains are not, so nearly every guess is thrown away. mlx-lm's
@@ -245,7 +245,11 @@ def test_a_chain_guessed_whole_and_wrong_is_rolled_back_target_and_draft(launche
 
     model, tok = tiny_target("llama", **FULL)
     prompt, ref = _case(model, tokens=40)
-    draft = random_draft(model, num_layers=1, block_size=4, seed=5, version=version)
+    if version == "sliding":  # a window of 6: its context cache holds `TRIM_SLACK` entries more, for trims
+        draft = random_draft(model, num_layers=2, block_size=4, seed=5, sliding_window=6,
+                             layer_types=["sliding_attention", "full_attention"])
+    else:
+        draft = random_draft(model, num_layers=1, block_size=4, seed=5, version=version)
     runs = {}
     for mode in ("never", "always"):
         guesses(mode)
