@@ -81,8 +81,9 @@ def write_report(results: dict, out: Path):
                   "|---:|---:|---:|---:|---:|---:|"]
         ceiling = h.get("ceiling", {}).get("ideal", {})
         for w, c in h["cycles"].items():
+            no_guess = f"{c['cycle_ms_no_guess']:.3f}" if "cycle_ms_no_guess" in c else ""
             lines.append(f"| {w} | {c['cycle_ms']:.3f} | {c['speedup']} | {ceiling.get(w, '')} | "
-                         f"{c.get('efficiency', '')} | {c.get('cycle_ms_no_guess', '')} |")
+                         f"{c.get('efficiency', '')} | {no_guess} |")
         lines += ["", "Ideal: w * t(1) / t(w), t(k) the target's own forward of k tokens averaged over the "
                   "decode's contexts (`parts.compute_ceiling`).", ""]
         if "host_calls" in h:
