@@ -269,7 +269,8 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
         rows.append(dict(tau=tau, width=tau, measured_tau=round(float(np.mean([a + 1 for a in accepts])), 2),
                          exact=out == ref[: len(out)], seconds=secs, plain_seconds=plain_s,
                          mlx_lm_seconds=mlx_lm_s, speedup=round(plain_s / secs, 3),
-                         speedup_vs_mlx_lm=round(mlx_lm_s / secs, 3), speedup_no_guess=round(plain_s / secs_no_guess, 3)))
+                         speedup_vs_mlx_lm=round(mlx_lm_s / secs, 3),
+                         speedup_no_guess=round(plain_s / secs_no_guess, 3)))
     return rows
 
 

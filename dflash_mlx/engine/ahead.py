@@ -30,7 +30,6 @@ from typing import Any, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
-
 from mlx_lm.models.cache import ChunkedKVCache
 
 from dflash_mlx.engine.timing import NoTimer
