@@ -84,6 +84,32 @@ def test_deterministic_greedy_is_mlx_lm_greedy(arch, overrides, dtype):
             assert out == ref, (arch, length, width)
 
 
+@pytest.mark.parametrize("arch,overrides", [("qwen3", {}), ("llama", FULL_LLAMA)], ids=["qwen3", "llama"])
+def test_deterministic_greedy_with_chains_queued_on_a_guess(arch, overrides, monkeypatch):
+    """Every drafted chain's successor queued before its read on the guess that it is accepted whole
+    (forced on; `policy.lookahead`), the guess right (an oracle draft) or often wrong: mlx-lm's greedy
+    tokens in bfloat16, deterministic mode (on a GPU too: `benchmarks/gpu/run.sh` runs this file)."""
+    from dflash_mlx.engine import ahead
+    from dflash_mlx.engine import cycle as cycle_mod
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    monkeypatch.setattr(LookAhead, "pays", lambda self, width: width > 1)
+    monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
+    guesses = []
+    before = cycle_mod.before_reading
+    monkeypatch.setattr(cycle_mod, "before_reading", lambda ctx, launched, *a: guesses.append(
+        launched.width > 1 and before(ctx, launched, *a)) or guesses[-1])
+    model, tok = _model(arch, mx.bfloat16, **overrides)
+    prompt = list(range(30, 63))
+    ref = greedy_reference(model, prompt, 40)
+    right = [random.Random(c).randrange(0, 8) for c in range(100)]
+    for wrong_from in (lambda c: right[c], lambda c: 10**9):
+        guesses.clear()
+        draft = ScriptedDraft(Target(model), prompt + ref + [0] * 16, wrong_from, block_size=4)
+        out, _ = _decode(model, draft, tok, prompt, 4, len(ref))
+        assert out == ref and sum(guesses) >= 5, arch
+
+
 def test_deterministic_stops_where_plain_decoding_stops():
     model, tok = _model("qwen3", mx.bfloat16)
     prompt = list(range(40, 60))
