@@ -18,8 +18,8 @@ A launched cycle has fed its rows to the target's caches. Where the next call is
 (a second row joins the batch, the answer is cancelled, the prompt cache is reused by another call),
 `discard` rolls them back first. Token trees are only planned ahead (their verify syncs midway), so are plain steps on
 sliding-window caches (a one-token update overwrites what a discard would need),
-and nothing is launched ahead where a cycle syncs more than once (a split LM head, logprobs, the
-profiler), where rows cannot be rolled back whole (recurrent state) or on a split target (every
+and nothing is launched ahead where a cycle syncs more than once (an LM head in two pieces, planned
+only; logprobs, the profiler), where rows cannot be rolled back whole (recurrent state) or on a split target (every
 rank must run the same graphs in the same order).
 """
 
@@ -34,7 +34,8 @@ from mlx_lm.models.cache import ChunkedKVCache
 
 from dflash_mlx.engine.timing import NoTimer
 from dflash_mlx.models.target.rollback import sub_caches
-from dflash_mlx.speculation.accept import Proposal, accept_in_pieces, pack_outcome, synced_acceptance
+from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, accept_in_pieces, pack_outcome,
+                                          synced_acceptance)
 from dflash_mlx.speculation.copies import CopyMatch
 
 
@@ -56,9 +57,12 @@ class Context:
     # whether the copy policies would copy after the context read last (`copy_in_sight`): until then,
     # and while they would, a plain step is not queued before the last is read (`before_reading`)
     copies_pay: bool = True
-    # a greedy row with a draft: whether a chain's successor is queued on the guess that it is
-    # accepted whole (`policy.lookahead.LookAhead`); None: never
+    # whether a cycle's successor is queued before its read, on a guess (`policy.lookahead.LookAhead`):
+    # a greedy chain's, that it is accepted whole; a plain step's where copies are on, that no copy comes
+    # into sight. None: chains never, plain steps where copies are on never
     lookahead: Any = None
+    after_plain: bool = False  # a plain step landed: the next `plan_copies` tells `lookahead` what it found
+    read_at: Optional[float] = None  # when the last cycle was read (`perf_counter`), None after a token tree
 
 
 @dataclass
@@ -96,6 +100,8 @@ class Launched:
     redo: Any = None  # () -> (accept_len, committed), the exact way (`GreedyAcceptor.exact`)
     redone: bool = False  # once landed: whether the exact acceptance replaced the raw one
     started: float = 0.0
+    queued: float = 0.0  # launched ahead: when its graph went to the device (MLX's CPU `async_eval` may wait
+    # there for the tasks before it to drain)
     built: float = 0.0
     landing: Optional[float] = None  # when the next call took it (launched ahead)
 
@@ -139,6 +145,9 @@ def plan_copies(ctx: Context, plan: Plan, budget: int):
         plan.copy_tree = ctx.copy_trees.plan(index.tokens[-1], ctx.copy_trees.gather(index, shared), plan.match,
                                              plan.copy_length, budget, plan.width)
     ctx.copies_pay = bool(plan.copy_length) or plan.copy_tree is not None
+    if ctx.after_plain:
+        ctx.after_plain = False
+        ctx.lookahead.observe(1, not ctx.copies_pay)
 
 
 def copy_in_sight(ctx: Context, budget: int, width: int = 1) -> bool:
@@ -212,8 +221,16 @@ def land(launched: Launched):
 def may_launch(ctx: Context, timer, logprobs: Optional[int]) -> bool:
     """Whether the next cycle may be launched ahead (see the module's docstring)."""
     target = ctx.target
-    return (isinstance(timer, NoTimer) and logprobs is None and not ctx.head_rows.split
-            and not target.recurrent and target.sharding is None)
+    return isinstance(timer, NoTimer) and logprobs is None and not target.recurrent and target.sharding is None
+
+
+def syncs_midway(ctx: Context, plan: Plan) -> bool:
+    """Whether `plan`'s verify runs its LM head in two pieces, the host reading the first between them
+    (`cycle.HeadRows`: on a CPU, rows past the likely accept length): such a cycle is planned ahead,
+    never launched (its launch would wait for the cycle before it). Plain steps and narrow cycles run
+    the head in one piece."""
+    width = plan.copy_length + 1 if plan.copy_length else plan.width
+    return ctx.head_rows.split and ctx.head_rows.first(width) < width
 
 
 def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
@@ -221,11 +238,13 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
     until it lands (the prompt cache is not valid meanwhile)."""
     plan = make_plan(ctx, budget, unread)
     state = ctx.state
-    if plan.tree is not None or (plan.width == 1 and not plan.copy_length and ctx.target.rotating):
-        # a one-token update of a full sliding window overwrites the entry a discard would need back
+    if (plan.tree is not None or (plan.width == 1 and not plan.copy_length and ctx.target.rotating)
+            or syncs_midway(ctx, plan)):
+        # (a one-token update of a full sliding window overwrites the entry a discard would need back)
         state.ahead = plan
         return
     launched = launch(ctx, plan, last, timer)
+    launched.queued = time.perf_counter()
     mx.async_eval(launched.outcome, *([] if launched.unsure is None else [launched.unsure]))
     # (on MLX's CPU backend async_eval hands each node of the graph to the stream's worker thread, ~1.6 us a
     # node: for a tiny target that is most of the cycle, and it is counted here)
@@ -251,19 +270,22 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     as mlx-lm's `generate_step` queues its next step before it reads the last (on a GPU the host
     then builds the next graph while the device runs this one). A plain step commits its one
     token whatever it is, so the next cycle needs only its lazy value, where no policy reads the
-    token (trees; copies, where none paid after the last token read, without a draft:
-    `copy_in_sight`) and a discard can take the step back (a stop token), and where the token is
-    sure: not a raw argmax that may be done again the exact way (`land`). A drafted chain's
-    successor is queued on the guess that the chain is accepted whole, where that pays
-    (`policy.lookahead`; greedy rows, the guess checked once read, `cycle.cycle`)."""
+    token (trees; copies, where none paid after the last token read, without a draft, and where the
+    guess that none comes into sight pays, `copy_in_sight`, `policy.lookahead`) and a discard can take
+    the step back (a stop token, or a raw argmax done again the exact way, `land`). A drafted chain's
+    successor is queued on the guess that the chain is accepted whole, where that pays (greedy rows,
+    the guess checked once read, `cycle.cycle`)."""
     if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
             and may_launch(ctx, timer, logprobs) and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)):
         return False
+    guess = ctx.lookahead
+    # (chains greedy only: a guess thrown away at T > 0 would have drawn from the seed's stream; a head in
+    # two pieces whose second never ran leaves a short `committed`, no guess)
     if launched.width > 1:
-        return (ctx.lookahead is not None and (ctx.copies is None or not ctx.copies_pay)
-                and ctx.lookahead.pays(launched.width))
-    return (launched.unsure is None and ctx.trees is None
-            and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay)))
+        return (guess is not None and isinstance(ctx.acceptor, GreedyAcceptor) and launched.committed.shape[1]
+                == launched.width and (ctx.copies is None or not ctx.copies_pay) and guess.pays(launched.width))
+    return ctx.trees is None and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay
+                                                         and guess is not None and guess.pays(1)))
 
 
 def guesses_roll_back(target) -> bool:

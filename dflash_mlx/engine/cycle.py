@@ -188,9 +188,14 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
             share_seconds(target, seconds, copies.count(match.length, launched.copy_length, a, shared=match.shared))
         else:
             share_seconds(target, seconds, widths.count(width, a))
-            if ctx.lookahead is not None and width > 1:
-                ctx.lookahead.observe(width, a)
-                ctx.lookahead.timed_cycle(seconds)
+            if ctx.lookahead is not None:
+                if ctx.read_at is not None:  # from read to read: what a guess thrown away would hold the device
+                    ctx.lookahead.timed_cycle(width, read_at - ctx.read_at)
+                if width > 1:
+                    ctx.lookahead.observe(width, a == width - 1)
+                elif copies is not None:
+                    ctx.after_plain = True  # (whether a copy comes into sight: the next `plan_copies`)
+    ctx.read_at = read_at if tree_run is None else None
     head_rows.update(a)
     timer.mark("verify")
 
@@ -237,7 +242,7 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
     if not guessed and finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
         ahead(ctx, budget - kept, new_last, timer)
         if ctx.lookahead is not None and launched is not None and isinstance(state.ahead, Launched):
-            ctx.lookahead.timed_gap(state.ahead.built - read_at)  # what a guess would have hidden
+            ctx.lookahead.timed_gap(state.ahead.queued - read_at)  # what a guess would have hidden
     return step, new_last
 
 

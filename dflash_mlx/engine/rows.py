@@ -28,7 +28,7 @@ from dflash_mlx.policy.copies import copy_policy_for
 from dflash_mlx.policy.copy_trees import copy_tree_policy_for
 from dflash_mlx.policy.lookahead import lookahead_for
 from dflash_mlx.policy.trees import tree_policy_for
-from dflash_mlx.speculation.accept import GreedyAcceptor, make_acceptor
+from dflash_mlx.speculation.accept import make_acceptor
 
 
 @dataclass
@@ -59,9 +59,7 @@ class Row:
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
-        # greedy only: a guess thrown away at T > 0 would have drawn from the seed's stream
-        self.lookahead = (lookahead_for(engine.model, engine.draft) if engine.draft is not None
-                          and isinstance(self.acceptor, GreedyAcceptor) and guesses_roll_back(engine.target) else None)
+        self.lookahead = lookahead_for(engine.model, engine.draft) if guesses_roll_back(engine.target) else None
         self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike
         # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence
         # call; trees only while the row decodes alone (`cycle.cycle`)
