@@ -10,17 +10,18 @@ one and launching it (`ahead`); the response is then built while the device runs
 the width policy is its build plus the wait when it lands: what the gap did not hide.
 
 A plain step's successor is even launched before the host reads the step (`before_reading`), as
-mlx-lm's `generate_step` queues its steps; a drafted chain's, on the guess that the chain is accepted
-whole, where that pays (`policy.lookahead`): the guess is checked once read (`cycle.cycle`) and, where
-wrong, its cycle discarded and the draft's features it kept taken back (`DraftContext.unkeep`).
+mlx-lm's `generate_step` queues its steps (without a draft, where copies are on, on the guess that no
+copy comes into sight with its token); a drafted chain's, on the guess that the chain is accepted
+whole. Guesses are made where they pay (`policy.lookahead`), checked once read (`cycle.cycle`) and,
+where wrong, their cycle discarded and the draft's features it kept taken back (`DraftContext.unkeep`).
 
 A launched cycle has fed its rows to the target's caches. Where the next call is not its landing
 (a second row joins the batch, the answer is cancelled, the prompt cache is reused by another call),
-`discard` rolls them back first. Token trees are only planned ahead (their verify syncs midway), so are plain steps on
-sliding-window caches (a one-token update overwrites what a discard would need),
-and nothing is launched ahead where a cycle syncs more than once (an LM head in two pieces, planned
-only; logprobs, the profiler), where rows cannot be rolled back whole (recurrent state) or on a split target (every
-rank must run the same graphs in the same order).
+`discard` rolls them back first. Token trees are only planned ahead (their verify syncs midway), so
+are plain steps on sliding-window caches (a one-token update overwrites what a discard would need)
+and cycles whose LM head runs in two pieces (`syncs_midway`); nothing is launched ahead where a cycle
+syncs more than once anyway (logprobs, the profiler), where rows cannot be rolled back whole
+(recurrent state) or on a split target (every rank must run the same graphs in the same order).
 """
 
 import os

@@ -131,7 +131,8 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
     many alternatives, from the verify's own logits (one more sync when on).
     Where it may (`ahead.may_launch`), the cycle ends by planning and launching the next one
     (`engine.ahead`): its graph is queued before this step's response is built and sent, so the
-    device runs it meanwhile; the next call only reads it.
+    device runs it meanwhile; the next call only reads it. A plain step's successor, and on a guess
+    a chain's, is queued even before this cycle is read (`ahead.before_reading`, `policy.lookahead`).
     """
     target, drafter, acceptor, widths, state = ctx.target, ctx.drafter, ctx.acceptor, ctx.widths, ctx.state
     head_rows, copies, index, trees, copy_trees = ctx.head_rows, ctx.copies, ctx.index, ctx.trees, ctx.copy_trees
