@@ -125,3 +125,21 @@ def test_the_raw_argmax_keeps_mlx_lm_tokens_at_every_width(arch, monkeypatch):
         out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), stop_token_ids=[],
                                           block_size=width if width != 16 else "draft") for t in r.tokens]
         assert out == ref, width
+
+
+def test_chains_queued_on_a_guess_redo_every_flagged_acceptance(poisoned, monkeypatch):
+    """Every chain's successor queued on the guess that it is accepted whole (forced on), every raw
+    argmax wrong and flagged: each redo parts the raw acceptance from the exact one, so each guess
+    must be thrown away, and the tokens stay mlx-lm's."""
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    monkeypatch.setattr(ahead_mod, "BEFORE_READING_ON_CPU", True)
+    monkeypatch.setattr(LookAhead, "pays", lambda self, width: True)
+    model, tok = tiny_target("llama", layer_types=["full_attention"] * 4, sliding_window=None)
+    prompt = list(range(3, 23))
+    ref = greedy_reference(model, prompt, 24)
+    for wrong_from in (lambda c: (c * 5) % 9, lambda c: 10**9):
+        draft = ScriptedDraft(Target(model), prompt + ref + [0] * 16, wrong_from, block_size=4)
+        out = [t for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), block_size=4,
+                                          stop_token_ids=[]) for t in r.tokens]
+        assert out == ref
