@@ -49,9 +49,15 @@ def test_old_outcomes_fade():
     assert not policy.pays(1)
 
 
+class _Model:
+    pass
+
+
 def test_one_policy_a_pair_drafted_or_not():
     forget_lookaheads()
-    model, draft, other = object.__new__(type("M", (), {})), object.__new__(type("D", (), {})), None
+    model, draft = _Model(), _Model()
     assert lookahead_for(model, draft) is lookahead_for(model, draft)
-    assert lookahead_for(model, None) is lookahead_for(model, other) is not lookahead_for(model, draft)
+    assert lookahead_for(model, None) is lookahead_for(model, None)
+    assert lookahead_for(model, None) is not lookahead_for(model, draft)
+    assert lookahead_for(_Model(), draft) is not lookahead_for(model, draft)
     forget_lookaheads()
