@@ -38,6 +38,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=1500, help="batch engine cases")
     ap.add_argument("--guess", type=int, default=0, help="stream cases whose drafted chains' successors are "
                     "queued before their read, on the guess that they are accepted whole")
+    ap.add_argument("--guess-batch", type=int, default=0, help="batch engine cases, the same while a row "
+                    "decodes alone")
     ap.add_argument("--seed", type=int, default=0, help="the first case's seed (case i: seed + i)")
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
@@ -46,7 +48,8 @@ def main(argv=None):
     path = os.path.join(out, "results.json")
     todo = ([(option_fuzz.stream_case, args.seed + i) for i in range(args.stream)]
             + [(option_fuzz.batch_case, args.seed + i) for i in range(args.batch)]
-            + [(lambda seed: option_fuzz.stream_case(seed, guess=True), args.seed + i) for i in range(args.guess)])
+            + [(lambda seed: option_fuzz.stream_case(seed, guess=True), args.seed + i) for i in range(args.guess)]
+            + [(lambda seed: option_fuzz.batch_case(seed, guess=True), args.seed + i) for i in range(args.guess_batch)])
     rows = []
     doc = {"schema": "dflash-mlx-option-fuzz/1", "environment": environment(), "command": " ".join(sys.argv),
            "results": rows}
@@ -80,7 +83,7 @@ def report(rows, command: str, elapsed: float):
              "its options in `results.json`.", "",
              "| cases | " + " | ".join(option_fuzz.STATUSES) + " | architectures |",
              "|---|" + "---:|" * (len(option_fuzz.STATUSES) + 1)]
-    for kind in ("stream", "batch", "guess"):
+    for kind in ("stream", "batch", "guess", "batch guess"):
         these = [r for r in rows if r["kind"] == kind]
         if these:
             counts = Counter(r["status"] for r in these)

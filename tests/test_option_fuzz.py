@@ -35,6 +35,12 @@ def test_guess_cases_are_exact_or_refused():
         _ok(option_fuzz.stream_case(seed, guess=True))
 
 
+def test_batch_guess_cases_are_exact_or_refused():
+    """The same while a batch engine's row decodes alone, rows joining and leaving around it."""
+    for seed in range(8):
+        _ok(option_fuzz.batch_case(seed, guess=True))
+
+
 def test_the_fuzz_sees_a_wrong_guess_kept(monkeypatch):
     """Negative control: with a wrong guess's cycle kept (never discarded), guess cases mismatch."""
     import dflash_mlx.engine.cycle as cycle_mod

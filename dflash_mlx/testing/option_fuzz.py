@@ -14,6 +14,7 @@ gives the model no split), "not run" (mlx-lm cannot quantize the config or run i
 are `arch_check`'s; `benchmarks/option_fuzz.py` runs thousands, `tests/test_option_fuzz.py` a few.
 """
 
+import contextlib
 import random
 import time
 import traceback
@@ -151,13 +152,30 @@ def _model_of(row: dict):
     return model, Target(model).make_cache  # (built on every rank together: it agrees over the split)
 
 
+@contextlib.contextmanager
+def _queuing(queued_first: bool, guess_whole: bool):
+    """Inside: plain steps queued before the last is read (`queued_first`, on the CPU) or not, and
+    with `guess_whole` every drafted chain's successor queued on the guess that it is accepted whole
+    (`policy.lookahead`, forced on: a pair's own look-ahead rarely learns it pays within a case)."""
+    from dflash_mlx.engine import ahead
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    before, pays = ahead.BEFORE_READING_ON_CPU, LookAhead.pays
+    ahead.BEFORE_READING_ON_CPU = queued_first
+    if guess_whole:
+        LookAhead.pays = lambda self, width: width > 1
+    try:
+        yield
+    finally:
+        ahead.BEFORE_READING_ON_CPU, LookAhead.pays = before, pays
+
+
 def _stream(row: dict, rng: random.Random):
     from dflash_mlx import stream_generate
     from dflash_mlx.engine import ahead
     from dflash_mlx.generate import make_prompt_cache
     from dflash_mlx.models.target.probe import error_line
     from dflash_mlx.models.target.rollback import UnsupportedTargetError
-    from dflash_mlx.policy.lookahead import LookAhead
     from dflash_mlx.policy.sizer import forget_sizers
 
     try:
@@ -192,14 +210,8 @@ def _stream(row: dict, rng: random.Random):
         return [t for r in stream_generate(model, draft, byte_tokenizer(), ids, max_tokens=n, stop_token_ids=stop_ids,
                                            prompt_cache=cache, suffix_index=index, **opts) for t in r.tokens]
 
-    queued_first, pays = ahead.BEFORE_READING_ON_CPU, LookAhead.pays
-    ahead.BEFORE_READING_ON_CPU = row.get("queued_first", queued_first)
-    if row.get("guess_whole"):
-        LookAhead.pays = lambda self, width: width > 1
-    try:
+    with _queuing(row.get("queued_first", ahead.BEFORE_READING_ON_CPU), row.get("guess_whole", False)):
         out = decode(prompt, max_tokens, stops)
-    finally:
-        ahead.BEFORE_READING_ON_CPU, LookAhead.pays = queued_first, pays
     if out != ref:
         row.update(status="mismatch", reason=_parted(out, ref))
         return
@@ -233,7 +245,9 @@ def _earlier_answers(model, kind, prompt, whole):
     return index
 
 
-def batch_case(seed: int) -> dict:
+def batch_case(seed: int, guess: bool = False) -> dict:
+    """`guess`: chains' successors queued on the guess that they are accepted whole (forced on) and
+    plain steps queued first, while a row decodes alone (`stream_case`'s guess)."""
     rng = random.Random(seed)
     row = dict(seed=seed, kind="batch", key=rng.choice(keys()))
     row.update(prompt_lens=rng.sample(PROMPT_LENGTHS + (4, 6, 12, 17, 25), rng.choice([2, 3, 4, 5])),
@@ -246,6 +260,8 @@ def batch_case(seed: int) -> dict:
                           prefill_budget=rng.choice([3, 16, 512]), block_size=rng.choice([1, 2, 4, 6, 16, "auto"]),
                           copy_proposals=rng.random() < 0.5, token_trees=rng.random() < 0.5,
                           split_head=rng.choice([None, True, False]))
+    if guess:
+        row.update(kind="batch guess", guess_whole=True)
     return _run(lambda r: _batch(r, rng), row)
 
 
@@ -279,7 +295,8 @@ def _batch(row: dict, rng: random.Random):
     forget_sizers()
     index = SuffixIndex(model=model) if row["suffix_index"] else None
     engine = BatchEngine(model, draft, byte_tokenizer(), suffix_index=index, **row["options"])
-    tokens, _, states = serve(engine, requests, row["join_every"], max_steps=5000)
+    with _queuing(True, True) if row.get("guess_whole") else contextlib.nullcontext():
+        tokens, _, states = serve(engine, requests, row["join_every"], max_steps=5000)
     wrong = [i for i in range(len(requests)) if tokens[i] != wants[i]]
     if wrong:
         i = wrong[0]
@@ -300,7 +317,8 @@ def _batch(row: dict, rng: random.Random):
         wants2.append(greedy_reference(model, turn2, 8, {EOS_ID}))
         seconds.append(BatchRequest(turn2, GenerationOptions(max_tokens=8), stop_token_ids=[EOS_ID],
                                     prompt_cache=states[i]))
-    tokens, _, _ = serve(engine, seconds, row["join_every"], max_steps=5000)
+    with _queuing(True, True) if row.get("guess_whole") else contextlib.nullcontext():
+        tokens, _, _ = serve(engine, seconds, row["join_every"], max_steps=5000)
     wrong = [i for i in range(len(seconds)) if tokens[i] != wants2[i]]
     if wrong:
         i = wrong[0]
