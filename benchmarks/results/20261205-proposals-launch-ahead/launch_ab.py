@@ -5,7 +5,7 @@ process, a model and draft each (so a width policy each), interleaved prompt by 
     python launch_ab.py MAX_TOKENS PER_SUITE SUITES MODES OUT.json
     (here: 96 3 gsm8k,humaneval,mtbench plain,auto,nodraft ...; 96 12 copy nodraft,auto ...)
 """
-import sys, json, math, time
+import sys, json, math
 import dflash_mlx
 from dflash_mlx import load, load_draft, stream_generate
 from dflash_mlx.bench.suites import format_prompt, load_suite
