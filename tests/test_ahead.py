@@ -61,6 +61,16 @@ def _case(model, length=24, tokens=40, seed=0):
 
 
 @pytest.fixture
+def fixed_times(monkeypatch):
+    """The look-ahead's G and D fixed (1 and 2 ms: a guess pays from P > 1/2), so what it decides
+    follows what the cycles accept, not how fast this machine ran them."""
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    monkeypatch.setattr(LookAhead, "timed_gap", lambda self, seconds: setattr(self, "gap", 0.001))
+    monkeypatch.setattr(LookAhead, "timed_cycle", lambda self, width, seconds: self.device.__setitem__(width, 0.002))
+
+
+@pytest.fixture
 def guesses(monkeypatch):
     """`mode`: "never" (no chain's successor queued before its read), "always" (every one)."""
     from dflash_mlx.policy.lookahead import LookAhead
@@ -101,10 +111,11 @@ def test_plain_steps_keep_mlx_lm_tokens_read_first_or_queued_first(queued_first,
 
 
 @pytest.mark.parametrize("learnt", [True, False])
-def test_without_a_draft_plain_steps_are_queued_first_until_a_copy_pays(launches, guesses, monkeypatch, learnt):
+def test_without_a_draft_plain_steps_are_queued_first_until_a_copy_pays(launches, guesses, fixed_times, monkeypatch,
+                                                                        learnt):
     """A row without a draft, copies on: its plain steps are queued before the last is read while
-    no copy would pay, where the pair's look-ahead finds that pays (a tiny target: the host's gap is
-    most of a step); once one would (its answer repeats), the step queued behind is discarded and
+    no copy would pay, where the pair's look-ahead finds that pays (G and D fixed here: once most plain
+    steps bring no copy into sight); once one would (its answer repeats), the step queued behind is discarded and
     the copy verified. Where it does not pay (`learnt` off: a step's compute far above the gap, copies
     often in sight), each step is read first. mlx-lm's tokens throughout."""
     from dflash_mlx.policy.lookahead import forget_lookaheads
@@ -301,9 +312,9 @@ def test_a_chain_guessed_whole_and_wrong_is_rolled_back_target_and_draft(launche
 
 
 @pytest.mark.parametrize("stop_at", [None, 13, 17])
-def test_chains_accepted_whole_are_queued_before_their_read(launches, stop_at):
-    """An oracle draft (every chain accepted whole): once the pair's look-ahead has seen a few, each
-    chain's successor is queued before the host reads it, and lands. A stop token ends the answer
+def test_chains_accepted_whole_are_queued_before_their_read(launches, fixed_times, stop_at):
+    """An oracle draft (every chain accepted whole): once the pair's look-ahead has seen a few (G and D
+    fixed), each chain's successor is queued before the host reads it, and lands. A stop token ends the answer
     inside or at the end of a chain: the successor goes and the prompt cache stays whole."""
     from dflash_mlx.policy.lookahead import forget_lookaheads
 
