@@ -97,8 +97,13 @@ def test_deterministic_greedy_with_chains_queued_on_a_guess(arch, overrides, mon
     monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
     guesses = []
     before = cycle_mod.before_reading
-    monkeypatch.setattr(cycle_mod, "before_reading", lambda ctx, launched, *a: guesses.append(
-        launched.width > 1 and before(ctx, launched, *a)) or guesses[-1])
+
+    def counting(ctx, launched, *args):  # (the chains queued on a guess)
+        early = before(ctx, launched, *args)
+        guesses.append(early and launched.width > 1)
+        return early
+
+    monkeypatch.setattr(cycle_mod, "before_reading", counting)
     model, tok = _model(arch, mx.bfloat16, **overrides)
     prompt = list(range(30, 63))
     ref = greedy_reference(model, prompt, 40)
