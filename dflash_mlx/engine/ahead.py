@@ -151,7 +151,7 @@ def plan_copies(ctx: Context, plan: Plan, budget: int):
         ctx.lookahead.observe(1, not ctx.copies_pay)
 
 
-def copy_in_sight(ctx: Context, budget: int, width: int = 1) -> bool:
+def copy_in_sight(ctx: Context, budget: int, width: int) -> bool:
     """Whether a copy would pay now that a cycle is read behind which the next was queued (planned
     without copies, the indexes lacking this cycle's tokens; `width`: the queued cycle's): a row
     queues its successors so while none would; where one would, the queued cycle is discarded and
