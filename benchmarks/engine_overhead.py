@@ -16,6 +16,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "gpu"))
@@ -118,12 +119,8 @@ def not_ahead(widths, tokens: int, reps: int) -> dict:
     tok = parts.tokenizer_for(parts.TINY["vocab_size"])
     prompt = list(range(10, 42))
     ref = parts.greedy_reference(model, prompt, tokens + 16)
-    launches = cycle.may_launch
-    cycle.may_launch = lambda *args: False  # this process only, for the comparison
-    try:
+    with mock.patch.object(cycle, "may_launch", lambda *args: False):  # this process only, for the comparison
         return parts.oracle_cycles(model, tok, prompt, ref, widths, tokens, reps)
-    finally:
-        cycle.may_launch = launches
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@
   smollm2      (b) the packaged SmolLM2 + shipped draft against plain decoding and z-lab's engine
 """
 
-import contextlib
 import random
 import time
 from typing import Dict, List, Sequence
+from unittest import mock
 
 import dflash_mlx  # noqa: F401  (before mlx.core)
 import mlx.core as mx
@@ -274,18 +274,12 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
     return rows
 
 
-@contextlib.contextmanager
 def no_guess():
-    """No drafted chain's successor queued before its read on the guess that it is accepted whole
-    (`policy.lookahead`), in this process while inside: what the guess buys."""
+    """No cycle's successor queued before its read on a guess (`policy.lookahead`), in this process
+    while inside: what the guess buys."""
     from dflash_mlx.policy.lookahead import LookAhead
 
-    pays = LookAhead.pays
-    LookAhead.pays = lambda self, width: False
-    try:
-        yield
-    finally:
-        LookAhead.pays = pays
+    return mock.patch.object(LookAhead, "pays", lambda self, width: False)
 
 
 def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
@@ -314,12 +308,8 @@ def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
     # off): what mlx-lm's pipelining of plain steps buys on this device
     from dflash_mlx.engine import cycle
 
-    queued_before = cycle.before_reading
-    cycle.before_reading = lambda *args: False  # this process only, for the comparison
-    try:
+    with mock.patch.object(cycle, "before_reading", lambda *args: False):  # this process only
         best["engine_plain_step_read_first_ms"] = min(plain() for _ in range(reps))
-    finally:
-        cycle.before_reading = queued_before
     best["cycles"] = {w: dict(cycle_ms=ms, speedup=round(best["mlx_lm_step_ms"] * w / ms, 2))
                       for w, ms in oracle_cycles(model, tok, prompt, ref, widths, tokens, reps).items()}
     with no_guess():
