@@ -14,10 +14,16 @@ commits what it accepted (`Row.commit`), and drops what it rejected:
   recurrent state rolls back per row as `batch_caches.rollback_rows` describes;
 - each row keeps its own draft context cache and pending features (a `PromptCache` per
   row, as one `stream_generate` call has): the draft needs no rollback.
+
+A cycle is planned (`plan_batch`), launched (`launch_batch`: draft, verify and acceptance queued
+as one lazy graph) and landed (`land_batch`: the one host sync, the commits, the rollback). The
+engine launches the next one before it builds a step's responses; where the batch's rows change
+first, `discard_batch` takes every row's verify rows back out of the caches.
 """
 
 import time
-from typing import List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -40,14 +46,65 @@ def _copy_proposal(continuation: List[int], n: int, width: int) -> Proposal:
     return Proposal(mx.array([tokens], dtype=mx.int32))
 
 
-def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,
-                copied: Sequence[int], matches: Sequence[Optional[CopyMatch]]) -> Tuple[List[Step], List[int], float]:
-    """One cycle of `rows` (two or more, decoding on the batch's caches `cache`, whose rollback
+def plan_batch(target: Target, rows: Sequence[Row], widths, fixed, batch_copies) -> Tuple[int, List[int], List]:
+    """A batched cycle's width and copy tokens per row (0: the row drafts), with each row's match:
+    the batch's width policy's choice (`widths`, or `fixed` where the width is fixed), then the rows'
+    copies (`batch_copies`, `BatchCopyPolicy`, picks the batch's width from every row's expected tokens
+    per second of a verify of that many rows; none when copies are off)."""
+    # every row's verify rows stay within its position limit (`Target.verify_room`)
+    room = min(target.verify_room(len(r.state.tokens)) for r in rows)
+    remaining = min(max(r.budget for r in rows), room)
+    context = max(len(r.state.tokens) for r in rows)
+    width = widths.choose(len(rows), remaining, context) if widths is not None else fixed.choose(remaining)
+    if batch_copies is None or not any(r.copies is not None for r in rows):
+        return width, [0] * len(rows), [None] * len(rows)
+    sizer, lone = widths.current, widths.sizer(1)
+    budgets = [min(r.budget, room) for r in rows]
+    matches = [batch_copies.pick(r.copy_matches(batch_copies.max_length), b) if r.copies is not None else None
+               for r, b in zip(rows, budgets)]
+    batch_copies.at_context(context)
+    lone.at_context(context)
+    batch_copies.seed({w: t * lone.load for w, t in lone.times.items()})
+    width, copied = batch_copies.plan(matches, budgets, width, sizer.chain_tokens)
+    return width, copied, matches
+
+
+@dataclass
+class BatchLaunched:
+    """A batched cycle whose graph is queued (`launch_batch`): what landing it reads. Launched ahead
+    (`engine.BatchEngine`), it holds the batch's caches until it lands or is discarded."""
+
+    rows: List[Row]  # the rows it verifies, in the batch caches' order
+    width: int
+    copied: List[int]
+    matches: List[Optional[CopyMatch]]
+    proposals: List[Optional[Proposal]]
+    verify_in: mx.array  # [B, width]
+    feats: Optional[mx.array]
+    record: Any
+    logits: mx.array  # [B, width, V]
+    accept_len: mx.array
+    committed: mx.array
+    unsure: List[Optional[mx.array]]
+    started: float
+    built: float = 0.0
+    landing: Optional[float] = None  # when the next step took it (launched ahead)
+
+    def seconds(self) -> float:
+        """The cycle's time for the policies, as `ahead.Launched.seconds` counts a lone row's."""
+        now = time.perf_counter()
+        if self.landing is None:
+            return now - self.started
+        return (self.built - self.started) + (now - self.landing)
+
+
+def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,
+                 copied: Sequence[int], matches: Sequence[Optional[CopyMatch]]) -> BatchLaunched:
+    """Queue one cycle of `rows` (two or more, decoding on the batch's caches `cache`, whose rollback
     `kinds` the engine read) at `width`: row b verifies a copy of `copied[b]` tokens of
     `matches[b]`, or (0) its draft's block (with no draft, its last token repeated: it commits
-    one token, as a plain step). (each row's step, each row's accept length, the seconds to
-    the cycle's one host sync.)"""
-    t0 = time.perf_counter()
+    one token, as a plain step). Draft, verify forward and acceptance, no host sync."""
+    started = time.perf_counter()
     for r in rows:
         r.state.valid = False
     with mx.stream(generation_stream):
@@ -77,26 +134,48 @@ def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, 
         acceptors = [r.acceptor for r in rows]
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)
         unsure = [a.take_unsure() for a in acceptors]
+    return BatchLaunched(list(rows), width, list(copied), list(matches), proposals, verify_in, feats, record, logits,
+                         accept_len, committed, unsure, started, built=time.perf_counter())
+
+
+def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List[Step], List[int], float]:
+    """The cycle's one host sync and read, then every row's commit and the caches' rollback:
+    (each row's step, each row's accept length, the cycle's seconds for the policies)."""
+    rows, width, logits, proposals = launched.rows, launched.width, launched.logits, launched.proposals
+    acceptors = [r.acceptor for r in rows]
 
     def exact_again():
         with mx.stream(generation_stream):
-            return _accept([a.exact() for a in acceptors], proposals, verify_in, logits, width, draft)
+            return _accept([a.exact() for a in acceptors], proposals, launched.verify_in, logits, width, draft)
 
-    # the host sync, and its one read
-    accept_len, committed, (accepts, chosen, fed) = synced_acceptance(accept_len, committed, unsure, exact_again,
-                                                                      verify_in)
-    seconds = time.perf_counter() - t0  # (a split target's ranks learn rank 0's: engine.distributed)
+    accept_len, committed, (accepts, chosen, fed) = synced_acceptance(
+        launched.accept_len, launched.committed, launched.unsure, exact_again, launched.verify_in)
+    seconds = launched.seconds()  # (a split target's ranks learn rank 0's: engine.distributed)
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
-                      copy_kind(matches[b]) if copied[b] else "draft" if width > 1 and draft is not None else None,
-                      logits[b])
+                      copy_kind(launched.matches[b]) if launched.copied[b]
+                      else "draft" if width > 1 and draft is not None else None, logits[b])
              for b, r in enumerate(rows)]
     rejected = [width - len(s.tokens) for s in steps]
     with mx.stream(generation_stream):
-        rollback_rows(cache, kinds, record, width, rejected)
-        if feats is not None:
+        rollback_rows(cache, kinds, launched.record, width, rejected)
+        if launched.feats is not None:
             for b, r in enumerate(rows):
-                r.drafter.keep(feats[b : b + 1, : width - rejected[b]])
+                r.drafter.keep(launched.feats[b : b + 1, : width - rejected[b]])
     return steps, accepts, seconds
+
+
+def discard_batch(launched: BatchLaunched, cache: List, kinds):
+    """Roll back a batched cycle launched ahead that will not land (a row joins or leaves first):
+    every row's rows leave the caches whole (what its draft read stays: committed tokens' features)."""
+    with mx.stream(generation_stream):
+        rollback_rows(cache, kinds, launched.record, launched.width, [launched.width] * len(launched.rows))
+
+
+def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,
+                copied: Sequence[int], matches: Sequence[Optional[CopyMatch]]) -> Tuple[List[Step], List[int], float]:
+    """One cycle of `rows`, launched and landed at once (`launch_batch`, `land_batch`)."""
+    launched = launch_batch(target, draft, rows, cache, kinds, head_axis, width, copied, matches)
+    return land_batch(launched, cache, kinds, draft)
 
 
 def _accept(acceptors, proposals, verify_in, logits, width: int, draft):

@@ -16,20 +16,23 @@ caches a chunk at a time, up to a budget of prompt tokens per cycle shared first
 first served (`cycle.prefill_chunks`), reusing whatever prefix its `PromptCache`
 holds, then merged into the batch; a finished or cancelled row leaves at
 once and its KV goes back to its `PromptCache` (for a later request's prefix).
+A batched cycle is launched at the end of the step before it, before that step's responses are
+built (`_ahead`); a row joining or leaving first rolls it back whole (`batch_cycle.discard_batch`).
 What is a row's own (its caches, drafter, acceptor, budget, answer): `rows.Row`.
 Which targets batch, and how rows' caches become a batch's: `batch_caches`.
 """
 
 import copy
+import time
 from collections import deque
-from typing import Deque, List, Optional, Tuple
+from typing import Deque, List, Optional, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_mlx.engine.ahead import discard
 from dflash_mlx.engine.batch_caches import batch_support, extend_rows, extract_row, mask_head_axis, merge_rows
-from dflash_mlx.engine.batch_cycle import batch_cycle
+from dflash_mlx.engine.batch_cycle import BatchLaunched, discard_batch, land_batch, launch_batch, plan_batch
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
 from dflash_mlx.engine.rows import BatchRequest, Row
@@ -105,6 +108,8 @@ class BatchEngine:
         self.head_axis = max_batch > 1 and mask_head_axis(self.target)
         self._uid = 0
         self.cycles = 0
+        # the next batched cycle, launched (or planned) before this step's responses are built (`_ahead`)
+        self.ahead: Union[BatchLaunched, Tuple, None] = None
 
     # -- admission
 
@@ -157,6 +162,7 @@ class BatchEngine:
                     self.suffix_index.add(r.document())
 
     def _leave(self, rows: List[Row]):
+        self._discard_ahead()
         self._remember(rows)
         if not self.batched:  # the lone row: its caches are its PromptCache's already
             for r in rows:  # (cancelled: the cycle it launched ahead leaves them)
@@ -179,6 +185,7 @@ class BatchEngine:
             alone.state.target_cache = self.cache = [c.extract(0) for c in self.cache]
 
     def _join(self, row: Row):
+        self._discard_ahead()
         if not self.rows:  # alone: the row decodes on its PromptCache's own caches
             self.cache = row.state.target_cache
         else:
@@ -253,38 +260,46 @@ class BatchEngine:
             self._leave([row])
         return [event]
 
-    def _copies(self, width: int, context: int, room: int) -> Tuple[int, List[int], List]:
-        """This batched cycle's width and copy tokens per row (0: the row drafts), with each
-        row's match (`BatchCopyPolicy`); the draft's width and no copies when copies are off.
-        `room`: the most rows a verify may hold."""
-        rows = self.rows
-        if self.batch_copies is None or not any(r.copies is not None for r in rows):
-            return width, [0] * len(rows), [None] * len(rows)
-        policy, sizer, lone = self.batch_copies, self.widths.current, self.widths.sizer(1)
-        budgets = [min(r.budget, room) for r in rows]
-        matches = [policy.pick(r.copy_matches(policy.max_length), b) if r.copies is not None else None
-                   for r, b in zip(rows, budgets)]
-        policy.at_context(context)
-        lone.at_context(context)
-        policy.seed({w: t * lone.load for w, t in lone.times.items()})
-        width, copied = policy.plan(matches, budgets, width, sizer.chain_tokens)
-        return width, copied, matches
+    def _plan(self) -> Tuple[int, List[int], List]:
+        return plan_batch(self.target, self.rows, self.widths, self.fixed, self.batch_copies)
+
+    def _launch(self, plan: Tuple[int, List[int], List]) -> BatchLaunched:
+        return launch_batch(self.target, self.draft, self.rows, self.cache, self.kinds, self.head_axis, *plan)
+
+    def _ahead(self):
+        """Plan the next batched cycle now and launch it (a plain step on sliding windows: planned only, as a
+        lone row's, `engine.ahead`): the device runs it while the host builds this step's responses and the
+        caller takes them. Not where a cycle syncs more than once (profiling), where rows cannot be rolled
+        back whole (recurrent state) or on a split target (every rank runs the same graphs in one order)."""
+        target = self.target
+        if (not isinstance(self.timer, NoTimer) or target.sharding is not None or target.recurrent
+                or any(kind != "trim" for kind in self.kinds)):
+            return
+        plan = self._plan()
+        self.ahead = plan if plan[0] == 1 and target.rotating else self._launch(plan)
+        if isinstance(self.ahead, BatchLaunched):
+            mx.async_eval(self.ahead.accept_len, self.ahead.committed, *[u for u in self.ahead.unsure if u is not None])
+
+    def _discard_ahead(self):
+        """The batched cycle launched ahead goes (rows join or leave first): its rows leave the caches."""
+        pending, self.ahead = self.ahead, None
+        if isinstance(pending, BatchLaunched):
+            discard_batch(pending, self.cache, self.kinds)
 
     def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
         rows = self.rows
         if not self.batched:
             return self._cycle_alone(rows[0])
-        # every row's verify rows stay within its position limit (`Target.verify_room`)
-        room = min(self.target.verify_room(len(r.state.tokens)) for r in rows)
-        remaining = min(max(r.budget for r in rows), room)
-        context = max(len(r.state.tokens) for r in rows)
-        width = (self.widths.choose(len(rows), remaining, context) if self.widths is not None
-                 else self.fixed.choose(remaining))
-        width, copied, matches = self._copies(width, context, room)
+        pending, self.ahead = self.ahead, None
+        if isinstance(pending, BatchLaunched):
+            pending.landing = time.perf_counter()
+            launched = pending
+        else:
+            launched = self._launch(pending or self._plan())
+        width, copied, matches = launched.width, launched.copied, launched.matches
         if self.widths is not None:
             self.widths.tally(self.widths.key, width)
-        steps, accepts, seconds = batch_cycle(self.target, self.draft, rows, self.cache, self.kinds, self.head_axis,
-                                              width, copied, matches)
+        steps, accepts, seconds = land_batch(launched, self.cache, self.kinds, self.draft)
         for m, c, a in zip(matches, copied, accepts):
             if c:
                 self.batch_copies.record_of(m).update(m.length, c, min(a, c))
@@ -301,11 +316,12 @@ class BatchEngine:
                 if copies is not None:
                     copies.update(verified, seconds)
             share_seconds(self.target, seconds, learn)
-        events = [r.respond(s) for r, s in zip(rows, steps)]
         ended = [r for r, s in zip(rows, steps) if s.finish is not None]
         if ended:
             self._leave(ended)
-        return events
+        if self.batched:
+            self._ahead()
+        return [r.respond(s) for r, s in zip(rows, steps)]
 
     # -- reporting
 
