@@ -79,7 +79,9 @@ def serve_wave(model, draft, tok, prompts, max_tokens, block_size, mode):
     return outs, batched_seconds, batched_steps, time.perf_counter() - t0
 
 
-def tiny_part(batches, reps, max_tokens, progress):
+def tiny_part(batches, reps, max_tokens, progress=None):
+    """The tiny target's rows: ms a batched step launched ahead and at its step, per batch size and kind
+    (also the GPU check's `batch` part)."""
     model = parts.build(parts.TINY, parts.default_dtype())
     tok = parts.tokenizer_for(parts.TINY["vocab_size"])
     draft = random_draft(model, num_layers=1, block_size=4, seed=0)
@@ -95,7 +97,8 @@ def tiny_part(batches, reps, max_tokens, progress):
                     o, sec, n, _ = serve_wave(model, d, tok, prompts, max_tokens, width, mode)
                     best[mode] = min(best[mode], sec / max(n, 1) * 1e3)
                     outs[mode] = o
-                progress.advance()
+                if progress is not None:
+                    progress.advance()
             rows.append({"batch": b, "kind": kind, "ms a step": best, "ratio": best[MODES[1]] / best[MODES[0]],
                          "identical": outs[MODES[0]] == outs[MODES[1]]})
     return rows

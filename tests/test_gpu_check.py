@@ -14,7 +14,7 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     try:
         import check
 
-        check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,host,exactness,shapes"])
+        check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,host,batch,exactness,shapes"])
     finally:
         sys.path.remove(str(GPU))
     results = json.loads((tmp_path / "results.json").read_text())
@@ -26,6 +26,7 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     assert all(r["diverged"] == 0 for r in rows if r["deterministic"])
     for label, shape in parts["shapes"].items():
         assert shape["verify_ms"] and all(r["measured_tau"] >= 0.75 * r["tau"] for r in shape["speedups"]), label
+    assert all(r["identical"] and r["ms a step"]["ahead"] > 0 for r in parts["batch"]["rows"])
     assert parts["host"]["cycles"] and parts["host"]["engine_plain_step_read_first_ms"] > 0
     ceiling = parts["host"]["ceiling"]  # the forwards' own cost (json keys are strings)
     assert ceiling["ideal"]["1"] == 1.0 and all(c["efficiency"] > 0 for c in parts["host"]["cycles"].values())

