@@ -6,9 +6,10 @@ import random
 from unittest import mock
 
 import dflash_mlx  # noqa: F401,I001  (before mlx.core: BLAS routing)
+import mlx.core as mx
 import pytest
 
-from dflash_mlx.engine import engine as engine_module
+from dflash_mlx.engine import batch_ahead, engine as engine_module
 from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.engine.timing import PhaseTimer
@@ -42,7 +43,7 @@ def counted(arch, cs, block_size, join_every, cancel=None, max_batch=3):
     engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=max_batch, prefill_chunk=8,
                          block_size=block_size)
     landed, discarded = [], []
-    land, discard = engine_module.land_batch, engine_module.discard_batch  # (as patched, if so)
+    land, discard = engine_module.land_batch, batch_ahead.discard_batch  # (as patched, if so)
 
     def land_counted(launched, *args):
         landed.append(launched.landing is not None)
@@ -53,7 +54,7 @@ def counted(arch, cs, block_size, join_every, cancel=None, max_batch=3):
         return discard(launched, *args)
 
     with mock.patch.object(engine_module, "land_batch", land_counted), \
-            mock.patch.object(engine_module, "discard_batch", discard_counted):
+            mock.patch.object(batch_ahead, "discard_batch", discard_counted):
         tokens, _, _ = serve(engine, [request(p, len(ref)) for p, ref in cs], join_every, cancel)
     return tokens, landed, discarded
 
@@ -86,7 +87,7 @@ def test_a_cycle_launched_ahead_and_kept_through_a_join_would_part_from_the_targ
     greedy answers happen to survive it)."""
     model = model_of("deepseek_v3")
     cs = cases(model, 5)
-    with mock.patch.object(engine_module, "discard_batch", lambda *args: None):
+    with mock.patch.object(batch_ahead, "discard_batch", lambda *args: None):
         tokens, _, _ = counted("deepseek_v3", cs, 8, join_every=2)
     assert [tokens[i] for i in range(len(cs))] != [ref for _, ref in cs]
 
@@ -109,3 +110,106 @@ def test_nothing_is_launched_ahead_on_recurrent_state_or_while_profiling(arch):
             engine.step()
             seen.append(engine.ahead)
         assert engine.batched is False and not any(seen)
+
+
+@pytest.fixture
+def queued_first(monkeypatch):
+    """Plain batched steps queued before their read wherever allowed (the look-ahead's rule forced),
+    and how many were queued, and discarded."""
+    from dflash_mlx.engine import ahead
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
+    monkeypatch.setattr(LookAhead, "pays", lambda self, width: True)
+    counts = {"queued": 0, "discarded": 0}
+    queue, discard = batch_ahead.queue_behind, batch_ahead.discard_batch
+
+    def queue_counted(*args):
+        counts["queued"] += 1
+        return queue(*args)
+
+    def discard_counted(launched, *args):
+        counts["discarded"] += launched.width == 1
+        return discard(launched, *args)
+
+    monkeypatch.setattr(batch_ahead, "queue_behind", queue_counted)
+    monkeypatch.setattr(batch_ahead, "discard_batch", discard_counted)
+    return counts
+
+
+def plain_batch(model, cs, copies=False, stops=(), join_every=2, max_batch=3, poisoned=False):
+    engine = BatchEngine(model, None, byte_tokenizer(), max_batch=max_batch, prefill_chunk=8,
+                         block_size="auto" if copies else 1, copy_proposals=copies)
+    reqs = [BatchRequest(p, GenerationOptions(max_tokens=len(ref)), stop_token_ids=list(stops)) for p, ref in cs]
+    tokens, responses, _ = serve(engine, reqs, join_every)
+    return engine, tokens, responses
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3", "phi3"])
+def test_plain_steps_queued_before_their_read_are_the_targets_own(queued_first, arch):
+    """Without a draft, at width 1: each batched step's successor queued before the step is read (its
+    tokens lazy), rows joining and leaving, one row ending on a stop token: every row is the target's."""
+    forget_sizers()
+    model = model_of(arch)
+    cs = cases(model, 5)
+    stop = cs[2][1][11]
+    engine, tokens, responses = plain_batch(model, cs, stops=[stop])
+    for i, (p, ref) in enumerate(cs):
+        want = ref[: ref.index(stop) + 1] if stop in ref else ref
+        assert tokens[i] == want, i
+    assert queued_first["queued"] > 3 * queued_first["discarded"] > 0  # most kept; a join or a stop drops one
+    assert engine.lookahead.kept_rate(1) > 0.5  # it learnt that the guess holds (no copies here)
+
+
+def test_a_copy_in_sight_drops_the_plain_step_queued_before_it(queued_first):
+    """No draft, copies on, answers that repeat: where the plan made once a step is read is a copy, the
+    plain step queued behind it goes and the copy runs; every row is the target's."""
+    forget_sizers()
+    model = model_of("qwen3")
+    cs = [clean_case(model, 6 + 7 * i, 40, seed=80 + i) for i in range(3)]
+    repeat = [(p + ref[:20] + p, None) for p, ref in cs]  # prompts that hold their own continuations
+    from dflash_mlx.testing.targets import greedy_reference
+    repeat = [(p, greedy_reference(model, p, 40)) for p, _ in repeat]
+    engine, tokens, responses = plain_batch(model, repeat, copies=True, join_every=1)
+    assert [tokens[i] for i in range(3)] == [ref for _, ref in repeat]
+    assert any(r.proposal == "copy" for rs in responses.values() for r in rs)
+    assert queued_first["queued"] and queued_first["discarded"]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every raw argmax wrong and flagged (as `test_argmax_unsure.poisoned`): only the exact redo gives
+    the target's tokens, so every plain step queued behind a raw one must go."""
+    from dflash_mlx.kernels import argmax
+
+    calls = {"n": 0}
+
+    def wrong(logits):
+        calls["n"] += 1
+        return mx.zeros(logits.shape[:-1], dtype=mx.int32), mx.ones(logits.shape[:-1], dtype=mx.bool_)
+
+    monkeypatch.setattr(argmax, "argmax_or_unsure", wrong)
+    monkeypatch.setattr(argmax, "MIN_LOGITS", 1)
+    return calls
+
+
+@pytest.mark.parametrize("keep_redone", [False, True])
+def test_a_plain_step_queued_behind_a_redone_acceptance_goes(queued_first, poisoned, keep_redone, monkeypatch):
+    """Every acceptance done again the exact way: the step queued behind it took the raw token and is
+    discarded, and the rows stay the target's. The control: kept anyway, the rows part from it."""
+    forget_sizers()
+    model = model_of("qwen3")
+    cs = cases(model, 3)
+    if keep_redone:
+        land = engine_module.land_batch
+
+        def land_forgetting(launched, *args):
+            out = land(launched, *args)
+            launched.redone = False
+            return out
+        monkeypatch.setattr(engine_module, "land_batch", land_forgetting)
+    _, tokens, _ = plain_batch(model, cs)
+    exact = [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
+    assert exact != keep_redone and poisoned["n"] > 10 and queued_first["queued"] > 5
+    if not keep_redone:
+        assert queued_first["discarded"] >= queued_first["queued"] - 1  # (the last may land: all rows ended)

@@ -88,7 +88,10 @@ class BatchLaunched:
     unsure: List[Optional[mx.array]]
     started: float
     built: float = 0.0
+    queued: float = 0.0  # launched ahead: when its graph went to the device
     landing: Optional[float] = None  # when the next step took it (launched ahead)
+    kept_early: bool = False  # the draft kept its features before the read (a plain step queued behind it)
+    redone: bool = False  # once landed: whether the exact acceptance replaced the raw one
 
     def seconds(self) -> float:
         """The cycle's time for the policies, as `ahead.Launched.seconds` counts a lone row's."""
@@ -99,23 +102,26 @@ class BatchLaunched:
 
 
 def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,
-                 copied: Sequence[int], matches: Sequence[Optional[CopyMatch]]) -> BatchLaunched:
+                 copied: Sequence[int], matches: Sequence[Optional[CopyMatch]],
+                 lasts: Optional[List[mx.array]] = None) -> BatchLaunched:
     """Queue one cycle of `rows` (two or more, decoding on the batch's caches `cache`, whose rollback
     `kinds` the engine read) at `width`: row b verifies a copy of `copied[b]` tokens of
     `matches[b]`, or (0) its draft's block (with no draft, its last token repeated: it commits
-    one token, as a plain step). Draft, verify forward and acceptance, no host sync."""
+    one token, as a plain step). `lasts`: each row's last token [1] where not yet its `Row.last` (a
+    cycle queued before the one before it is read). Draft, verify forward and acceptance, no host sync."""
     started = time.perf_counter()
     for r in rows:
         r.state.valid = False
+    lasts = [r.last for r in rows] if lasts is None else lasts
     with mx.stream(generation_stream):
-        lasts = [r.last[:, None] for r in rows]
+        lasts = [last[:, None] for last in lasts]
         proposals = [_copy_proposal(m.continuation, c, width) if c else None for m, c in zip(matches, copied)]
         drafting = [b for b, c in enumerate(copied) if not c] if width > 1 else []
         if drafting and draft is None:  # no draft: a row without a copy verifies its last token repeated
             for b in drafting:
-                proposals[b] = Proposal(mx.repeat(rows[b].last[:, None], width - 1, axis=1))
+                proposals[b] = Proposal(mx.repeat(lasts[b], width - 1, axis=1))
         elif drafting:
-            drafted = propose_rows([rows[b].drafter for b in drafting], [rows[b].last for b in drafting], width,
+            drafted = propose_rows([rows[b].drafter for b in drafting], [lasts[b][:, 0] for b in drafting], width,
                                    [rows[b].acceptor for b in drafting])
             for b, p in zip(drafting, drafted):
                 proposals[b] = p
@@ -150,6 +156,7 @@ def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List
 
     accept_len, committed, (accepts, chosen, fed) = synced_acceptance(
         launched.accept_len, launched.committed, launched.unsure, exact_again, launched.verify_in)
+    launched.redone = accept_len is not launched.accept_len
     seconds = launched.seconds()  # (a split target's ranks learn rank 0's: engine.distributed)
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
                       copy_kind(launched.matches[b]) if launched.copied[b]
@@ -158,7 +165,7 @@ def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List
     rejected = [width - len(s.tokens) for s in steps]
     with mx.stream(generation_stream):
         rollback_rows(cache, kinds, launched.record, width, rejected)
-        if launched.feats is not None:
+        if launched.feats is not None and not launched.kept_early:
             for b, r in enumerate(rows):
                 r.drafter.keep(launched.feats[b : b + 1, : width - rejected[b]])
     return steps, accepts, seconds

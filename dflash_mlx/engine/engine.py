@@ -32,7 +32,8 @@ from mlx_lm.generate import generation_stream
 
 from dflash_mlx.engine.ahead import discard
 from dflash_mlx.engine.batch_caches import batch_support, extend_rows, extract_row, mask_head_axis, merge_rows
-from dflash_mlx.engine.batch_cycle import BatchLaunched, discard_batch, land_batch, launch_batch, plan_batch
+from dflash_mlx.engine import batch_ahead
+from dflash_mlx.engine.batch_cycle import BatchLaunched, land_batch
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
 from dflash_mlx.engine.rows import BatchRequest, Row
@@ -42,6 +43,7 @@ from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.options import AUTO, fixed_width
 from dflash_mlx.policy.batch_widths import BatchWidths
 from dflash_mlx.policy.copies import batch_copy_policy_for
+from dflash_mlx.policy.lookahead import LookAhead
 from dflash_mlx.policy.sizer import FixedWidth, sizer_for
 from dflash_mlx.speculation.suffix_index import SuffixIndex
 
@@ -108,8 +110,11 @@ class BatchEngine:
         self.head_axis = max_batch > 1 and mask_head_axis(self.target)
         self._uid = 0
         self.cycles = 0
-        # the next batched cycle, launched (or planned) before this step's responses are built (`_ahead`)
+        # the next batched cycle, launched (or planned) before this step's responses are built, or a plain
+        # step's successor queued before its read, where the look-ahead finds that pays (`batch_ahead`)
         self.ahead: Union[BatchLaunched, Tuple, None] = None
+        self.lookahead = LookAhead()
+        self.read_at: Optional[float] = None  # when the last batched cycle was read
 
     # -- admission
 
@@ -162,7 +167,7 @@ class BatchEngine:
                     self.suffix_index.add(r.document())
 
     def _leave(self, rows: List[Row]):
-        self._discard_ahead()
+        batch_ahead.rows_change(self)
         self._remember(rows)
         if not self.batched:  # the lone row: its caches are its PromptCache's already
             for r in rows:  # (cancelled: the cycle it launched ahead leaves them)
@@ -185,7 +190,7 @@ class BatchEngine:
             alone.state.target_cache = self.cache = [c.extract(0) for c in self.cache]
 
     def _join(self, row: Row):
-        self._discard_ahead()
+        batch_ahead.rows_change(self)
         if not self.rows:  # alone: the row decodes on its PromptCache's own caches
             self.cache = row.state.target_cache
         else:
@@ -260,32 +265,6 @@ class BatchEngine:
             self._leave([row])
         return [event]
 
-    def _plan(self) -> Tuple[int, List[int], List]:
-        return plan_batch(self.target, self.rows, self.widths, self.fixed, self.batch_copies)
-
-    def _launch(self, plan: Tuple[int, List[int], List]) -> BatchLaunched:
-        return launch_batch(self.target, self.draft, self.rows, self.cache, self.kinds, self.head_axis, *plan)
-
-    def _ahead(self):
-        """Plan the next batched cycle now and launch it (a plain step on sliding windows: planned only, as a
-        lone row's, `engine.ahead`): the device runs it while the host builds this step's responses and the
-        caller takes them. Not where a cycle syncs more than once (profiling), where rows cannot be rolled
-        back whole (recurrent state) or on a split target (every rank runs the same graphs in one order)."""
-        target = self.target
-        if (not isinstance(self.timer, NoTimer) or target.sharding is not None or target.recurrent
-                or any(kind != "trim" for kind in self.kinds)):
-            return
-        plan = self._plan()
-        self.ahead = plan if plan[0] == 1 and target.rotating else self._launch(plan)
-        if isinstance(self.ahead, BatchLaunched):
-            mx.async_eval(self.ahead.accept_len, self.ahead.committed, *[u for u in self.ahead.unsure if u is not None])
-
-    def _discard_ahead(self):
-        """The batched cycle launched ahead goes (rows join or leave first): its rows leave the caches."""
-        pending, self.ahead = self.ahead, None
-        if isinstance(pending, BatchLaunched):
-            discard_batch(pending, self.cache, self.kinds)
-
     def _cycle(self) -> List[Tuple[Row, DFlashResponse]]:
         rows = self.rows
         if not self.batched:
@@ -295,11 +274,14 @@ class BatchEngine:
             pending.landing = time.perf_counter()
             launched = pending
         else:
-            launched = self._launch(pending or self._plan())
+            launched = batch_ahead.launch(self, pending or batch_ahead.plan(self))
+        if batch_ahead.before_reading(self, launched):
+            batch_ahead.queue_behind(self, launched)
         width, copied, matches = launched.width, launched.copied, launched.matches
         if self.widths is not None:
             self.widths.tally(self.widths.key, width)
-        steps, accepts, seconds = land_batch(launched, self.cache, self.kinds, self.draft)
+        steps, accepts, seconds = land_batch(launched, self.cache, self.kinds, self.draft)  # the host sync
+        read_at = time.perf_counter()
         for m, c, a in zip(matches, copied, accepts):
             if c:
                 self.batch_copies.record_of(m).update(m.length, c, min(a, c))
@@ -317,10 +299,13 @@ class BatchEngine:
                     copies.update(verified, seconds)
             share_seconds(self.target, seconds, learn)
         ended = [r for r, s in zip(rows, steps) if s.finish is not None]
+        chosen = batch_ahead.after_reading(self, launched, ended, read_at)
         if ended:
             self._leave(ended)
-        if self.batched:
-            self._ahead()
+        if self.batched and self.ahead is None:
+            batch_ahead.launch_ahead(self, chosen)
+            if isinstance(self.ahead, BatchLaunched):  # what a plain step queued before the read would hide
+                self.lookahead.timed_gap(self.ahead.queued - read_at)
         return [r.respond(s) for r, s in zip(rows, steps)]
 
     # -- reporting

@@ -1,0 +1,119 @@
+"""A batch's next cycle, planned and launched before the host needs it (`ahead`'s twin for batches).
+
+`BatchEngine` lands one batched cycle a step (`batch_cycle`). The next one is launched at the end of
+the step (`launch_ahead`), before the step's responses are built and the caller takes them, so the
+device runs it meanwhile. A batched plain step (width 1, no copies: where the width policy settles
+with four rows or more) commits one token a row whatever it is, so the step after it can be queued
+even before the host reads it (`before_reading`, `queue_behind`), as mlx-lm's `generate_step` queues
+its steps, on the guess that the plan made once it is read is another plain step (the width policy
+stays at 1, no copy comes into sight, no row ends, no raw argmax is done again). `policy.lookahead`
+decides where that guess pays, from how often it held and the host's gap against a step's time.
+
+A launched cycle has fed its rows to the batch's caches. Where it will not land (the guess failed, a
+row joins or leaves first) `discard` takes every row's rows back out (`batch_cycle.discard_batch`).
+Nothing is launched ahead where a cycle syncs more than once (profiling), where rows cannot be rolled
+back whole (recurrent state), on a split target (every rank runs the same graphs in one order), nor,
+for plain steps, on sliding windows (a one-token write overwrites what a discard would need back).
+"""
+
+import time
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+from mlx_lm.generate import generation_stream
+
+from dflash_mlx.engine import ahead as lone
+from dflash_mlx.engine.batch_cycle import BatchLaunched, discard_batch, launch_batch, plan_batch
+from dflash_mlx.engine.timing import NoTimer
+
+Plan = Tuple[int, List[int], List]  # (width, copy tokens per row, each row's match)
+
+
+def plan(engine) -> Plan:
+    """The next batched cycle's width and copies, as the engine's policies choose them now."""
+    return plan_batch(engine.target, engine.rows, engine.widths, engine.fixed, engine.batch_copies)
+
+
+def launch(engine, chosen: Plan, lasts: Optional[List[mx.array]] = None) -> BatchLaunched:
+    return launch_batch(engine.target, engine.draft, engine.rows, engine.cache, engine.kinds, engine.head_axis,
+                        *chosen, lasts=lasts)
+
+
+def may_launch(engine) -> bool:
+    """Whether batched cycles may be launched ahead at all (see the module's docstring)."""
+    target = engine.target
+    return (isinstance(engine.timer, NoTimer) and target.sharding is None and not target.recurrent
+            and all(kind == "trim" for kind in engine.kinds))
+
+
+def plain(chosen: Plan) -> bool:
+    return chosen[0] == 1 and not any(chosen[1])
+
+
+def launch_ahead(engine, chosen: Optional[Plan] = None):
+    """Plan the next batched cycle (unless `chosen`) and launch it, or, a plain step on sliding
+    windows, keep its plan for the next step."""
+    if not may_launch(engine):
+        return
+    chosen = chosen or plan(engine)
+    if plain(chosen) and engine.target.rotating:
+        engine.ahead = chosen
+        return
+    launched = engine.ahead = launch(engine, chosen)
+    launched.queued = time.perf_counter()
+    mx.async_eval(launched.accept_len, launched.committed, *[u for u in launched.unsure if u is not None])
+
+
+def before_reading(engine, launched: BatchLaunched) -> bool:
+    """Whether the step after `launched`, a batched plain step, is queued before the host reads it."""
+    return (plain((launched.width, launched.copied, launched.matches)) and may_launch(engine)
+            and not engine.target.rotating and all(r.budget > 1 for r in launched.rows)
+            and (lone.BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu) and engine.lookahead.pays(1))
+
+
+def queue_behind(engine, launched: BatchLaunched):
+    """Queue a plain step behind `launched` (a plain step not read yet): every row's token is its
+    lazy committed one, and the draft keeps `launched`'s features now (a plain step keeps them all)."""
+    rows = launched.rows
+    with mx.stream(generation_stream):
+        if launched.feats is not None:
+            for b, r in enumerate(rows):
+                r.drafter.keep(launched.feats[b : b + 1])
+        launched.kept_early = True
+        lasts = [launched.committed[b : b + 1, 0] for b in range(len(rows))]
+        queued = engine.ahead = launch(engine, (1, [0] * len(rows), [None] * len(rows)), lasts)
+    queued.queued = time.perf_counter()
+    mx.async_eval(queued.accept_len, queued.committed, *[u for u in queued.unsure if u is not None])
+
+
+def after_reading(engine, launched: BatchLaunched, ended: list, read_at: float) -> Optional[Plan]:
+    """Once `launched` is read: what the look-ahead learns from it, the step queued behind it
+    discarded where the plan now made (returned) is not a plain step, or where a row ended or a raw
+    argmax was done again (None then: the next is planned after the rows leave)."""
+    queued_early = isinstance(engine.ahead, BatchLaunched)
+    was_plain = plain((launched.width, launched.copied, launched.matches))
+    if not may_launch(engine):
+        return None
+    chosen = None if ended or launched.redone or not engine.batched else plan(engine)
+    if was_plain and engine.batched:
+        engine.lookahead.observe(1, chosen is not None and plain(chosen))
+        if engine.read_at is not None:
+            engine.lookahead.timed_cycle(1, read_at - engine.read_at)
+    engine.read_at = read_at
+    if queued_early and (chosen is None or not plain(chosen)):
+        discard(engine)
+    return chosen
+
+
+def rows_change(engine):
+    """Rows join or leave: the cycle launched ahead goes, and the next read starts a new count."""
+    discard(engine)
+    engine.read_at = None
+
+
+def discard(engine):
+    """The cycle launched ahead goes (the batch's rows change first, or a guess failed): its rows
+    leave the caches."""
+    pending, engine.ahead = engine.ahead, None
+    if isinstance(pending, BatchLaunched):
+        discard_batch(pending, engine.cache, engine.kinds)
