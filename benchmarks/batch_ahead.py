@@ -3,8 +3,9 @@
     nice -n 10 python benchmarks/batch_ahead.py [--batches 2,4] [--reps 5] [--max-tokens 64] [--out DIR]
 
 `BatchEngine` queues a batch's next cycle before a step's responses are built (`_ahead`); the
-comparison runs the same engine with `_ahead` patched out (every cycle launched when its step
-starts, as before 2026-12-05). Two parts:
+comparison runs the same engine with `batch_ahead.launch_ahead` patched out (every cycle launched when
+its step starts, as before 2026-12-05), and with only `batch_ahead.before_reading` patched out (plain
+steps read before the next is queued). Two parts:
 
 - the tiny target of the oracle probe (`gpu/parts.TINY`, random weights), B rows of a 32-token
   prompt each, all joining at once: plain batched steps (no draft, width 1) and drafted cycles
@@ -17,6 +18,7 @@ Writes `results.json`, `README.md` and `speed.png` to `--out`.
 """
 
 import argparse
+import contextlib
 import json
 import math
 import sys
@@ -33,6 +35,7 @@ from gpu import parts  # noqa: E402
 from dflash_mlx import load, load_draft  # noqa: E402
 from dflash_mlx.bench.suites import format_prompt, load_suite  # noqa: E402
 from dflash_mlx.cli.doctor import machine  # noqa: E402
+from dflash_mlx.engine import batch_ahead  # noqa: E402
 from dflash_mlx.engine.engine import BatchEngine  # noqa: E402
 from dflash_mlx.engine.rows import BatchRequest  # noqa: E402
 from dflash_mlx.generate import encode_prompt  # noqa: E402
@@ -41,7 +44,7 @@ from dflash_mlx.options import GenerationOptions  # noqa: E402
 from dflash_mlx.policy.sizer import forget_sizers  # noqa: E402
 from dflash_mlx.progress import Progress  # noqa: E402
 
-MODES = ("ahead", "at its step")
+MODES = ("ahead", "at its step", "ahead, read first")
 
 
 class Counter:
@@ -59,15 +62,20 @@ class Counter:
 
 
 def serve_wave(model, draft, tok, prompts, max_tokens, block_size, mode):
-    """Every prompt's tokens, the seconds of the batched steps and their count, the wall time."""
+    """Every prompt's tokens, the seconds of the batched steps and their count, the wall time (`mode`:
+    one of MODES)."""
     engine = BatchEngine(model, draft, tok, max_batch=len(prompts), block_size=block_size)
     index, outs = {}, [[] for _ in prompts]
     for i, ids in enumerate(prompts):
         index[engine.add(BatchRequest(ids, GenerationOptions(max_tokens=max_tokens))).uid] = i
     batched_seconds, batched_steps = 0.0, 0
-    patch = mock.patch.object(BatchEngine, "_ahead", lambda self: None) if mode != MODES[0] else mock.MagicMock()
+    patches = contextlib.ExitStack()
+    if mode != MODES[0]:  # no plain step queued before its read
+        patches.enter_context(mock.patch.object(batch_ahead, "before_reading", lambda engine, launched: False))
+    if mode == MODES[1]:  # nor any cycle launched before its step
+        patches.enter_context(mock.patch.object(batch_ahead, "launch_ahead", lambda engine, chosen=None: None))
     t0 = time.perf_counter()
-    with patch:
+    with patches:
         while not engine.idle:
             together = engine.batched and not engine.joining
             s0 = time.perf_counter()
@@ -100,8 +108,13 @@ def tiny_part(batches, reps, max_tokens, progress=None):
                 if progress is not None:
                     progress.advance()
             rows.append({"batch": b, "kind": kind, "ms a step": best, "ratio": best[MODES[1]] / best[MODES[0]],
-                         "identical": outs[MODES[0]] == outs[MODES[1]]})
+                         "ratio read first": best[MODES[2]] / best[MODES[0]],
+                         "identical": all(outs[m] == outs[MODES[0]] for m in MODES)})
     return rows
+
+
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def smollm_part(batches, rounds, max_tokens, progress):
@@ -114,7 +127,7 @@ def smollm_part(batches, rounds, max_tokens, progress):
     for b in batches:
         waves = [prompts[i : i + b] for i in range(0, len(prompts) - b + 1, b)]
         totals = {m: [0, 0.0] for m in MODES}
-        ratios, identical = [], True
+        ratios, ratios_read_first, identical = [], [], True
         for rnd in range(rounds):
             for w, wave in enumerate(waves):
                 outs, tps = {}, {}
@@ -124,12 +137,13 @@ def smollm_part(batches, rounds, max_tokens, progress):
                     totals[mode][0] += n
                     totals[mode][1] += wall
                     outs[mode], tps[mode] = o, n / wall
-                identical &= outs[MODES[0]] == outs[MODES[1]]
+                identical &= all(outs[m] == outs[MODES[0]] for m in MODES)
                 ratios.append(tps[MODES[0]] / tps[MODES[1]])
+                ratios_read_first.append(tps[MODES[0]] / tps[MODES[2]])
                 progress.advance()
         rows.append({"batch": b, "waves": len(waves) * rounds,
                      "tok/s": {m: totals[m][0] / totals[m][1] for m in MODES},
-                     "ratio": math.exp(sum(math.log(r) for r in ratios) / len(ratios)), "identical": identical})
+                     "ratio": geomean(ratios), "ratio read first": geomean(ratios_read_first), "identical": identical})
     return rows
 
 
@@ -160,18 +174,23 @@ def main():
              f"--batches {args.batches} --reps {args.reps} --rounds {args.rounds}`.", "",
              f"Tiny target ({parts.TINY['num_hidden_layers']} layers, hidden {parts.TINY['hidden_size']}), B rows "
              f"joining at once, {args.tiny_tokens} tokens each, ms a batched step (best of {args.reps}, interleaved):",
-             "", "| B | cycles | launched ahead | at its step | speed-up | same tokens |", "|---:|---|---:|---:|---:|---|"]
+             "", "| B | cycles | launched ahead | at its step | ahead, plain steps read first | speed-up | "
+             "speed-up over read first | same tokens |", "|---:|---|---:|---:|---:|---:|---:|---|"]
     for r in tiny:
-        lines.append(f"| {r['batch']} | {r['kind']} | {r['ms a step'][MODES[0]]:.3f} | {r['ms a step'][MODES[1]]:.3f} "
-                     f"| {r['ratio']:.3f}x | {r['identical']} |")
+        ms = r["ms a step"]
+        lines.append(f"| {r['batch']} | {r['kind']} | {ms[MODES[0]]:.3f} | {ms[MODES[1]]:.3f} | {ms[MODES[2]]:.3f} "
+                     f"| {r['ratio']:.3f}x | {r['ratio read first']:.3f}x | {r['identical']} |")
     if smollm:
         lines += ["", f"SmolLM2-135M-Instruct + shipped draft, `auto`, {args.max_tokens} tokens, waves of B short-suite "
                   "prompts joining at once, aggregate tok/s (prefill included):", "",
-                  "| B | waves | launched ahead | at its step | speed-up (geomean of waves) | same tokens |",
-                  "|---:|---:|---:|---:|---:|---|"]
+                  "| B | waves | launched ahead | at its step | ahead, plain steps read first | speed-up | "
+                  "speed-up over read first | same tokens |", "|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in smollm:
-            lines.append(f"| {r['batch']} | {r['waves']} | {r['tok/s'][MODES[0]]:.1f} | {r['tok/s'][MODES[1]]:.1f} "
-                         f"| {r['ratio']:.3f}x | {r['identical']} |")
+            t = r["tok/s"]
+            lines.append(f"| {r['batch']} | {r['waves']} | {t[MODES[0]]:.1f} | {t[MODES[1]]:.1f} | {t[MODES[2]]:.1f} "
+                         f"| {r['ratio']:.3f}x | {r['ratio read first']:.3f}x | {r['identical']} |")
+        lines += ["", "Speed-ups: geometric means over waves, launched ahead (plain steps queued before their read "
+                  "where the look-ahead finds it pays) against each alternative."]
     lines += ["", f"Machine: {m}", ""]
     (out / "README.md").write_text("\n".join(lines))
     print("\n".join(lines))
@@ -183,10 +202,13 @@ def main():
 
         fig, ax = plt.subplots(figsize=(6, 3.2))
         labels = [f"tiny B{r['batch']}\n{r['kind']}" for r in tiny] + [f"SmolLM2 B{r['batch']}" for r in smollm]
-        ax.bar(range(len(labels)), [r["ratio"] for r in tiny + smollm])
+        x = range(len(labels))
+        ax.bar([i - 0.2 for i in x], [r["ratio"] for r in tiny + smollm], 0.4, label="vs at its step")
+        ax.bar([i + 0.2 for i in x], [r["ratio read first"] for r in tiny + smollm], 0.4, label="vs plain steps read first")
+        ax.legend(fontsize=7)
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xticks(range(len(labels)), labels, fontsize=7)
-        ax.set_ylabel("launched ahead / at its step")
+        ax.set_ylabel("speed-up of launching ahead")
         ax.set_title(f"Batched cycles launched ahead ({mx.default_device()})")
         fig.tight_layout()
         fig.savefig(out / "speed.png", dpi=120)

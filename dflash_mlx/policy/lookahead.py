@@ -19,7 +19,8 @@ nearly free (a GPU, a tiny target) G is a good part of a cycle.
 
 What is learnt belongs to the target/draft pair and the machine, as a width policy's
 measurements (`sizer.sizer_for`): one `LookAhead` a pair for the life of the process, kept per
-width (width 1: plain steps with copies on).
+width (width 1: plain steps with copies on). A `BatchEngine` keeps one of its own for its batched
+plain steps (width 1: the plan made once a step is read is another plain step; `engine.batch_ahead`).
 """
 
 import threading
