@@ -213,3 +213,31 @@ def test_a_plain_step_queued_behind_a_redone_acceptance_goes(queued_first, poiso
     assert exact != keep_redone and poisoned["n"] > 10 and queued_first["queued"] > 5
     if not keep_redone:
         assert queued_first["discarded"] >= queued_first["queued"] - 1  # (the last may land: all rows ended)
+
+
+def test_the_engines_look_ahead_learns_when_queuing_plain_steps_first_pays(monkeypatch):
+    """Not forced: with G and D fixed (a guess pays from P > 1/2), the batch's own `LookAhead` starts
+    from "never", sees plain steps followed by plain steps, and queues them before their read; a guess
+    seen never to hold is never made."""
+    from dflash_mlx.engine import ahead
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    observe = LookAhead.observe
+    monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
+    monkeypatch.setattr(LookAhead, "timed_gap", lambda self, seconds: setattr(self, "gap", 0.001))
+    monkeypatch.setattr(LookAhead, "timed_cycle", lambda self, width, seconds: self.device.__setitem__(width, 0.002))
+    queued = []
+    queue = batch_ahead.queue_behind
+    monkeypatch.setattr(batch_ahead, "queue_behind", lambda engine, launched: queued.append(1) or queue(engine, launched))
+    forget_sizers()
+    model = model_of("deepseek_v3")
+    cs = cases(model, 3)
+    engine, tokens, _ = plain_batch(model, cs, join_every=1)
+    assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
+    assert engine.lookahead.trials[1] > 10 and len(queued) > engine.lookahead.trials[1] / 2
+    queued.clear()
+    # the same steps, seen as if each plan after a read had been a copy: the guess never pays
+    monkeypatch.setattr(LookAhead, "observe", lambda self, width, kept: observe(self, width, False))
+    engine, tokens, _ = plain_batch(model, cs, join_every=1)
+    assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
+    assert engine.lookahead.trials[1] > 10 and not queued

@@ -153,21 +153,21 @@ def _model_of(row: dict):
 
 
 @contextlib.contextmanager
-def _queuing(queued_first: bool, guess_whole: bool):
+def _queuing(queued_first: bool, guess_whole: bool, plain_steps: bool = False):
     """Inside: plain steps queued before the last is read (`queued_first`, on the CPU) or not, and
     with `guess_whole` every drafted chain's successor queued on the guess that it is accepted whole
-    (`policy.lookahead`, forced on: a pair's own look-ahead rarely learns it pays within a case)."""
+    (`policy.lookahead`, forced on: a pair's own look-ahead rarely learns it pays within a case);
+    `plain_steps`: plain steps' successors too (a batch's, and a lone row's where copies are on)."""
+    from unittest import mock
+
     from dflash_mlx.engine import ahead
     from dflash_mlx.policy.lookahead import LookAhead
 
-    before, pays = ahead.BEFORE_READING_ON_CPU, LookAhead.pays
-    ahead.BEFORE_READING_ON_CPU = queued_first
-    if guess_whole:
-        LookAhead.pays = lambda self, width: width > 1
-    try:
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(ahead, "BEFORE_READING_ON_CPU", queued_first))
+        if guess_whole:
+            patches.enter_context(mock.patch.object(LookAhead, "pays", lambda self, width: width > 1 or plain_steps))
         yield
-    finally:
-        ahead.BEFORE_READING_ON_CPU, LookAhead.pays = before, pays
 
 
 def _stream(row: dict, rng: random.Random):
@@ -247,7 +247,8 @@ def _earlier_answers(model, kind, prompt, whole):
 
 def batch_case(seed: int, guess: bool = False) -> dict:
     """`guess`: chains' successors queued on the guess that they are accepted whole (forced on) and
-    plain steps queued first, while a row decodes alone (`stream_case`'s guess)."""
+    plain steps queued first, while a row decodes alone (`stream_case`'s guess), and batched plain
+    steps' successors queued before their read (`engine.batch_ahead`, forced on)."""
     rng = random.Random(seed)
     row = dict(seed=seed, kind="batch", key=rng.choice(keys()))
     row.update(prompt_lens=rng.sample(PROMPT_LENGTHS + (4, 6, 12, 17, 25), rng.choice([2, 3, 4, 5])),
@@ -295,7 +296,7 @@ def _batch(row: dict, rng: random.Random):
     forget_sizers()
     index = SuffixIndex(model=model) if row["suffix_index"] else None
     engine = BatchEngine(model, draft, byte_tokenizer(), suffix_index=index, **row["options"])
-    with _queuing(True, True) if row.get("guess_whole") else contextlib.nullcontext():
+    with _queuing(True, True, plain_steps=True) if row.get("guess_whole") else contextlib.nullcontext():
         tokens, _, states = serve(engine, requests, row["join_every"], max_steps=5000)
     wrong = [i for i in range(len(requests)) if tokens[i] != wants[i]]
     if wrong:
@@ -317,7 +318,7 @@ def _batch(row: dict, rng: random.Random):
         wants2.append(greedy_reference(model, turn2, 8, {EOS_ID}))
         seconds.append(BatchRequest(turn2, GenerationOptions(max_tokens=8), stop_token_ids=[EOS_ID],
                                     prompt_cache=states[i]))
-    with _queuing(True, True) if row.get("guess_whole") else contextlib.nullcontext():
+    with _queuing(True, True, plain_steps=True) if row.get("guess_whole") else contextlib.nullcontext():
         tokens, _, _ = serve(engine, seconds, row["join_every"], max_steps=5000)
     wrong = [i for i in range(len(seconds)) if tokens[i] != wants2[i]]
     if wrong:
