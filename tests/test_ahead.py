@@ -377,3 +377,40 @@ def test_no_guess_where_a_forward_drops_a_chunked_caches_front(launches, guesses
     out = [t for r in stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=24, block_size=5,
                                       stop_token_ids=[]) for t in r.tokens]
     assert out == ref and launches["before_reading"] == 0
+
+
+@pytest.mark.parametrize("restored", [True, False])
+@pytest.mark.parametrize("arch", ["gpt_oss", "cohere2"])
+def test_a_window_whose_stream_closed_with_a_cycle_ahead_takes_a_one_token_next_turn(arch, restored, monkeypatch):
+    """An answer broken off (the stream closed) while a wide cycle is launched ahead on sliding windows
+    past their size; the next turn on the same prompt cache adds one token, so its prefill is a
+    one-token step. The discarded cycle's window is put back as it was (`models.target.windows`):
+    trimmed whole instead (the control), mlx-lm's next one-token update raised."""
+    from dflash_mlx.testing.archs import build
+    from dflash_mlx.testing.targets import byte_tokenizer, clean_case
+
+    if not restored:
+        monkeypatch.setattr(ahead_mod, "restore_windows", lambda snapshot: None)
+    model = build(arch)
+    prompt, ref = clean_case(model, 30, 40, seed=3)
+    draft = ScriptedDraft(Target(model), prompt + ref, lambda c: 10**9, block_size=4)
+    cache = make_prompt_cache(model, draft)
+    got = []
+    stream = stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=40, block_size=4, prompt_cache=cache,
+                             stop_token_ids=[])
+    for r in stream:
+        got += r.tokens
+        if len(got) > 25:
+            break
+    stream.close()
+    turn2 = prompt + got + [5]
+    want = greedy_reference(model, turn2, 6)
+
+    def next_turn():
+        return [t for r in stream_generate(model, draft, byte_tokenizer(), turn2, max_tokens=6, block_size=4,
+                                           prompt_cache=cache, stop_token_ids=[]) for t in r.tokens]
+    if restored:
+        assert next_turn() == want
+    else:
+        with pytest.raises(ValueError, match="Negative dimensions"):
+            next_turn()

@@ -241,3 +241,49 @@ def test_the_engines_look_ahead_learns_when_queuing_plain_steps_first_pays(monke
     engine, tokens, _ = plain_batch(model, cs, join_every=1)
     assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
     assert engine.lookahead.trials[1] > 10 and not queued
+
+
+class Widths:
+    """A fixed cycle of widths (one-token steps between wider verifies), as `test_batch.Schedule`;
+    a one-token step first after each discard (`one_next`)."""
+
+    def __init__(self, widths):
+        self.widths, self.at, self.one_next = list(widths), 0, False
+
+    def at_context(self, tokens):
+        pass
+
+    def choose(self, remaining):
+        self.at += 1
+        width = 1 if self.one_next else self.widths[self.at % len(self.widths)]
+        self.one_next = False
+        return min(width, max(1, remaining))
+
+    def count(self, *args, **kwargs):
+        return lambda seconds: None
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "cohere2", "ministral3"])
+def test_a_window_a_discarded_cycle_wrote_to_takes_one_token_steps_after(arch):
+    """Sliding windows past their size: a wide cycle launched ahead and discarded as a row joins or
+    leaves, then one-token steps. Trimmed whole, the window held one entry fewer than its size and
+    mlx-lm's next one-token update raised (found by the option fuzz, seed 150463); it is put back as
+    it was (`models.target.windows`)."""
+    forget_sizers()
+    model = model_of(arch)
+    # rows past their windows, joined by rows of short prompts (a window shorter than the batch's)
+    cs = [clean_case(model, n, 30, seed=90 + i) for i, n in enumerate([20, 27, 3, 5])]
+    draft = RowScriptedDrafts(Target(model), cs, lambda c: c % 3, block_size=6)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
+    engine.fixed = Widths([4, 1, 1, 3, 1])
+    discarded = []
+    discard = batch_ahead.discard_batch
+
+    def discard_then_one(launched, *args):
+        discarded.append(launched.width)
+        engine.fixed.one_next = True
+        return discard(launched, *args)
+    with mock.patch.object(batch_ahead, "discard_batch", discard_then_one):
+        tokens, _, _ = serve(engine, [request(p, len(ref)) for p, ref in cs], join_every=3)
+    assert [tokens[i] for i in range(len(cs))] == [ref for _, ref in cs]
+    assert any(w > 1 for w in discarded)

@@ -35,6 +35,7 @@ from mlx_lm.models.cache import ChunkedKVCache
 
 from dflash_mlx.engine.timing import NoTimer
 from dflash_mlx.models.target.rollback import sub_caches
+from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
 from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, accept_in_pieces, pack_outcome,
                                           synced_acceptance)
 from dflash_mlx.speculation.copies import CopyMatch
@@ -100,6 +101,7 @@ class Launched:
     unsure: Optional[mx.array] = None  # the acceptance took raw argmaxes and may differ from the exact one
     redo: Any = None  # () -> (accept_len, committed), the exact way (`GreedyAcceptor.exact`)
     redone: bool = False  # once landed: whether the exact acceptance replaced the raw one
+    windows: Any = None  # sliding windows as they were before it, for a discard (`models.target.windows`)
     started: float = 0.0
     queued: float = 0.0  # launched ahead: when its graph went to the device (MLX's CPU `async_eval` may wait
     # there for the tasks before it to drain)
@@ -183,6 +185,7 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
         else:
             proposal, verify_in = None, last[:, None]
         timer.mark("draft", verify_in)
+        windows = snapshot_windows(ctx.state.target_cache) if target.rotating and width > 1 else None
         h, feats, record = target.forward(verify_in, ctx.state.target_cache, drafter.layer_ids, record=width > 1,
                                           fuse=drafter.fuse)
 
@@ -205,7 +208,8 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
             return accept_in_pieces(acceptor.exact(), proposal, row_logits, first, drafter.draft)
 
     return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, outcome,
-                    pieces=pieces, unsure=unsure, redo=redo, started=started, built=time.perf_counter())
+                    pieces=pieces, unsure=unsure, redo=redo, windows=windows, started=started,
+                    built=time.perf_counter())
 
 
 def land(launched: Launched):
@@ -307,9 +311,11 @@ def take(state) -> Tuple[Optional[Launched], Optional[Plan]]:
 
 
 def discard(target, state):
-    """Roll back a cycle launched ahead that will not land (its rows leave the caches whole)."""
+    """Roll back a cycle launched ahead that will not land (its rows leave the caches whole; sliding
+    windows are put back as they were, `models.target.windows`)."""
     pending, state.ahead = state.ahead, None
     if isinstance(pending, Launched):
         with mx.stream(generation_stream):
             target.rollback(state.target_cache, pending.width, pending.width, pending.record)
+        restore_windows(pending.windows)
         state.valid = True

@@ -35,6 +35,7 @@ from dflash_mlx.engine.responses import Step
 from dflash_mlx.engine.rows import Row
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
+from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
 from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
@@ -91,6 +92,7 @@ class BatchLaunched:
     queued: float = 0.0  # launched ahead: when its graph went to the device
     landing: Optional[float] = None  # when the next step took it (launched ahead)
     kept_early: bool = False  # the draft kept its features before the read (a plain step queued behind it)
+    windows: Any = None  # sliding windows as they were before it, for a discard (`models.target.windows`)
     redone: bool = False  # once landed: whether the exact acceptance replaced the raw one
 
     def seconds(self) -> float:
@@ -134,6 +136,7 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
             for c in cache:
                 for sub in sub_caches(c):
                     in_temporal_order(sub)
+        windows = snapshot_windows(cache) if target.rotating and width > 1 else None
         h, feats, record = target.forward(verify_in, for_forward(cache, kinds, head_axis), layer_ids,
                                           record=width > 1, fuse=fuse)
         logits = target.logits(h)  # [B, width, V]
@@ -141,7 +144,7 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)
         unsure = [a.take_unsure() for a in acceptors]
     return BatchLaunched(list(rows), width, list(copied), list(matches), proposals, verify_in, feats, record, logits,
-                         accept_len, committed, unsure, started, built=time.perf_counter())
+                         accept_len, committed, unsure, started, built=time.perf_counter(), windows=windows)
 
 
 def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List[Step], List[int], float]:
@@ -173,9 +176,11 @@ def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List
 
 def discard_batch(launched: BatchLaunched, cache: List, kinds):
     """Roll back a batched cycle launched ahead that will not land (a row joins or leaves first):
-    every row's rows leave the caches whole (what its draft read stays: committed tokens' features)."""
+    every row's rows leave the caches whole (what its draft read stays: committed tokens' features), and
+    sliding windows are put back as they were (`models.target.windows`)."""
     with mx.stream(generation_stream):
         rollback_rows(cache, kinds, launched.record, launched.width, [launched.width] * len(launched.rows))
+    restore_windows(launched.windows)
 
 
 def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,

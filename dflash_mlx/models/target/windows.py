@@ -1,0 +1,40 @@
+"""Sliding-window caches put back as they were before a cycle that never lands.
+
+A verify of w tokens on a full window (`RotatingKVCache`, `BatchRotatingKVCache`) concatenates
+them after dropping the oldest entries the window no longer needs, and a rollback of what was
+rejected trims the tail: kept >= 1 token, the window again holds what the next step reads. A cycle
+launched ahead and discarded keeps none: trimmed whole, the window would hold one entry fewer than
+its size while its count of tokens says it is full, and mlx-lm's next one-token update then sizes a
+negative buffer (`[full] Negative dimensions`; found by the option fuzz on a batch, and reachable
+alone: a stream closed with a cycle launched ahead, then its next turn one token longer). So a
+discard puts a window's own state back instead: a multi-token update makes new arrays, never
+writes into the old ones, so the state held before the launch is still whole.
+"""
+
+from typing import Any, List, Optional, Tuple
+
+from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
+
+from dflash_mlx.models.target.rollback import sub_caches
+
+_FIELDS = {
+    RotatingKVCache: ("keys", "values", "offset", "_idx"),
+    BatchRotatingKVCache: ("keys", "values", "offset", "left_padding", "_idx", "_offset", "rotated", "_lengths"),
+}
+
+Snapshot = List[Tuple[Any, dict]]
+
+
+def snapshot_windows(caches: List) -> Optional[Snapshot]:
+    """The state of every sliding-window cache in `caches` (a target's or a batch's), before a
+    cycle whose verify writes two tokens or more into them; None where there is none."""
+    held = [(c, {f: getattr(c, f) for f in _FIELDS[type(c)]})
+            for cache in caches for c in sub_caches(cache) if type(c) in _FIELDS]
+    return held or None
+
+
+def restore_windows(snapshot: Optional[Snapshot]):
+    """Put back what `snapshot_windows` held (after the discarded cycle's rollback of the rest)."""
+    for c, state in snapshot or ():
+        for field, value in state.items():
+            setattr(c, field, value)
