@@ -220,15 +220,40 @@ def _stream(row: dict, rng: random.Random):
     # of the whole: in float32 only, where the reused entries (computed in the first turn's shapes)
     # round as a fresh prefill's do to the last bits or so (docs/targets.md, deterministic mode)
     if row["turns"] and row.get("dtype", "float32") == "float32":
-        turn2 = prompt + out + [rng.randrange(3, arch_check.VOCAB) for _ in range(rng.choice([1, 4, 9]))]
+        extra = [rng.randrange(3, arch_check.VOCAB) for _ in range(rng.choice([1, 4, 9]))]
         if isinstance(draft, ScriptedDraft):  # (scripted for the first turn only)
             draft = _draft("random", model, None, rng)
             cache = make_prompt_cache(model, draft)
             decode(prompt, max_tokens, stops)
+        # (its own generator: the cases drawn before it was added keep their options)
+        cut = random.Random(row["seed"] * 31 + 7)
+        if len(out) > 3 and cut.random() < 0.5:  # the first turn broken off: its cycle ahead discarded
+            row["broken_off"] = cut.randrange(1, len(out) - 1)
+            cache = make_prompt_cache(model, draft)
+            with _queuing(row.get("queued_first", ahead.BEFORE_READING_ON_CPU), row.get("guess_whole", False)):
+                out = _broken_off(stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=max_tokens,
+                                                  stop_token_ids=stops, prompt_cache=cache, suffix_index=index,
+                                                  **opts), row["broken_off"])
+            if out != ref[: len(out)]:
+                row.update(status="mismatch", reason="broken off: " + _parted(out, ref[: len(out)]))
+                return
+        turn2 = prompt + out + extra
         want = greedy_reference(model, turn2, 8, {EOS_ID}, make_cache, step)
         second = decode(turn2, 8, [EOS_ID])
         if second != want:
             row.update(status="mismatch", reason="second turn: " + _parted(second, want))
+
+
+def _broken_off(stream, after: int) -> List[int]:
+    """The tokens `stream` gave until it had given `after` or more, then closed (as a client that
+    hangs up)."""
+    got = []
+    for r in stream:
+        got += r.tokens
+        if len(got) >= after:
+            break
+    stream.close()
+    return got
 
 
 def _earlier_answers(model, kind, prompt, whole):
