@@ -13,6 +13,7 @@ writes into the old ones, so the state held before the launch is still whole.
 
 from typing import Any, List, Optional, Tuple
 
+import mlx.core as mx
 from mlx_lm.models.cache import BatchRotatingKVCache, RotatingKVCache
 
 from dflash_mlx.models.target.rollback import sub_caches
@@ -28,9 +29,18 @@ Snapshot = List[Tuple[Any, dict]]
 def snapshot_windows(caches: List) -> Optional[Snapshot]:
     """The state of every sliding-window cache in `caches` (a target's or a batch's), before a
     cycle whose verify writes two tokens or more into them; None where there is none."""
-    held = [(c, {f: getattr(c, f) for f in _FIELDS[type(c)]})
+    held = [(c, {f: _held(f, getattr(c, f)) for f in _FIELDS[type(c)]})
             for cache in caches for c in sub_caches(cache) if type(c) in _FIELDS]
     return held or None
+
+
+def _held(field: str, value):
+    """A field's value as it is now. A batch window's `left_padding` is updated in place (`-=` on an
+    mx.array rewrites that very array: the option fuzz found the restored padding moved), so its small
+    arrays are copied; the keys and values a multi-token update replaces, never writes into."""
+    if isinstance(value, mx.array) and field not in ("keys", "values"):
+        return mx.array(value)
+    return value
 
 
 def restore_windows(snapshot: Optional[Snapshot]):
