@@ -61,7 +61,7 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
         return
     launched = engine.ahead = launch(engine, chosen)
     launched.queued = time.perf_counter()
-    mx.async_eval(launched.accept_len, launched.committed, *[u for u in launched.unsure if u is not None])
+    mx.async_eval(launched.outcome, *[u for u in launched.unsure if u is not None])
 
 
 def before_reading(engine, launched: BatchLaunched) -> bool:
@@ -83,7 +83,7 @@ def queue_behind(engine, launched: BatchLaunched):
         lasts = [launched.committed[b : b + 1, 0] for b in range(len(rows))]
         queued = engine.ahead = launch(engine, (1, [0] * len(rows), [None] * len(rows)), lasts)
     queued.queued = time.perf_counter()
-    mx.async_eval(queued.accept_len, queued.committed, *[u for u in queued.unsure if u is not None])
+    mx.async_eval(queued.outcome, *[u for u in queued.unsure if u is not None])
 
 
 def after_reading(engine, launched: BatchLaunched, ended: list, read_at: float) -> Optional[Plan]:

@@ -36,7 +36,7 @@ from dflash_mlx.engine.rows import Row
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
 from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
-from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, synced_acceptance
+from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, pack_outcome, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
 
@@ -87,6 +87,7 @@ class BatchLaunched:
     accept_len: mx.array
     committed: mx.array
     unsure: List[Optional[mx.array]]
+    outcome: mx.array  # [B, 1 + width + width]: accept lengths, committed and verify_in, packed for one host read
     started: float
     built: float = 0.0
     queued: float = 0.0  # launched ahead: when its graph went to the device
@@ -143,8 +144,11 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
         acceptors = [r.acceptor for r in rows]
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)
         unsure = [a.take_unsure() for a in acceptors]
+        # (packed now, in the cycle's own graph: packed when it lands, behind a cycle queued after it, its read
+        # would wait for that one too)
+        outcome = pack_outcome(accept_len, committed, verify_in)
     return BatchLaunched(list(rows), width, list(copied), list(matches), proposals, verify_in, feats, record, logits,
-                         accept_len, committed, unsure, started, built=time.perf_counter(), windows=windows)
+                         accept_len, committed, unsure, outcome, started, built=time.perf_counter(), windows=windows)
 
 
 def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List[Step], List[int], float]:
@@ -158,7 +162,7 @@ def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List
             return _accept([a.exact() for a in acceptors], proposals, launched.verify_in, logits, width, draft)
 
     accept_len, committed, (accepts, chosen, fed) = synced_acceptance(
-        launched.accept_len, launched.committed, launched.unsure, exact_again, launched.verify_in)
+        launched.accept_len, launched.committed, launched.unsure, exact_again, launched.verify_in, launched.outcome)
     launched.redone = accept_len is not launched.accept_len
     seconds = launched.seconds()  # (a split target's ranks learn rank 0's: engine.distributed)
     steps = [r.commit(chosen[b], fed[b], accepts[b], committed[b : b + 1, accepts[b]], width,
