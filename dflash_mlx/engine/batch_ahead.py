@@ -60,14 +60,15 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
         engine.ahead = chosen
         return
     launched = engine.ahead = launch(engine, chosen)
-    launched.queued = time.perf_counter()
-    mx.async_eval(launched.outcome, *[u for u in launched.unsure if u is not None])
+    queue(launched)
 
 
 def before_reading(engine, launched: BatchLaunched) -> bool:
     """Whether the step after `launched`, a batched plain step, is queued before the host reads it."""
+    # (a row's logprobs are computed from its logits when it is read: behind a step queued first, that
+    # read would wait for the queued step too)
     return (plain((launched.width, launched.copied, launched.matches)) and may_launch(engine)
-            and not engine.target.rotating and all(r.budget > 1 for r in launched.rows)
+            and not engine.target.rotating and all(r.budget > 1 and r.request.logprobs is None for r in launched.rows)
             and (lone.BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu) and engine.lookahead.pays(1))
 
 
@@ -82,8 +83,17 @@ def queue_behind(engine, launched: BatchLaunched):
         launched.kept_early = True
         lasts = [launched.committed[b : b + 1, 0] for b in range(len(rows))]
         queued = engine.ahead = launch(engine, (1, [0] * len(rows), [None] * len(rows)), lasts)
-    queued.queued = time.perf_counter()
-    mx.async_eval(queued.outcome, *[u for u in queued.unsure if u is not None])
+    queue(queued)
+
+
+def queue(launched: BatchLaunched):
+    """Hand a launched cycle's graph to the device. Its build, for the policies, runs to the end of
+    that hand-off, as a lone row's (`ahead.ahead`): MLX's CPU backend may wait in `async_eval` for the
+    tasks before it, and a cycle's time that left it out would teach the width policy cycles that cost
+    the host nothing."""
+    launched.queued = time.perf_counter()
+    mx.async_eval(launched.outcome, *[u for u in launched.unsure if u is not None])
+    launched.built = time.perf_counter()
 
 
 def after_reading(engine, launched: BatchLaunched, ended: list, read_at: float) -> Optional[Plan]:
