@@ -187,13 +187,6 @@ def discard_batch(launched: BatchLaunched, cache: List, kinds):
     restore_windows(launched.windows)
 
 
-def batch_cycle(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,
-                copied: Sequence[int], matches: Sequence[Optional[CopyMatch]]) -> Tuple[List[Step], List[int], float]:
-    """One cycle of `rows`, launched and landed at once (`launch_batch`, `land_batch`)."""
-    launched = launch_batch(target, draft, rows, cache, kinds, head_axis, width, copied, matches)
-    return land_batch(launched, cache, kinds, draft)
-
-
 def _accept(acceptors, proposals, verify_in, logits, width: int, draft):
     """(accept_len [B], committed [B, width]) of a batch's verify, one acceptance for greedy rows."""
     if all(isinstance(a, GreedyAcceptor) for a in acceptors):  # one acceptance for the batch

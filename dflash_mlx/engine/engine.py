@@ -17,7 +17,8 @@ first served (`cycle.prefill_chunks`), reusing whatever prefix its `PromptCache`
 holds, then merged into the batch; a finished or cancelled row leaves at
 once and its KV goes back to its `PromptCache` (for a later request's prefix).
 A batched cycle is launched at the end of the step before it, before that step's responses are
-built (`_ahead`); a row joining or leaving first rolls it back whole (`batch_cycle.discard_batch`).
+built, or a plain step's successor before the step is read; a row joining or leaving first rolls
+it back whole (`batch_ahead`).
 What is a row's own (its caches, drafter, acceptor, budget, answer): `rows.Row`.
 Which targets batch, and how rows' caches become a batch's: `batch_caches`.
 """
@@ -30,9 +31,9 @@ from typing import Deque, List, Optional, Tuple, Union
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
+from dflash_mlx.engine import batch_ahead
 from dflash_mlx.engine.ahead import discard
 from dflash_mlx.engine.batch_caches import batch_support, extend_rows, extract_row, mask_head_axis, merge_rows
-from dflash_mlx.engine import batch_ahead
 from dflash_mlx.engine.batch_cycle import BatchLaunched, land_batch
 from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
