@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 
 from dflash_mlx.engine import batch_ahead
-from dflash_mlx.engine.ahead import discard
+from dflash_mlx.engine.ahead import discard, guesses_roll_back
 from dflash_mlx.engine.batch_caches import batch_support, extend_rows, extract_row, mask_head_axis, merge_rows
 from dflash_mlx.engine.batch_cycle import BatchLaunched, land_batch
 from dflash_mlx.engine.distributed import share_seconds
@@ -115,6 +115,7 @@ class BatchEngine:
         # step's successor queued before its read, where the look-ahead finds that pays (`batch_ahead`)
         self.ahead: Union[BatchLaunched, Tuple, None] = None
         self.lookahead = LookAhead()
+        self.guesses_roll_back = guesses_roll_back(self.target)  # (a lone row's guesses: `ahead.before_reading`)
         self.read_at: Optional[float] = None  # when the last batched cycle was read
 
     # -- admission

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from dflash_mlx.engine.ahead import Context, guesses_roll_back
+from dflash_mlx.engine.ahead import Context
 from dflash_mlx.engine.cycle import HeadRows, cycle, prefill_chunks
 from dflash_mlx.engine.distributed import shared_seed
 from dflash_mlx.engine.drafter import DraftContext, PlainDecoding
@@ -59,7 +59,7 @@ class Row:
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
-        self.lookahead = lookahead_for(engine.model, engine.draft) if guesses_roll_back(engine.target) else None
+        self.lookahead = lookahead_for(engine.model, engine.draft) if engine.guesses_roll_back else None
         self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike
         # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence
         # call; trees only while the row decodes alone (`cycle.cycle`)
