@@ -159,6 +159,8 @@ def test_plain_steps_queued_before_their_read_are_the_targets_own(queued_first, 
         assert tokens[i] == want, i
     assert queued_first["queued"] > 3 * queued_first["discarded"] > 0  # most kept; a join or a stop drops one
     assert engine.lookahead.kept_rate(1) > 0.5  # it learnt that the guess holds (no copies here)
+    ahead = engine.stats()["batched_ahead"]  # (what /health shows)
+    assert ahead["queued before a read"] == queued_first["queued"] and ahead["discarded"] > 0
 
 
 def test_a_copy_in_sight_drops_the_plain_step_queued_before_it(queued_first):

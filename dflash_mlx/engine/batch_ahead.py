@@ -61,6 +61,7 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
         return
     launched = engine.ahead = launch(engine, chosen)
     queue(launched)
+    engine.ahead_counts["launched ahead"] += 1
 
 
 def before_reading(engine, launched: BatchLaunched) -> bool:
@@ -84,6 +85,7 @@ def queue_behind(engine, launched: BatchLaunched):
         lasts = [launched.committed[b : b + 1, 0] for b in range(len(rows))]
         queued = engine.ahead = launch(engine, (1, [0] * len(rows), [None] * len(rows)), lasts)
     queue(queued)
+    engine.ahead_counts["queued before a read"] += 1
 
 
 def queue(launched: BatchLaunched):
@@ -127,3 +129,4 @@ def discard(engine):
     pending, engine.ahead = engine.ahead, None
     if isinstance(pending, BatchLaunched):
         discard_batch(pending, engine.cache, engine.kinds)
+        engine.ahead_counts["discarded"] += 1

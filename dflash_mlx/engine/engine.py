@@ -117,6 +117,7 @@ class BatchEngine:
         self.lookahead = LookAhead()
         self.guesses_roll_back = guesses_roll_back(self.target)  # (a lone row's guesses: `ahead.before_reading`)
         self.read_at: Optional[float] = None  # when the last batched cycle was read
+        self.ahead_counts = {"launched ahead": 0, "queued before a read": 0, "discarded": 0}  # batched cycles
 
     # -- admission
 
@@ -321,4 +322,5 @@ class BatchEngine:
             "widths": ({str(k): {str(w): n for w, n in sorted(v.items())} for k, v in sorted(self.widths.chosen.items())}
                        if self.widths is not None else {"fixed": self.fixed.width}),
             "width_key": self.widths.key if self.widths is not None else None,
+            "batched_ahead": dict(self.ahead_counts),
         }
