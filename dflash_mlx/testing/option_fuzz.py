@@ -321,8 +321,15 @@ def _batch(row: dict, rng: random.Random):
     forget_sizers()
     index = SuffixIndex(model=model) if row["suffix_index"] else None
     engine = BatchEngine(model, draft, byte_tokenizer(), suffix_index=index, **row["options"])
+    # (its own generator: the cases drawn before it was added keep their options)
+    cut = random.Random(row["seed"] * 31 + 11)
+    cancel = {cut.randrange(len(requests)): cut.choice([1, 2, 3])} if cut.random() < 0.4 else None
+    if cancel:  # a client hangs up after that many responses: its cycle launched ahead is discarded
+        row["cancel"] = {str(i): n for i, n in cancel.items()}
     with _queuing(True, True, plain_steps=True) if row.get("guess_whole") else contextlib.nullcontext():
-        tokens, _, states = serve(engine, requests, row["join_every"], max_steps=5000)
+        tokens, _, states = serve(engine, requests, row["join_every"], cancel, max_steps=5000)
+    if cancel:  # what the cancelled request got must begin mlx-lm's answer
+        wants = [w[: len(tokens[i])] if i in cancel else w for i, w in enumerate(wants)]
     wrong = [i for i in range(len(requests)) if tokens[i] != wants[i]]
     if wrong:
         i = wrong[0]
