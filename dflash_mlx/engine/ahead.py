@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ChunkedKVCache
 
-from dflash_mlx.engine.timing import NoTimer
+from dflash_mlx.engine.timing import NoTimer, launched_seconds
 from dflash_mlx.models.target.rollback import sub_caches
 from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
 from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, accept_in_pieces, pack_outcome,
@@ -108,13 +108,7 @@ class Launched:
     built: float = 0.0
     landing: Optional[float] = None  # when the next call took it (launched ahead)
 
-    def seconds(self) -> float:
-        """The cycle's time for the policies: from launch to now, or, launched ahead, its build
-        and the wait once it was taken (the gap between cycles hid the rest)."""
-        now = time.perf_counter()
-        if self.landing is None:
-            return now - self.started
-        return (self.built - self.started) + (now - self.landing)
+    seconds = launched_seconds
 
 
 def make_plan(ctx: Context, budget: int, unread: int = 0) -> Plan:

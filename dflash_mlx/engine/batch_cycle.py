@@ -33,6 +33,7 @@ from dflash_mlx.engine.cycle import copy_kind
 from dflash_mlx.engine.drafter import propose_rows
 from dflash_mlx.engine.responses import Step
 from dflash_mlx.engine.rows import Row
+from dflash_mlx.engine.timing import launched_seconds
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
 from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
@@ -96,12 +97,7 @@ class BatchLaunched:
     windows: Any = None  # sliding windows as they were before it, for a discard (`models.target.windows`)
     redone: bool = False  # once landed: whether the exact acceptance replaced the raw one
 
-    def seconds(self) -> float:
-        """The cycle's time for the policies, as `ahead.Launched.seconds` counts a lone row's."""
-        now = time.perf_counter()
-        if self.landing is None:
-            return now - self.started
-        return (self.built - self.started) + (now - self.landing)
+    seconds = launched_seconds
 
 
 def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,

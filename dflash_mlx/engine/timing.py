@@ -28,6 +28,16 @@ class PhaseTimer:
         return dict(self.times)
 
 
+def launched_seconds(launched) -> float:
+    """A launched cycle's time for the policies (`ahead.Launched`, `batch_cycle.BatchLaunched`): from
+    launch to now, or, launched ahead, its build and the wait once it was taken (the gap between
+    cycles hid the rest)."""
+    now = time.perf_counter()
+    if launched.landing is None:
+        return now - launched.started
+    return (launched.built - launched.started) + (now - launched.landing)
+
+
 class NoTimer:
     """Profiling off: no syncs, no times."""
 
