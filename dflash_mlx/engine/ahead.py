@@ -179,7 +179,6 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
         else:
             proposal, verify_in = None, last[:, None]
         timer.mark("draft", verify_in)
-        windows = snapshot_windows(ctx.state.target_cache) if target.rotating and width > 1 else None
         h, feats, record = target.forward(verify_in, ctx.state.target_cache, drafter.layer_ids, record=width > 1,
                                           fuse=drafter.fuse)
 
@@ -202,8 +201,7 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
             return accept_in_pieces(acceptor.exact(), proposal, row_logits, first, drafter.draft)
 
     return Launched(width, verify_in, feats, record, accept_len, committed, plan.match, plan.copy_length, outcome,
-                    pieces=pieces, unsure=unsure, redo=redo, windows=windows, started=started,
-                    built=time.perf_counter())
+                    pieces=pieces, unsure=unsure, redo=redo, started=started, built=time.perf_counter())
 
 
 def land(launched: Launched):
@@ -242,7 +240,10 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
         # (a one-token update of a full sliding window overwrites the entry a discard would need back)
         state.ahead = plan
         return
+    # (only a cycle launched ahead can be discarded: its windows as they were, before its forward writes them)
+    windows = snapshot_windows(state.target_cache) if ctx.target.rotating else None
     launched = launch(ctx, plan, last, timer)
+    launched.windows = windows
     launched.queued = time.perf_counter()
     mx.async_eval(launched.outcome, *([] if launched.unsure is None else [launched.unsure]))
     # (on MLX's CPU backend async_eval hands each node of the graph to the stream's worker thread, ~1.6 us a

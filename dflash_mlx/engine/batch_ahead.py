@@ -25,6 +25,7 @@ from mlx_lm.generate import generation_stream
 from dflash_mlx.engine import ahead as lone
 from dflash_mlx.engine.batch_cycle import BatchLaunched, discard_batch, launch_batch, plan_batch
 from dflash_mlx.engine.timing import NoTimer
+from dflash_mlx.models.target.windows import snapshot_windows
 
 Plan = Tuple[int, List[int], List]  # (width, copy tokens per row, each row's match)
 
@@ -59,7 +60,11 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
     if plain(chosen) and engine.target.rotating:
         engine.ahead = chosen
         return
+    # (only a cycle launched ahead can be discarded: its windows as they were, before its forward writes them;
+    # a batched plain step is never launched ahead on windows)
+    windows = snapshot_windows(engine.cache) if engine.target.rotating else None
     launched = engine.ahead = launch(engine, chosen)
+    launched.windows = windows
     queue(launched)
     engine.ahead_counts["launched ahead"] += 1
 

@@ -36,7 +36,7 @@ from dflash_mlx.engine.rows import Row
 from dflash_mlx.engine.timing import launched_seconds
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
-from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
+from dflash_mlx.models.target.windows import restore_windows
 from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, pack_outcome, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
 
@@ -133,7 +133,6 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
             for c in cache:
                 for sub in sub_caches(c):
                     in_temporal_order(sub)
-        windows = snapshot_windows(cache) if target.rotating and width > 1 else None
         h, feats, record = target.forward(verify_in, for_forward(cache, kinds, head_axis), layer_ids,
                                           record=width > 1, fuse=fuse)
         logits = target.logits(h)  # [B, width, V]
@@ -144,7 +143,7 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
         # would wait for that one too)
         outcome = pack_outcome(accept_len, committed, verify_in)
     return BatchLaunched(list(rows), width, list(copied), list(matches), proposals, verify_in, feats, record, logits,
-                         accept_len, committed, unsure, outcome, started, built=time.perf_counter(), windows=windows)
+                         accept_len, committed, unsure, outcome, started, built=time.perf_counter())
 
 
 def land_batch(launched: BatchLaunched, cache: List, kinds, draft) -> Tuple[List[Step], List[int], float]:
