@@ -19,6 +19,7 @@ from dflash_mlx.policy.sizer import forget_sizers
 from dflash_mlx.testing.archs import build
 from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import RowScriptedDrafts, byte_tokenizer, clean_case, tiny_target
+from test_batch import Schedule
 
 
 def request(prompt, max_tokens):
@@ -245,24 +246,18 @@ def test_the_engines_look_ahead_learns_when_queuing_plain_steps_first_pays(monke
     assert engine.lookahead.trials[1] > 10 and not queued
 
 
-class Widths:
-    """A fixed cycle of widths (one-token steps between wider verifies), as `test_batch.Schedule`;
-    a one-token step first after each discard (`one_next`)."""
+class Widths(Schedule):
+    """`test_batch.Schedule`'s fixed cycle of widths, with a one-token step first after each discard
+    (`one_next`)."""
 
-    def __init__(self, widths):
-        self.widths, self.at, self.one_next = list(widths), 0, False
-
-    def at_context(self, tokens):
-        pass
+    one_next = False
 
     def choose(self, remaining):
-        self.at += 1
-        width = 1 if self.one_next else self.widths[self.at % len(self.widths)]
-        self.one_next = False
-        return min(width, max(1, remaining))
-
-    def count(self, *args, **kwargs):
-        return lambda seconds: None
+        width = super().choose(remaining)
+        if self.one_next:
+            self.one_next = False
+            return 1
+        return width
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "cohere2", "ministral3"])
