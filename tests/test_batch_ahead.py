@@ -164,7 +164,28 @@ def test_plain_steps_queued_before_their_read_are_the_targets_own(queued_first, 
     assert ahead["queued before a read"] == queued_first["queued"] and ahead["discarded"] > 0
 
 
-def test_a_copy_in_sight_drops_the_plain_step_queued_before_it(queued_first):
+@pytest.fixture
+def copies_by_the_plan(monkeypatch):
+    """Copies decided by the plan's count, not by measured cycle times (which move with the machine's
+    load): every third batched plan copies each row's match as far as its continuation and the budget
+    allow, the others are plain steps (a lone row never copies)."""
+    from dflash_mlx.policy.copies import BatchCopyPolicy, CopyPolicy
+    from dflash_mlx.policy.copy_trees import CopyTreePolicy
+
+    plans = {"n": 0}
+
+    def batch_plan(self, matches, budgets, width, chain_tokens):
+        plans["n"] += 1
+        copied = [min(self.max_length, len(m.continuation), b - 1) if m is not None and plans["n"] % 3 == 0 else 0
+                  for m, b in zip(matches, budgets)]
+        return (max(copied) + 1, copied) if any(copied) else (width, copied)
+
+    monkeypatch.setattr(BatchCopyPolicy, "plan", batch_plan)
+    monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width: 0)
+    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
+
+
+def test_a_copy_in_sight_drops_the_plain_step_queued_before_it(queued_first, copies_by_the_plan):
     """No draft, copies on, answers that repeat: where the plan made once a step is read is a copy, the
     plain step queued behind it goes and the copy runs; every row is the target's."""
     forget_sizers()
@@ -173,10 +194,21 @@ def test_a_copy_in_sight_drops_the_plain_step_queued_before_it(queued_first):
     repeat = [(p + ref[:20] + p, None) for p, ref in cs]  # prompts that hold their own continuations
     from dflash_mlx.testing.targets import greedy_reference
     repeat = [(p, greedy_reference(model, p, 40)) for p, _ in repeat]
-    engine, tokens, responses = plain_batch(model, repeat, copies=True, join_every=1)
+    dropped = []  # a plain step queued behind the step read, and the plan made once it was read
+    after_reading = batch_ahead.after_reading
+
+    def after_reading_seen(engine, *args):
+        queued = engine.ahead if isinstance(engine.ahead, batch_ahead.BatchLaunched) else None
+        chosen = after_reading(engine, *args)
+        if queued is not None and chosen is not None and any(chosen[1]):
+            dropped.append(engine.ahead is None and queued.width == 1)
+        return chosen
+
+    with mock.patch.object(batch_ahead, "after_reading", after_reading_seen):
+        engine, tokens, responses = plain_batch(model, repeat, copies=True, join_every=1)
     assert [tokens[i] for i in range(3)] == [ref for _, ref in repeat]
     assert any(r.proposal == "copy" for rs in responses.values() for r in rs)
-    assert queued_first["queued"] and queued_first["discarded"]
+    assert queued_first["queued"] and dropped and all(dropped)  # each copy in sight dropped the queued step
 
 
 @pytest.fixture
