@@ -200,7 +200,7 @@ def test_a_copy_in_sight_drops_the_plain_step_queued_before_it(queued_first, cop
     def after_reading_seen(engine, *args):
         queued = engine.ahead if isinstance(engine.ahead, batch_ahead.BatchLaunched) else None
         chosen = after_reading(engine, *args)
-        if queued is not None and chosen is not None and any(chosen[1]):
+        if queued is not None and chosen is not None and any(chosen.copied):
             dropped.append(engine.ahead is None and queued.width == 1)
         return chosen
 

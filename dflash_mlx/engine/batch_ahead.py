@@ -17,7 +17,7 @@ for plain steps, on sliding windows (a one-token write overwrites what a discard
 """
 
 import time
-from typing import List, Optional, Tuple
+from typing import List, NamedTuple, Optional
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -27,12 +27,17 @@ from dflash_mlx.engine.batch_cycle import BatchLaunched, discard_batch, launch_b
 from dflash_mlx.engine.timing import NoTimer
 from dflash_mlx.models.target.windows import snapshot_windows
 
-Plan = Tuple[int, List[int], List]  # (width, copy tokens per row, each row's match)
+class Plan(NamedTuple):
+    """A batched cycle's width, copy tokens per row (0: the row drafts) and each row's match."""
+
+    width: int
+    copied: List[int]
+    matches: List
 
 
 def plan(engine) -> Plan:
     """The next batched cycle's width and copies, as the engine's policies choose them now."""
-    return plan_batch(engine.target, engine.rows, engine.widths, engine.fixed, engine.batch_copies)
+    return Plan(*plan_batch(engine.target, engine.rows, engine.widths, engine.fixed, engine.batch_copies))
 
 
 def launch(engine, chosen: Plan, lasts: Optional[List[mx.array]] = None) -> BatchLaunched:
@@ -47,8 +52,9 @@ def may_launch(engine) -> bool:
             and all(kind == "trim" for kind in engine.kinds))
 
 
-def plain(chosen: Plan) -> bool:
-    return chosen[0] == 1 and not any(chosen[1])
+def plain(width: int, copied: List[int]) -> bool:
+    """Whether a batched cycle of `width` with `copied` tokens a row is a plain step."""
+    return width == 1 and not any(copied)
 
 
 def launch_ahead(engine, chosen: Optional[Plan] = None):
@@ -57,7 +63,7 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
     if not may_launch(engine):
         return
     chosen = chosen or plan(engine)
-    if plain(chosen) and engine.target.rotating:
+    if plain(chosen.width, chosen.copied) and engine.target.rotating:
         engine.ahead = chosen
         return
     # (only a cycle launched ahead can be discarded: its windows as they were, before its forward writes them;
@@ -73,7 +79,7 @@ def before_reading(engine, launched: BatchLaunched) -> bool:
     """Whether the step after `launched`, a batched plain step, is queued before the host reads it."""
     # (a row's logprobs are computed from its logits when it is read: behind a step queued first, that
     # read would wait for the queued step too)
-    return (plain((launched.width, launched.copied, launched.matches)) and may_launch(engine)
+    return (plain(launched.width, launched.copied) and may_launch(engine)
             and not engine.target.rotating and all(r.budget > 1 and r.request.logprobs is None for r in launched.rows)
             and (lone.BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu) and engine.lookahead.pays(1))
 
@@ -88,7 +94,7 @@ def queue_behind(engine, launched: BatchLaunched):
                 r.drafter.keep(launched.feats[b : b + 1])
         launched.kept_early = True
         lasts = [launched.committed[b : b + 1, 0] for b in range(len(rows))]
-        queued = engine.ahead = launch(engine, (1, [0] * len(rows), [None] * len(rows)), lasts)
+        queued = engine.ahead = launch(engine, Plan(1, [0] * len(rows), [None] * len(rows)), lasts)
     queue(queued)
     engine.ahead_counts["queued before a read"] += 1
 
@@ -108,16 +114,16 @@ def after_reading(engine, launched: BatchLaunched, ended: list, read_at: float) 
     discarded where the plan now made (returned) is not a plain step, or where a row ended or a raw
     argmax was done again (None then: the next is planned after the rows leave)."""
     queued_early = isinstance(engine.ahead, BatchLaunched)
-    was_plain = plain((launched.width, launched.copied, launched.matches))
+    was_plain = plain(launched.width, launched.copied)
     if not may_launch(engine):
         return None
     chosen = None if ended or launched.redone or not engine.batched else plan(engine)
     if was_plain and engine.batched:
-        engine.lookahead.observe(1, chosen is not None and plain(chosen))
+        engine.lookahead.observe(1, chosen is not None and plain(chosen.width, chosen.copied))
         if engine.read_at is not None:
             engine.lookahead.timed_cycle(1, read_at - engine.read_at)
     engine.read_at = read_at
-    if queued_early and (chosen is None or not plain(chosen)):
+    if queued_early and (chosen is None or not plain(chosen.width, chosen.copied)):
         discard(engine)
     return chosen
 
