@@ -42,7 +42,8 @@ def markdown(doc: dict) -> str:
             f"| {depth} | {s['documents']} | {fmt(s['plain_tps'])} | {fmt(s['auto_tps'])} | "
             f"**{fmt(s['speedup'])}x** | {fmt(s['tau'])} | {fmt(s['ttft_plain_s'])} | {fmt(s['ttft_auto_s'])} | "
             f"{fmt(s['ttft_ratio'])} | "
-            f"{fmt(s['speedup_cpu'])}x | {settled} | {fixed} | {fmt(s['auto_vs_best_fixed'], '{:.3f}')} (best: {s['best_fixed_width']}) | "
+            f"{fmt(s['speedup_cpu'])}x | {settled} | {fixed} | "
+            f"{fmt(s['auto_vs_best_fixed'], '{:.3f}')} (best: {s['best_fixed_width']}) | "
             f"{'yes' if not s['mismatches'] else 'NO: ' + str(s['mismatches'])} |")
     others = sorted({k for s in doc["summary"].values() for k in s.get("others", {})})
     if others:

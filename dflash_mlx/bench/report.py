@@ -20,7 +20,8 @@ CONFIG_KEYS = {"suites": list, "limit": (int, type(None)), "max_tokens": int,
 BASELINE_KEYS = {"generated": int, "prefill_s": _NUM, "generation_s": _NUM, "tps": _NUM,
                  "tokens": list}
 DFLASH_KEYS = {"block_size": (int, str), "generated": int,
-               "generation_s": _NUM, "prefill_s": _NUM, "tps": _NUM, "cycles": int, "accept_lengths": list, "accept_hist": list,
+               "generation_s": _NUM, "prefill_s": _NUM, "tps": _NUM, "cycles": int,
+               "accept_lengths": list, "accept_hist": list,
                "tau": _NUM, "speedup": _NUM, "efficiency": _NUM, "limit": _OPT_NUM,
                "forward_ratio": _OPT_NUM, "tokens_match": (bool, type(None)),
                "cycle_split_s": (dict, type(None))}
@@ -134,7 +135,8 @@ def markdown(doc: dict) -> str:
         "",
         f"Suites {', '.join(cfg['suites'])}; {cfg['limit']} prompts each (seed {cfg['seed']}), "
         f"max {cfg['max_tokens']} tokens, temperature {cfg['temperature']}"
-        + (" (greedy)" if cfg["greedy"] else f", draft proposals: {cfg.get('draft_sampling', 'argmax')}") + f", block sizes {', '.join(blocks)}.",
+        + (" (greedy)" if cfg["greedy"] else f", draft proposals: {cfg.get('draft_sampling', 'argmax')}")
+        + f", block sizes {', '.join(blocks)}.",
         (f"Command: `{cfg['command']}`" if cfg.get("command") else ""),
         "",
         "Baseline: mlx-lm `stream_generate` with the same target. tok/s exclude prefill. "

@@ -49,7 +49,8 @@ def machine() -> dict:
 
     device = mx.default_device()
     if device.type == mx.DeviceType.gpu:
-        backend = "metal" if mx.metal.is_available() else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "gpu"
+        backend = ("metal" if mx.metal.is_available()
+                   else "cuda" if hasattr(mx, "cuda") and mx.cuda.is_available() else "gpu")
     else:
         backend = "cpu"
     state = blas.active_blas()

@@ -60,7 +60,8 @@ def _read_prompt(args) -> str:
         try:
             prompt = sys.stdin.buffer.read().decode("utf-8")
         except UnicodeDecodeError as e:
-            raise CLIError(f"the prompt on standard input is not valid UTF-8 ({e.reason} at byte {e.start})", EXIT_USAGE) from None
+            raise CLIError(f"the prompt on standard input is not valid UTF-8 ({e.reason} at byte {e.start})",
+                           EXIT_USAGE) from None
     else:
         # argv arrives decoded with surrogateescape: invalid bytes become lone surrogates.
         try:

@@ -97,5 +97,6 @@ def propose_rows(drafters: Sequence[DraftContext], lasts: Sequence[mx.array], wi
     caches = [d.state.draft_cache for d in drafters]
     if len(drafters) < 2 or not getattr(draft, "batches_rows", lambda c: False)(caches):
         return [d.propose(last, width, a) for d, last, a in zip(drafters, lasts, acceptors)]
-    logits = draft.propose_logits_rows(lasts, [d.take_pending() for d in drafters], caches, width)  # [B, width - 1, V_draft]
+    # [B, width - 1, V_draft]
+    logits = draft.propose_logits_rows(lasts, [d.take_pending() for d in drafters], caches, width)
     return [a.propose(draft, logits[b : b + 1]) for b, a in enumerate(acceptors)]

@@ -294,7 +294,8 @@ class BatchEngine:
             chained, timed = [a for a, c in zip(accepts, copied) if not c], not any(copied)
             # a cycle of copies prices no drafted width; on a split target rank 0's time
             # arrives a cycle or more later, what was accepted is taken now
-            width_time, copies, verified = self.widths.count(width, chained, timed), self.batch_copies, len(rows) * width
+            width_time, copies, verified = (self.widths.count(width, chained, timed), self.batch_copies,
+                                            len(rows) * width)
 
             def learn(seconds: float):
                 width_time(seconds)
@@ -319,7 +320,8 @@ class BatchEngine:
             "joining": len(self.joining),
             "max_batch": self.max_batch,
             "cycles": self.cycles,
-            "widths": ({str(k): {str(w): n for w, n in sorted(v.items())} for k, v in sorted(self.widths.chosen.items())}
+            "widths": ({str(k): {str(w): n for w, n in sorted(v.items())}
+                        for k, v in sorted(self.widths.chosen.items())}
                        if self.widths is not None else {"fixed": self.fixed.width}),
             "width_key": self.widths.key if self.widths is not None else None,
             "batched_ahead": dict(self.ahead_counts),

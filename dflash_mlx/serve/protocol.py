@@ -174,7 +174,8 @@ class ChatCompletionRequest(Sampling):
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     response_format: Optional[ResponseFormat] = Field(None, description="only {'type': 'text'}")
     functions: Optional[List[Dict[str, Any]]] = Field(None, description="deprecated by OpenAI: use 'tools'")
-    function_call: Optional[Union[str, Dict[str, Any]]] = Field(None, description="deprecated by OpenAI: use 'tool_choice'")
+    function_call: Optional[Union[str, Dict[str, Any]]] = Field(
+        None, description="deprecated by OpenAI: use 'tool_choice'")
     modalities: Optional[List[str]] = Field(None, description="only ['text']")
     audio: Optional[Dict[str, Any]] = Field(None, description="not supported")
 

@@ -73,7 +73,8 @@ class AnthropicPrompt(Body):
     system: Optional[Union[str, List[AnthropicText]]] = None
     tools: Optional[List[AnthropicTool]] = None
     tool_choice: Optional[AnthropicToolChoice] = None
-    thinking: Optional[ThinkingConfig] = Field(None, description="extended thinking is not supported: disabled or left out")
+    thinking: Optional[ThinkingConfig] = Field(
+        None, description="extended thinking is not supported: disabled or left out")
 
     def refusals(self):
         if self.tool_choice is not None and self.tool_choice.type in ("any", "tool"):

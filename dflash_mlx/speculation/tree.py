@@ -40,7 +40,8 @@ def build_tree(root: int, top_ids: np.ndarray, top_logprobs: np.ndarray, nodes: 
     """
     positions, k = top_ids.shape
     picked: List[Tuple[int, int, int]] = []  # (parent, depth, rank), in the order taken
-    heap = [(-float(top_logprobs[0, 0]), 0, 0, 0, 1)] if positions and nodes else []  # (-score, tie, parent, rank, depth)
+    # (-score, tie, parent, rank, depth)
+    heap = [(-float(top_logprobs[0, 0]), 0, 0, 0, 1)] if positions and nodes else []
     tie = 1
     while heap and len(picked) < nodes:
         neg, _, parent, rank, depth = heapq.heappop(heap)

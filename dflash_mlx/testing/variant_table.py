@@ -31,9 +31,11 @@ SINGLE_INTRO = (
     "divide), and is checked "
     "(`variant_check.py`) against mlx-lm's own greedy decode at widths 1, 4, 16 and `auto` (a scripted draft "
     "with partial accepts that taps every layer), over two chat turns on one prompt cache, on prompts of 2, 5 "
-    "and 6 tokens where it has a window or chunk, under token trees and in a batch of three rows where the model takes them. "
+    "and 6 tokens where it has a window or chunk, under token trees and in a batch of three rows where the model "
+    "takes them. "
     "\"Inert\": the variant's logits on the prompt and its answer equal the base config's (the model's code "
-    "ignores the option there; checked all the same); \"not built\": mlx-lm rejects the config; \"degenerate\": near-constant output "
+    "ignores the option there; checked all the same); \"not built\": mlx-lm rejects the config; "
+    "\"degenerate\": near-constant output "
     "on 3 seeds.")
 COMBINED_INTRO = (
     "Options switched on together, as real configs have them (a chunked, MoE-interleaved, q/k-normed llama4): "

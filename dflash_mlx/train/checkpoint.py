@@ -44,7 +44,8 @@ def save_checkpoint(run_dir: Path, draft: DFlashDraftModel, optimizer, state: Di
     try:
         mx.save_safetensors(str(tmp / "draft.safetensors"), dict(tree_flatten(draft.parameters())))
         opt = dict(tree_flatten(optimizer.state))
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), {k: v for k, v in opt.items() if isinstance(v, mx.array)})
+        mx.save_safetensors(str(tmp / "optimizer.safetensors"),
+                            {k: v for k, v in opt.items() if isinstance(v, mx.array)})
         if draft.vocab_ids is not None:
             mx.save_safetensors(str(tmp / "vocab.safetensors"), {"token_ids": draft.vocab_ids})
         (tmp / "state.json").write_text(json.dumps(state))

@@ -39,7 +39,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_mlx.bench.documents import QUESTIONS, TRAIN_DOCUMENTS, document_prompt, document_prompt_parts, read_documents
+from dflash_mlx.bench.documents import (
+    QUESTIONS, TRAIN_DOCUMENTS, document_prompt, document_prompt_parts, read_documents,
+)
 
 RECIPE_SCHEMA = "dflash-mlx-depth-recipe/1"
 ANSWER_CUTS = (1024, 3072, 6144)

@@ -134,7 +134,8 @@ def write_speculators(out, args, records, draft, vocab, target, tokenizer, hf_ta
     # other model-definition options next to `from_pretrained`
     draft_cfg = {"from_pretrained": str(out / "init")}
     export_draft(draft, out / "init", "speculators", target=target, verifier=hf_target,
-                 verifier_architectures=[{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(target.arch, "")],
+                 verifier_architectures=[{"llama": "LlamaForCausalLM",
+                                          "qwen3": "Qwen3ForCausalLM"}.get(target.arch, "")],
                  source="dflash-mlx train (initialisation)", target_name=hf_target)
     files.append("init/")
     config = {"train": {

@@ -38,7 +38,8 @@ def grow_draft(draft: DFlashDraftModel, num_layers: int) -> DFlashDraftModel:
         for k, v in params.items():
             if k.startswith(f"layers.{src}."):
                 name = f"layers.{i}." + k[len(f"layers.{src}."):]
-                zero = i >= n_old and (name.endswith("self_attn.o_proj.weight") or name.endswith("mlp.down_proj.weight"))
+                zero = i >= n_old and (name.endswith("self_attn.o_proj.weight")
+                                       or name.endswith("mlp.down_proj.weight"))
                 new[name] = mx.zeros_like(v) if zero else v
     grown.load_weights(list(new.items()))
     if draft.vocab_ids is not None:

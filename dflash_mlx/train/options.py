@@ -132,7 +132,8 @@ def _tau_prompts(text: str) -> dict:
             return {"*": int(text)}
         return {k.strip(): int(v) for k, v in (part.split("=") for part in text.split(",") if part.strip())}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or suite=number,... (e.g. gsm8k=20,humaneval=6), got {text!r}")
+        raise argparse.ArgumentTypeError("expected a number or suite=number,... (e.g. gsm8k=20,humaneval=6), "
+                                         f"got {text!r}")
 
 
 def attention_overrides(args, num_layers: int) -> dict:

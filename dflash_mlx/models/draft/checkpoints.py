@@ -126,7 +126,8 @@ def _read_draft_vocab(path: Path) -> Optional[mx.array]:
         try:
             ids = mx.load(str(vocab_file))
         except (RuntimeError, ValueError) as e:
-            raise DraftMismatchError(f"draft vocabulary {vocab_file} cannot be read ({e}): re-export the draft") from None
+            raise DraftMismatchError(f"draft vocabulary {vocab_file} cannot be read ({e}): "
+                                     "re-export the draft") from None
     elif (path / LEGACY_DRAFT_VOCAB_FILE).is_file():
         ids = _read_safetensors(path / LEGACY_DRAFT_VOCAB_FILE).get("token_ids")
         if ids is None:

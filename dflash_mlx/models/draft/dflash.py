@@ -157,7 +157,8 @@ class DFlashDraftModel(nn.Module):
             # A DFlash 2 config in a DFlash model would silently drop the conv and the selector.
             raise DraftMismatchError(
                 f"{type(self).__name__} builds DFlash {self.version} drafts but the config is "
-                f"DFlash {config.version}; build it with dflash_mlx.models.draft.checkpoints.draft_class(config)(config)"
+                f"DFlash {config.version}; build it with "
+                "dflash_mlx.models.draft.checkpoints.draft_class(config)(config)"
             )
         self.config = config
         n_feat = len(config.target_layer_ids) * config.hidden_size
@@ -248,7 +249,8 @@ class DFlashDraftModel(nn.Module):
     def propose_hidden(
         self, last_token: mx.array, features: Optional[mx.array], cache: List[ContextCache], block_size: int
     ) -> mx.array:
-        """Inject `features`, denoise `[last, MASK x (block_size-1)]`: hidden [B, block_size-1, H] of the mask positions."""
+        """Inject `features`, denoise `[last, MASK x (block_size-1)]`: hidden [B, block_size-1, H] of the
+        mask positions."""
         self.inject(features, cache)
         B = last_token.shape[0]
         mask_ids = mx.full((B, block_size - 1), self.config.mask_token_id, dtype=last_token.dtype)

@@ -8,7 +8,8 @@ later near-tie can flip too. Nothing short of the decode's own shapes is bit-ide
 it, so deterministic mode (`Target.deterministic`) runs:
 
   the prompt      as mlx-lm's `generate_step` does: all but its last token in chunks of
-                  `MLX_LM_PREFILL_STEP`, then the last token alone (`engine.cycle.prefill_bounds`, which runs the last token alone in every mode);
+                  `MLX_LM_PREFILL_STEP`, then the last token alone (`engine.cycle.prefill_bounds`,
+                  which runs the last token alone in every mode);
   a verify        as one-token forwards, one per row, each on the caches the previous one
                   left (`forward_rows`), queued as one graph: no host sync between rows;
   the LM head     row by row (`logits_rows`).

@@ -139,7 +139,8 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
             for idx in target._gdn_layers:
                 layer = layers[idx]
                 # the tape is kept by cache index (a pipeline rank's caches start at its first layer)
-                put(layer, "linear_attn", TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx - target.layer_offset)))
+                put(layer, "linear_attn",
+                    TapedGatedDeltaNet(layer["linear_attn"], make_sink(idx - target.layer_offset)))
             replayed = [c for c, kind in zip(cache, target._replay_kinds) if kind == "replay"]
             watched = {id(c): c for c in replayed}
             # recurrent state beside attention in one CacheList (Falcon-H1): the module the

@@ -140,7 +140,8 @@ def main(argv=None, doc=None):
                   "anchors": anchors_per_pack(train_recs, args.seq_len, args.blocks_per_seq)}
     taps, copy, mask_id = recipe["taps"], recipe["copy"], recipe["mask_id"]
     vocab, scale = np.asarray(recipe["vocab"], dtype=np.int32), np.asarray(recipe["scale"], dtype=np.float32)
-    log(f"draft: {args.layers} layers ({'resumed' if state else 'from ' + args.init_from if init else f'from target layers {copy}'}),"
+    log(f"draft: {args.layers} layers "
+        f"({'resumed' if state else 'from ' + args.init_from if init else f'from target layers {copy}'}),"
         f" taps {taps}, mask token {mask_id}, vocabulary {len(vocab)}, {recipe['anchors']} anchors a pack")
     draft = build_draft(model, cfg_t, args, taps, copy, mask_id, vocab, scale, sample, device)
     if init:

@@ -64,7 +64,8 @@ def _full_layer_config(tl: dict, source: str) -> dict:
 
 
 def _ints(value) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in value))
 
 
 def to_zlab(cfg: dict, weights: Dict[str, mx.array], target=None, source: str = "speculators draft"

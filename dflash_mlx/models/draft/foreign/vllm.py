@@ -14,7 +14,9 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from dflash_mlx.models.draft.foreign.common import ForeignDraftError, check_verifier_tensor, head_rows, reduced_vocab_ids, sample_rows
+from dflash_mlx.models.draft.foreign.common import (
+    ForeignDraftError, check_verifier_tensor, head_rows, reduced_vocab_ids, sample_rows,
+)
 
 
 def is_vllm_reduced(cfg: dict, weights: Dict[str, mx.array]) -> bool:
@@ -36,7 +38,8 @@ def to_zlab(cfg: dict, weights: Dict[str, mx.array], target=None, source: str = 
         raise ForeignDraftError(f"{source}: draft_vocab_size is {draft_vocab} but the weights have no "
                                 "'lm_head.weight' (the draft's own reduced head)")
     if head is not None and tuple(head.shape) != (draft_vocab, H):
-        raise ForeignDraftError(f"{source}: 'lm_head.weight' has shape {tuple(head.shape)}, expected ({draft_vocab}, {H})")
+        raise ForeignDraftError(f"{source}: 'lm_head.weight' has shape {tuple(head.shape)}, "
+                                f"expected ({draft_vocab}, {H})")
     if target is not None and head is not None:
         rows = sample_rows(draft_vocab)
         token_ids = rows if ids is None else ids[rows]
