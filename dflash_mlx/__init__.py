@@ -15,6 +15,10 @@ except ImportError as e:  # Linux: the `mlx` package alone, without a backend bu
         "pip install 'dflash-mlx[cpu]' (CPU) or 'dflash-mlx[cuda]' (NVIDIA GPU, driver >= 580)"
     ) from e
 
+from dflash_mlx import requirements as _requirements  # noqa: E402
+
+_requirements.check()
+
 from dflash_mlx.models.draft.dflash import DFlashDraftModel  # noqa: E402
 from dflash_mlx.models.draft.config import DraftConfig, DraftMismatchError  # noqa: E402
 from dflash_mlx.generate import (  # noqa: E402

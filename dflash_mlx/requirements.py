@@ -1,0 +1,50 @@
+"""The oldest MLX and mlx-lm this package runs on, checked at import.
+
+pip keeps an older mlx-lm that an environment already holds where the bounds in `pyproject.toml`
+are not met only if something forces it (a pinned requirement, `--no-deps`); the library then
+fails deep inside an import (mlx-lm 0.28-0.31: `TextStateMachine`, `new_thread_local_stream`). One
+line at import says what to upgrade instead. The bounds are the versions the whole test suite passes
+on (2026-12-05): on mlx 0.32.2 its split runs under `mlx.launch` did not end within the tests' 300 s, and 16 more tests
+failed; mlx-lm 0.32.0 lacks model types the suite's tables name.
+"""
+
+import sys
+from importlib import metadata
+from typing import Callable, Optional
+
+from packaging.version import InvalidVersion, Version
+
+MINIMUM = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
+
+
+def installed(name: str) -> Optional[str]:
+    """The installed distribution's version, or None (a build from source may have no metadata)."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def requirement(name: str, least: str, version_of: Callable[[str], Optional[str]], platform: str) -> str:
+    """What to ask pip for: on Linux, MLX with the backend build this environment holds (the build is
+    a package of its own, pinned to MLX's version)."""
+    if name == "mlx" and platform.startswith("linux"):
+        build = next((b for b in ("cuda13", "cuda12") if version_of(f"mlx-{b[:4]}-{b[4:]}")), "cpu")
+        return f"'mlx[{build}]>={least}'"
+    return f"'{name}>={least}'"
+
+
+def check(version_of: Callable[[str], Optional[str]] = installed, platform: str = sys.platform):
+    """Raise ImportError naming each package older than `MINIMUM` and the command that upgrades it."""
+    old = []
+    for name, least in MINIMUM.items():
+        found = version_of(name)
+        try:
+            if found is not None and Version(found) < Version(least):
+                old.append((name, least, found))
+        except InvalidVersion:
+            continue
+    if old:
+        names = ", ".join(f"{n} >= {least} (found {found})" for n, least, found in old)
+        upgrade = " ".join(requirement(n, least, version_of, platform) for n, least, _ in old)
+        raise ImportError(f"dflash-mlx needs {names}: pip install -U {upgrade}")
