@@ -1,11 +1,11 @@
 """The oldest MLX and mlx-lm this package runs on, checked at import.
 
-pip keeps an older mlx-lm that an environment already holds where the bounds in `pyproject.toml`
-are not met only if something forces it (a pinned requirement, `--no-deps`); the library then
-fails deep inside an import (mlx-lm 0.28-0.31: `TextStateMachine`, `new_thread_local_stream`). One
-line at import says what to upgrade instead. The bounds are the versions the whole test suite passes
-on (2026-12-05): on mlx 0.32.2 its split runs under `mlx.launch` did not end within the tests' 300 s, and 16 more tests
-failed; mlx-lm 0.32.0 lacks model types the suite's tables name.
+An environment can hold an older MLX or mlx-lm than `pyproject.toml` asks for (installed with
+`--no-deps`, pinned by another package, downgraded later). The library would then fail deep inside
+an import (mlx-lm 0.28-0.31: `TextStateMachine`, `new_thread_local_stream`); importing it says in one
+line what to upgrade instead. The bounds are the oldest versions the whole test suite passes on
+(`benchmarks/results/20261205-oldest-versions/`: what failed on older ones; mlx-lm 0.32.0
+lacks model types the suite's tables name).
 """
 
 import sys
