@@ -1,5 +1,8 @@
 """The import-time check of the MLX and mlx-lm versions (`dflash_mlx.requirements`)."""
 
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from dflash_mlx import requirements
@@ -44,9 +47,22 @@ def test_new_enough_unknown_or_unreadable_versions_pass(found):
 
 def test_this_environment_passes_and_the_bounds_are_pyprojects():
     requirements.check()
-    tomllib = pytest.importorskip("tomllib")  # (Python 3.11 on)
-    from pathlib import Path
 
     deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
     for name, least in requirements.MINIMUM.items():
         assert f"{name}>={least}" in deps["dependencies"]
+
+
+
+def test_no_python_we_admit_is_refused_by_the_oldest_mlx_lm_we_admit():
+    """(pip on such a Python fails on mlx-lm: "No matching distribution found for mlx-lm>=...")"""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    if metadata.version("mlx-lm") != requirements.MINIMUM["mlx-lm"]:
+        pytest.skip("the installed mlx-lm is not the oldest we admit: its metadata says nothing of that one")
+    ours = SpecifierSet(tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+                        ["project"]["requires-python"])
+    theirs = SpecifierSet(metadata.metadata("mlx-lm")["Requires-Python"])
+    assert all(v in theirs for v in (f"3.{minor}" for minor in range(8, 16)) if v in ours)
