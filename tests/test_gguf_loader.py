@@ -1,5 +1,6 @@
 """GGUF loading: exact round trips on tiny files, errors, packaged models, dtype policy."""
 
+import json
 import math
 import subprocess
 import sys
@@ -158,11 +159,15 @@ def test_tokenizer_roundtrip_and_cache(tmp_path, monkeypatch):
     write_tiny_gguf(path, "llama")
     gf = reader.read_gguf(path)
     tok = gguf_tokenizer.load_gguf_tokenizer(gf, [257])
-    text = "the cat sat on the mat, caf\u00e9 \u2713"
+    text = "the cat sat on the mat, caf\u00e9 \u2713 ; it 's ?"
     ids = tok.encode(text)
     assert 258 in ids  # the file's one merge ("\u0120t") is applied
-    assert tok.decode(ids) == text
-    assert (gguf_tokenizer.tokenizer_cache_dir(gf) / "tokenizer.json").exists()
+    assert tok.decode(ids) == text  # (no WordPiece clean-up of the spaces before punctuation)
+    cache = gguf_tokenizer.tokenizer_cache_dir(gf)
+    assert (cache / "tokenizer.json").exists()
+    # written off, not left to a transformers default (5.7 defaults it on, and warns at every load)
+    assert json.loads((cache / "tokenizer_config.json").read_text())["clean_up_tokenization_spaces"] is False
+    assert tok._tokenizer.clean_up_tokenization_spaces is False
 
     def boom(_):
         raise AssertionError("tokenizer rebuilt although cached")
@@ -170,6 +175,10 @@ def test_tokenizer_roundtrip_and_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(gguf_tokenizer, "build_hf_tokenizer", boom)
     again = gguf_tokenizer.load_gguf_tokenizer(gf, [257])
     assert again.encode(text) == ids
+    # a cache saved with clean-up on (as transformers 5.7 saves it) still loads with it off
+    config = json.loads((cache / "tokenizer_config.json").read_text())
+    (cache / "tokenizer_config.json").write_text(json.dumps({**config, "clean_up_tokenization_spaces": True}))
+    assert gguf_tokenizer.load_gguf_tokenizer(gf, [257])._tokenizer.clean_up_tokenization_spaces is False
 
 
 def test_missing_file(tmp_path):

@@ -57,7 +57,7 @@ def build_hf_tokenizer(gf: GGUFFile):
     for k in ("scores", "token_type"):
         if k in tok:
             tok[k] = np.asarray(tok[k]).tolist()
-    config = {}
+    config = {"clean_up_tokenization_spaces": False}  # (llama.cpp never cleans up: see `load_tokenizer_folder`)
     if "tokenizer.chat_template" in md:
         config["chat_template"] = md["tokenizer.chat_template"]
     for k in ("add_bos_token", "add_eos_token"):
@@ -116,6 +116,9 @@ def load_tokenizer_folder(folder: Path, eos_token_ids=None):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     for k in ("tokenizer_class", "backend", "auto_map"):
         config.pop(k, None)
+    # GGUF tokenizers decode as llama.cpp does, with no WordPiece clean-up; some transformers releases (5.7)
+    # default it on, save it so, and warn on every load that they ignore it for BPE
+    config["clean_up_tokenization_spaces"] = False
     template = folder / "chat_template.jinja"
     if template.exists():
         config["chat_template"] = template.read_text()
