@@ -27,6 +27,7 @@ from dflash_mlx.engine.batch_cycle import BatchLaunched, discard_batch, launch_b
 from dflash_mlx.engine.timing import NoTimer
 from dflash_mlx.models.target.windows import snapshot_windows
 
+
 class Plan(NamedTuple):
     """A batched cycle's width, copy tokens per row (0: the row drafts) and each row's match."""
 
