@@ -117,16 +117,11 @@ def _choose(quiet) -> BlasState:
 
 
 def _mlx_gpu_build() -> Optional[str]:
-    """The installed MLX CUDA build's distribution name (`mlx-cuda-13`, `mlx-cuda-12`), or None.
-    Read from package metadata, because `mlx.core` must not be imported before the routing."""
-    from importlib import metadata
+    """The installed MLX CUDA build and its version (`mlx-cuda-13 0.32.4`), or None."""
+    from dflash_mlx.requirements import cuda_build, installed
 
-    for name in ("mlx-cuda-13", "mlx-cuda-12", "mlx-cuda"):
-        try:
-            return f"{name} {metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return None
+    name = cuda_build()
+    return None if name is None else f"{name} {installed(name)}"
 
 
 def default_threads() -> int:

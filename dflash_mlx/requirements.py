@@ -15,6 +15,8 @@ from typing import Callable, Optional
 from packaging.version import InvalidVersion, Version
 
 MINIMUM = {"mlx": "0.32.4", "mlx-lm": "0.32.2"}
+# MLX's CUDA builds on Linux: each distribution, and the extra of `mlx` that installs it
+CUDA_BUILDS = {"mlx-cuda-13": "cuda13", "mlx-cuda-12": "cuda12", "mlx-cuda": "cuda"}
 
 
 def installed(name: str) -> Optional[str]:
@@ -25,12 +27,18 @@ def installed(name: str) -> Optional[str]:
         return None
 
 
+def cuda_build(version_of: Callable[[str], Optional[str]] = installed) -> Optional[str]:
+    """The installed MLX CUDA build's distribution name (`CUDA_BUILDS`), or None. Read from package
+    metadata: `mlx.core` must not be imported before the BLAS routing (`blas`)."""
+    return next((name for name in CUDA_BUILDS if version_of(name)), None)
+
+
 def requirement(name: str, least: str, version_of: Callable[[str], Optional[str]], platform: str) -> str:
     """What to ask pip for: on Linux, MLX with the backend build this environment holds (the build is
     a package of its own, pinned to MLX's version)."""
     if name == "mlx" and platform.startswith("linux"):
-        build = next((b for b in ("cuda13", "cuda12") if version_of(f"mlx-{b[:4]}-{b[4:]}")), "cpu")
-        return f"'mlx[{build}]>={least}'"
+        build = cuda_build(version_of)
+        return f"'mlx[{CUDA_BUILDS[build] if build else 'cpu'}]>={least}'"
     return f"'{name}>={least}'"
 
 

@@ -32,7 +32,8 @@ def test_both_old_are_named_in_one_line():
 
 @pytest.mark.parametrize("builds,wanted", [(dict(mlx_cpu="0.29.0"), "mlx[cpu]"), (dict(), "mlx[cpu]"),
                                             (dict(mlx_cuda_13="0.30.0"), "mlx[cuda13]"),
-                                            (dict(mlx_cuda_12="0.30.0"), "mlx[cuda12]")])
+                                            (dict(mlx_cuda_12="0.30.0"), "mlx[cuda12]"),
+                                            (dict(mlx_cuda="0.30.0"), "mlx[cuda]")])
 def test_on_linux_the_upgrade_names_the_backend_build_held(builds, wanted):
     with pytest.raises(ImportError) as e:
         requirements.check(versions(mlx="0.30.0", mlx_lm="0.32.2", **builds), "linux")

@@ -113,7 +113,7 @@ class BatchEngine:
         self.cycles = 0
         # the next batched cycle, launched (or planned) before this step's responses are built, or a plain
         # step's successor queued before its read, where the look-ahead finds that pays (`batch_ahead`)
-        self.ahead: Union[BatchLaunched, Tuple, None] = None
+        self.ahead: Union[BatchLaunched, batch_ahead.Plan, None] = None
         self.lookahead = LookAhead()
         self.guesses_roll_back = guesses_roll_back(self.target)  # (a lone row's guesses: `ahead.before_reading`)
         self.read_at: Optional[float] = None  # when the last batched cycle was read
