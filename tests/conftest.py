@@ -53,6 +53,18 @@ def _yield_to_the_two_rank_launch(tmp_path_factory):
     yield
 
 
+@pytest.fixture
+def always_copy(monkeypatch):
+    """Copies decided by the match alone, not by measured cycle times: every cycle that has a match
+    verifies as much of it as the budget allows, as a chain (copy trees: tests/test_copy_trees.py)."""
+    from dflash_mlx.policy.copies import CopyPolicy
+    from dflash_mlx.policy.copy_trees import CopyTreePolicy
+
+    monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width:
+                        0 if match is None else max(0, min(self.max_length, remaining - 1)))
+    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded default target, loaded once per test process: (model, tokenizer), the same

@@ -112,27 +112,22 @@ def test_plain_steps_keep_mlx_lm_tokens_read_first_or_queued_first(queued_first,
 
 @pytest.mark.parametrize("learnt", [True, False])
 def test_without_a_draft_plain_steps_are_queued_first_until_a_copy_pays(launches, guesses, fixed_times, monkeypatch,
-                                                                        learnt):
+                                                                        always_copy, learnt):
     """A row without a draft, copies on: its plain steps are queued before the last is read while
     no copy would pay, where the pair's look-ahead finds that pays (G and D fixed here: once most plain
     steps bring no copy into sight); once one would (its answer repeats; a copy wherever a match is,
-    fixed here too), the step queued behind is discarded and the copy verified. Where it does not pay (`learnt` off: a step's compute far above the gap, copies
-    often in sight), each step is read first. mlx-lm's tokens throughout."""
+    fixed here too), the step queued behind is discarded and the copy verified. Where it does not pay
+    (`learnt` off: a step's compute far above the gap, copies often in sight), each step is read
+    first. mlx-lm's tokens throughout."""
     from dflash_mlx.policy.lookahead import forget_lookaheads
     from dflash_mlx.policy.sizer import forget_sizers
     from dflash_mlx.testing.targets import chain_target
 
-    from dflash_mlx.policy.copies import CopyPolicy
-    from dflash_mlx.policy.copy_trees import CopyTreePolicy
-
+    # (copies decided by the match alone, `always_copy`, not by this machine's measured cycle times: under
+    # load the cost model copied as few as 4 tokens of the 60)
     if not learnt:
         guesses("never")
     monkeypatch.setattr(ahead_mod, "BEFORE_READING_ON_CPU", True)
-    # copies decided by the match alone (as `test_copies_without_draft.always_copy`), not by this machine's
-    # measured cycle times: under load the cost model copied as few as 4 tokens of the 60
-    monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width:
-                        0 if match is None else max(0, min(self.max_length, remaining - 1)))
-    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
     model, tok = chain_target("Quick-brown,fx")  # the answer: these 14 tokens over and over
     prompt = tok.encode("Q", add_special_tokens=False)
     ref = greedy_reference(model, prompt, 60)

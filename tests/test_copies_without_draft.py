@@ -12,7 +12,6 @@ from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.copies import NO_DRAFT_MAX_COPY, CopyPolicy, copy_policy_for
-from dflash_mlx.policy.copy_trees import CopyTreePolicy
 from dflash_mlx.policy.sizer import BlockSizer, forget_sizers, sizer_for
 from dflash_mlx.speculation.copies import ContextIndex
 from dflash_mlx.testing.targets import EOS_ID, chain_target, greedy_reference, tiny_target
@@ -31,15 +30,6 @@ def decode(model, tok, prompt, **kw):
 @pytest.fixture(scope="module")
 def chain():
     return chain_target(TEXT)
-
-
-@pytest.fixture
-def always_copy(monkeypatch):
-    """Every cycle with a match verifies as much of it as the budget allows, as a chain
-    (copy trees: tests/test_copy_trees.py)."""
-    monkeypatch.setattr(CopyPolicy, "choose", lambda self, match, remaining, draft_width:
-                        0 if match is None else max(0, min(self.max_length, remaining - 1)))
-    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
 
 
 # -- the library --------------------------------------------------------------------------

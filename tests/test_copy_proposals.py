@@ -146,16 +146,6 @@ def test_copies_commit_repeated_text_exactly_and_many_tokens_per_forward():
     assert out == ref and "copy" not in responses[-1].proposal_counts and responses[-1].tau < 1.2
 
 
-@pytest.fixture
-def always_copy(monkeypatch):
-    """Every cycle that has a match verifies as much of it as the budget allows, as a chain
-    (copy trees: tests/test_copy_trees.py)."""
-    monkeypatch.setattr(CopyPolicy, "choose",
-                        lambda self, match, remaining, draft_width:
-                        0 if match is None else max(0, min(self.max_length, remaining - 1)))
-    monkeypatch.setattr(CopyTreePolicy, "plan", lambda self, *args: None)
-
-
 @pytest.mark.parametrize("max_tokens", [2, 9, 23, 40])
 def test_max_tokens_and_a_stop_id_inside_a_copy(always_copy, max_tokens):
     model, tok = chain_target("Quick-brown,fx")
