@@ -263,7 +263,8 @@ def test_the_engines_look_ahead_learns_when_queuing_plain_steps_first_pays(monke
     monkeypatch.setattr(LookAhead, "timed_cycle", lambda self, width, seconds: self.device.__setitem__(width, 0.002))
     queued = []
     queue = batch_ahead.queue_behind
-    monkeypatch.setattr(batch_ahead, "queue_behind", lambda engine, launched: queued.append(1) or queue(engine, launched))
+    monkeypatch.setattr(batch_ahead, "queue_behind",
+                        lambda engine, launched: queued.append(1) or queue(engine, launched))
     forget_sizers()
     model = model_of("deepseek_v3")
     cs = cases(model, 3)
