@@ -17,7 +17,8 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.engine.cycle import prefill_bounds
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
-from dflash_mlx.testing.targets import ScriptedDraft, byte_tokenizer, clean_case, greedy_reference, tiny_target
+from dflash_mlx.testing.targets import (EOS_ID, ScriptedDraft, byte_tokenizer, clean_case, greedy_reference,
+                                        tiny_target)
 
 FULL_LLAMA = dict(layer_types=["full_attention"] * 4, sliding_window=None)
 
@@ -265,3 +266,33 @@ def test_every_mode_runs_the_last_prompt_token_alone_as_mlx_lm_does():
         list(stream_generate(model, ScriptedDraft(target, prompt, lambda c: 0, block_size=8), tok, prompt,
                              max_tokens=1, stop_token_ids=[]))
     assert seen[-2:] == [len(prompt) - 1, 1]  # (forwards before them: the tree probe, once per target)
+
+
+@pytest.mark.parametrize("key", ["olmo3", "gemma4_text_moe"])
+def test_a_stream_closed_with_a_cycle_ahead_leaves_its_sliding_windows_whole(key):
+    """A deterministic stream on sliding windows closed while a drafted cycle is launched ahead,
+    then a next turn on its prompt cache: the discard puts every window back as the verify found it.
+    (It once also restored a window snapshot held by reference, which the verify's one-token updates
+    had written into: the next turn parted from mlx-lm at its first token; option fuzz seed 1300126.)"""
+    from dflash_mlx.generate import make_prompt_cache
+    from dflash_mlx.testing import arch_check
+
+    model = arch_check.build(key)
+    rng = random.Random(0)
+    prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(5)]
+    draft = random_draft(model, num_layers=1, block_size=16, seed=1)
+    cache = make_prompt_cache(model, draft)
+    out = []
+    stream = stream_generate(model, draft, byte_tokenizer(), prompt, max_tokens=24, block_size=8, stop_token_ids=[],
+                             prompt_cache=cache, deterministic=True, token_trees=False, copy_proposals=False)
+    for r in stream:
+        out += r.tokens
+        if len(out) >= 12:
+            break
+    stream.close()
+    assert cache.ahead is not None  # (a cycle was launched ahead, and the next call discards it)
+    turn2 = prompt + out + [7, 8, 9, 10]
+    want = greedy_reference(model, turn2, 8, stop_ids=[EOS_ID])
+    second = [t for r in stream_generate(model, draft, byte_tokenizer(), turn2, max_tokens=8, stop_token_ids=[],
+                                         prompt_cache=cache, deterministic=True) for t in r.tokens]
+    assert second == want

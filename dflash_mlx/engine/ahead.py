@@ -240,8 +240,10 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
         # (a one-token update of a full sliding window overwrites the entry a discard would need back)
         state.ahead = plan
         return
-    # (only a cycle launched ahead can be discarded: its windows as they were, before its forward writes them)
-    windows = snapshot_windows(state.target_cache) if ctx.target.rotating else None
+    # (only a cycle launched ahead can be discarded: its windows as they were, before its forward writes them.
+    # Not in deterministic mode: there the verify's one-token updates write into the very arrays a snapshot
+    # would hold, and its rollback of every row already puts each window back from copies, `exact_rows`)
+    windows = snapshot_windows(state.target_cache) if ctx.target.rotating and not ctx.target.deterministic else None
     launched = launch(ctx, plan, last, timer)
     launched.windows = windows
     launched.queued = time.perf_counter()

@@ -8,7 +8,9 @@ its size while its count of tokens says it is full, and mlx-lm's next one-token 
 negative buffer (`[full] Negative dimensions`; found by the option fuzz on a batch, and reachable
 alone: a stream closed with a cycle launched ahead, then its next turn one token longer). So a
 discard puts a window's own state back instead: a multi-token update makes new arrays, never
-writes into the old ones, so the state held before the launch is still whole.
+writes into the old ones, so the state held before the launch is still whole. Not so in deterministic
+mode, whose verify is one-token updates that write into the window's own arrays: nothing is held there,
+and the verify's record (`exact_rows.RowsRecord`, from copies) puts the windows back on its own.
 """
 
 from typing import Any, List, Optional, Tuple
