@@ -9,7 +9,7 @@ steps into text and statistics. Plain decoding is the same cycle with the null d
 """
 
 import os
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream, wired_limit
@@ -75,6 +75,14 @@ def stream_generate(
     token_trees: bool = True,
     suffix_index: Optional[SuffixIndex] = None,
     deterministic: Optional[bool] = None,
+    repetition_penalty: Optional[float] = None,
+    repetition_context_size: int = 20,
+    presence_penalty: Optional[float] = None,
+    presence_context_size: int = 20,
+    frequency_penalty: Optional[float] = None,
+    frequency_context_size: int = 20,
+    logit_bias: Optional[Dict[int, float]] = None,
+    logits_processors: Optional[Sequence[Callable]] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -105,6 +113,11 @@ def stream_generate(
     the shapes plain decoding gives it, so greedy output is mlx-lm's token for token on GPU
     kernels too, in every dtype, at the cost of the wide verify's speed
     (`dflash_mlx.models.target.exact_rows`); chains and copies only, no token trees.
+    `repetition_penalty` ... `logit_bias` (mlx-lm's `make_logits_processors`) and `logits_processors`
+    (mlx-lm's `LogitsProcessor`s, (tokens, logits) -> logits, applied after those): each verify row's
+    logits are processed as mlx-lm's `generate_step` processes that step's, after the prompt and every
+    token before it (`dflash_mlx.speculation.processors`), so greedy output is mlx-lm's under the same
+    processors and sampling keeps their distribution; `logprobs` are then the processed ones, as mlx-lm's.
     """
     tokenizer = wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -140,11 +153,16 @@ def stream_generate(
                          token_trees=token_trees, split_head=split_head, profile=profile,
                          snapshot_prompts=False, suffix_index=None if baseline else suffix_index)
     options = GenerationOptions(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                                min_p=min_p, seed=seed, draft_sampling=draft_sampling)
+                                min_p=min_p, seed=seed, draft_sampling=draft_sampling,
+                                repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
+                                presence_penalty=presence_penalty, presence_context_size=presence_context_size,
+                                frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
+                                logit_bias=logit_bias).check_penalties()
     # mlx-lm's set-up: its generation stream, and (on Apple GPUs) the model's
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
-        engine.add(BatchRequest(prompt_ids, options, stop_token_ids or (), logprobs, state))
+        engine.add(BatchRequest(prompt_ids, options, stop_token_ids or (), logprobs, state,
+                                logits_processors=tuple(logits_processors or ())))
         while not engine.idle:  # the first token goes out before the first cycle runs
             for _, response in engine.prefill_step():
                 yield response

@@ -10,7 +10,7 @@ argument guards for library callers.
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Optional, Union
+from typing import Dict, Optional, Union
 
 # The verify width's spellings, the same in the library, every flag, the chat dialog and
 # the server: AUTO (the default) picks each cycle's width from measured acceptance and
@@ -66,6 +66,23 @@ class GenerationOptions:
     min_p: float = 0.0
     seed: Optional[int] = None
     draft_sampling: str = "argmax"  # proposals at temperature > 0: draft argmax or sampled
+    # mlx-lm's logits processors (`make_logits_processors`), each over the last `*_context_size` tokens of
+    # the prompt and answer: None or 0 off
+    repetition_penalty: Optional[float] = None  # > 1: such a token's logit divided (negative: multiplied) by it
+    repetition_context_size: int = 20
+    presence_penalty: Optional[float] = None  # subtracted from such a token's logit (OpenAI's)
+    presence_context_size: int = 20
+    frequency_penalty: Optional[float] = None  # subtracted once for each time it occurs there (OpenAI's)
+    frequency_context_size: int = 20
+    logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit at every step
+
+    def processors(self) -> list:
+        """mlx-lm's logits processors for the penalties and logit bias set (empty when none is)."""
+        from mlx_lm.sample_utils import make_logits_processors
+
+        return make_logits_processors(self.logit_bias, self.repetition_penalty, self.repetition_context_size,
+                                      self.presence_penalty, self.presence_context_size, self.frequency_penalty,
+                                      self.frequency_context_size)
 
     def check(self) -> "GenerationOptions":
         """`self` when every value is usable; else ValueError naming the first bad one."""
@@ -82,11 +99,34 @@ class GenerationOptions:
             raise ValueError(f"min-p must be in [0, 1] (0: off), got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be a whole number, got {self.seed!r}")
+        self.check_penalties()
         if self.draft_sampling not in DRAFT_SAMPLING_MODES:
             raise ValueError(
                 f"draft sampling must be one of {', '.join(DRAFT_SAMPLING_MODES)}, "
                 f"got {self.draft_sampling!r}"
             )
+        return self
+
+    def check_penalties(self) -> "GenerationOptions":
+        """`check` of the penalties and logit bias alone (`stream_generate` checks the rest its own way)."""
+        if self.repetition_penalty is not None and (not _is_number(self.repetition_penalty)
+                                                    or self.repetition_penalty < 0):
+            raise ValueError(f"repetition penalty must be >= 0 (1 or 0: off), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value) or abs(value) == float("inf")):
+                raise ValueError(f"{name.replace('_', ' ')} must be a number (0: off), got {value!r}")
+        for name in ("repetition_context_size", "presence_context_size", "frequency_context_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name.replace('_', ' ')} must be a whole number >= 1, got {value!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit bias must map token ids to numbers, got {self.logit_bias!r}")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0 or not _is_number(bias) or abs(bias) == float("inf"):
+                    raise ValueError(f"logit bias must map token ids (whole numbers >= 0) to finite numbers, "
+                                     f"got {token!r}: {bias!r}")
         return self
 
     def generate_kwargs(self) -> dict:
@@ -143,6 +183,16 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
             choices=DRAFT_SAMPLING_MODES,
             help="draft proposals at temperature > 0: the draft's argmax (default) or sampled from it",
         ),
+        "repetition_penalty": dict(type=float, help="divide the logits of tokens among the last "
+                                   "--repetition-context-size by this (mlx-lm's; e.g. 1.1; default: off)"),
+        "repetition_context_size": dict(type=int, help=f"tokens the repetition penalty looks back over "
+                                        f"(default: {d.repetition_context_size})"),
+        "presence_penalty": dict(type=float, help="subtract this from the logits of tokens among the last "
+                                 "--presence-context-size (OpenAI's; default: off)"),
+        "frequency_penalty": dict(type=float, help="subtract this for each time a token occurs among the last "
+                                  "--frequency-context-size (OpenAI's; default: off)"),
+        "presence_context_size": dict(type=int, help=f"default: {d.presence_context_size}"),
+        "frequency_context_size": dict(type=int, help=f"default: {d.frequency_context_size}"),
     }
     for name, kwargs in flags.items():
         if name not in skip:

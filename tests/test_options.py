@@ -45,7 +45,9 @@ def test_fixed_width_resolves_the_draft_spelling(spelling, draft_block, want):
     ("top_p", 0.0, "top-p must be in (0, 1]"), ("top_p", 1.5, "top-p must be in (0, 1]"),
     ("top_k", -1, "top-k must be"), ("min_p", 1.1, "min-p must be in [0, 1]"),
     ("seed", "x", "seed must be"), ("draft_sampling", "beam", "draft sampling must be one of argmax, sample"),
-    ("block_size", "0", "block size takes"),
+    ("block_size", "0", "block size takes"), ("repetition_penalty", -1.0, "repetition penalty must be >= 0"),
+    ("presence_penalty", "x", "presence penalty must be a number"),
+    ("frequency_context_size", 0, "frequency context size must be a whole number >= 1"),
 ])
 def test_check_names_the_bad_value(field, value, words):
     with pytest.raises(ValueError) as e:
@@ -54,15 +56,28 @@ def test_check_names_the_bad_value(field, value, words):
     assert "\n" not in str(e.value)
 
 
+def test_logit_bias_names_the_bad_entry():
+    for bias, entry in (({-3: 1.0}, "-3: 1.0"), ({5: float("inf")}, "5: inf"), ({"7": 1.0}, "'7': 1.0")):
+        with pytest.raises(ValueError, match="logit bias must map token ids") as e:
+            GenerationOptions(logit_bias=bias).check()
+        assert entry in str(e.value)
+
+
 def test_flags_round_trip_into_options():
     p = add_generation_args(argparse.ArgumentParser())
     args = p.parse_args(["--max-tokens", "7", "--block-size", "auto", "--temperature", "0.5",
                          "--top-p", "0.9", "--top-k", "3", "--min-p", "0.1", "--seed", "4",
-                         "--draft-sampling", "sample"])
+                         "--draft-sampling", "sample", "--repetition-penalty", "1.1",
+                         "--repetition-context-size", "32", "--presence-penalty", "0.5", "--frequency-penalty",
+                         "-0.25", "--presence-context-size", "8", "--frequency-context-size", "9"])
     o = GenerationOptions.from_args(args).check()
-    assert o == GenerationOptions(7, "auto", 0.5, 0.9, 3, 0.1, 4, "sample")
+    penalties = dict(repetition_penalty=1.1, repetition_context_size=32, presence_penalty=0.5,
+                     presence_context_size=8, frequency_penalty=-0.25, frequency_context_size=9)
+    assert o == GenerationOptions(7, "auto", 0.5, 0.9, 3, 0.1, 4, "sample", **penalties)
     assert o.generate_kwargs() == dict(max_tokens=7, block_size="auto", temperature=0.5, top_p=0.9,
-                                       top_k=3, min_p=0.1, seed=4, draft_sampling="sample")
+                                       top_k=3, min_p=0.1, seed=4, draft_sampling="sample", logit_bias=None,
+                                       **penalties)
+    assert len(o.processors()) == 3 and GenerationOptions().processors() == []
 
 
 def test_front_end_defaults_and_skipped_flags():

@@ -156,6 +156,26 @@ def test_openai_completion_is_the_targets_greedy_output(attn, stream):
     assert got == text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_penalties_and_logit_bias_give_mlx_lms_answer(attn, stream):
+    """OpenAI's penalties and logit bias and mlx-lm's repetition penalty: the answer is mlx-lm's greedy
+    decode under the same processors."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    prompt = f"Again and again ({stream}),"
+    ids = attn.worker.encode_text(prompt)
+    bias = {ids[-1]: 5.0, ids[0]: -3.0}
+    processors = make_logits_processors(bias, 1.3, 16, 0.5, 20, 0.25, 20)
+    want = greedy_reference(attn.model, ids, 20, stop_ids=[EOS_ID], logits_processors=processors)
+    assert want != greedy_reference(attn.model, ids, 20, stop_ids=[EOS_ID])
+    r = attn.client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=20, stream=stream, presence_penalty=0.5, frequency_penalty=0.25,
+        logit_bias={str(t): b for t, b in bias.items()}, extra_body={"repetition_penalty": 1.3,
+                                                                    "repetition_context_size": 16})
+    got = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+    assert got == attn.tok.decode(want[:-1] if want[-1] == EOS_ID else want)
+
+
 def test_raw_stream_ends_with_done_and_usage_before_it(attn):
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 5, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", attn.url + "/v1/completions", json=body, timeout=30) as r:
@@ -492,8 +512,13 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "stop": 5}, 400, "stop", "valid string or input should be a valid list"),
     ("/v1/chat/completions", {"messages": HI, "n": 2}, 400, "n", "must be 1"),
     ("/v1/chat/completions", {"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format", "does not constrain"),
-    ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 0.5}, 400, "frequency_penalty", "not supported"),
-    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    ("/v1/chat/completions", {"messages": HI, "frequency_penalty": 2.5}, 400, "frequency_penalty",
+     "less than or equal to 2"),
+    ("/v1/chat/completions", {"messages": HI, "repetition_penalty": -1}, 400, "repetition_penalty",
+     "greater than or equal to 0"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"one": 5}}, 400, "logit_bias", "strings of digits"),
+    ("/v1/chat/completions", {"messages": HI, "logit_bias": {"1": 500}}, 400, "logit_bias", "[-100, 100]"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"100000": 1}}, 400, "logit_bias", "outside the model's"),
     ("/v1/chat/completions", {"messages": HI, "functions": [{"name": "f"}]}, 400, "functions", "send 'tools'"),
     ("/v1/chat/completions", {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "needs 'logprobs'"),
     ("/v1/chat/completions", {"messages": HI, "tool_choice": "required"}, 400, "tool_choice", "cannot force"),

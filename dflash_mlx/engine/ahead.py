@@ -39,6 +39,7 @@ from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
 from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, accept_in_pieces, pack_outcome,
                                           synced_acceptance)
 from dflash_mlx.speculation.copies import CopyMatch
+from dflash_mlx.speculation.processors import process_chain, process_prior
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Context:
     lookahead: Any = None
     after_plain: bool = False  # a plain step landed: the next `plan_copies` tells `lookahead` what it found
     read_at: Optional[float] = None  # when the last cycle was read (`perf_counter`), None after a token tree
+    processors: tuple = ()  # the row's logits processors (`speculation.processors`)
 
 
 @dataclass
@@ -183,10 +185,12 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
                                           fuse=drafter.fuse)
 
         computed = {}  # a redo reuses the pieces of logits already computed
+        prior = process_prior(ctx.processors, ctx.state.tokens)
 
         def row_logits(start, stop):
             if (start, stop) not in computed:
-                computed[start, stop] = target.logits(h[:, start:stop])
+                logits = target.logits(h[:, start:stop])
+                computed[start, stop] = process_chain(ctx.processors, prior, verify_in, logits, start)
                 if logprobs is not None:
                     pieces.append((start, computed[start, stop]))
             return computed[start, stop]
@@ -276,9 +280,11 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     guess that none comes into sight pays, `copy_in_sight`, `policy.lookahead`) and a discard can take
     the step back (a stop token, or a raw argmax done again the exact way, `land`). A drafted chain's
     successor is queued on the guess that the chain is accepted whole, where that pays (greedy rows,
-    the guess checked once read, `cycle.cycle`)."""
+    the guess checked once read, `cycle.cycle`). Never for a row with logits processors: they read the
+    tokens before each row (`speculation.processors`)."""
     if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
-            and may_launch(ctx, timer, logprobs) and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)):
+            and not ctx.processors and may_launch(ctx, timer, logprobs)
+            and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)):
         return False
     guess = ctx.lookahead
     # (chains greedy only: a guess thrown away at T > 0 would have drawn from the seed's stream; a head in

@@ -79,9 +79,10 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
 def before_reading(engine, launched: BatchLaunched) -> bool:
     """Whether the step after `launched`, a batched plain step, is queued before the host reads it."""
     # (a row's logprobs are computed from its logits when it is read: behind a step queued first, that
-    # read would wait for the queued step too)
+    # read would wait for the queued step too; a row's logits processors read its tokens, not read yet)
     return (plain(launched.width, launched.copied) and may_launch(engine)
-            and not engine.target.rotating and all(r.budget > 1 and r.request.logprobs is None for r in launched.rows)
+            and not engine.target.rotating
+            and all(r.budget > 1 and r.request.logprobs is None and not r.processors for r in launched.rows)
             and (lone.BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu) and engine.lookahead.pays(1))
 
 

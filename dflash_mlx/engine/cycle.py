@@ -22,6 +22,7 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.speculation.copies import CopyMatch
+from dflash_mlx.speculation.processors import process_first
 from dflash_mlx.speculation.tree_verify import verify_token_tree, verify_tree
 
 
@@ -75,11 +76,12 @@ def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool = False)
 
 
 def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
-                   step_size: int, logits_out: Optional[list] = None):
+                   step_size: int, logits_out: Optional[list] = None, processors=()):
     """Run the prompt tokens the cache does not hold, `step_size` at a time: a generator that
     yields the tokens run after each chunk but the last and returns (first token [1], tokens
     run) (the engine runs a few chunks of joining requests per step, so running rows keep
-    flowing). `logits_out`: a list that gets the last prompt position's logits [1, V]."""
+    flowing). `logits_out`: a list that gets the last prompt position's logits [1, V], after the
+    row's logits `processors` (`speculation.processors`), as the first token is chosen from them."""
     discard(target, state)  # a cycle an earlier call launched and never landed
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
@@ -98,7 +100,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
         if stop < len(new_ids):
             yield chunk.shape[1]
     with mx.stream(generation_stream):
-        logits = target.logits(h[:, -1, :])
+        logits = process_first(processors, prompt_ids, target.logits(h[:, -1, :]))
         first = acceptor.first_token(logits)
         mx.eval(first)
     if logits_out is not None:
@@ -160,9 +162,9 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
             if plan.copy_tree is not None:
                 width = len(plan.copy_tree.tree)
                 tree_run = verify_token_tree(target, acceptor, cache, plan.copy_tree.tree, drafter.layer_ids,
-                                             drafter.fuse)
+                                             drafter.fuse, ctx.processors, state.tokens)
             else:
-                tree_run = verify_tree(target, drafter, acceptor, cache, last, width)
+                tree_run = verify_tree(target, drafter, acceptor, cache, last, width, ctx.processors, state.tokens)
         feats, record = tree_run.features, None
         tokens = tree_run.tokens
         a = len(tokens) - 1

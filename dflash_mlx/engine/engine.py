@@ -146,6 +146,11 @@ class BatchEngine:
             raise ValueError(f"the prompt holds token id {low if low < 0 else high}, outside "
                              f"{self.target.name}'s vocabulary of {self.target.vocab_size} tokens: encode it "
                              "with this model's own tokenizer")
+        bias = request.options.logit_bias or {}
+        outside = [t for t in bias if not 0 <= t < self.target.vocab_size]
+        if outside:  # (an index past the logits: garbage, no error)
+            raise ValueError(f"logit_bias names token id {outside[0]}, outside {self.target.name}'s vocabulary of "
+                             f"{self.target.vocab_size} tokens")
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

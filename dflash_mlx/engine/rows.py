@@ -42,6 +42,8 @@ class BatchRequest:
     logprobs: Optional[int] = None
     prompt_cache: Optional[PromptCache] = None
     global_copies: bool = True  # copies from the engine's index of earlier requests, and this one kept there
+    # mlx-lm `LogitsProcessor`s of the caller's own, after those `options` sets (`speculation.processors`)
+    logits_processors: Sequence = ()
 
 
 class Row:
@@ -79,8 +81,9 @@ class Row:
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         self.budget = opts.max_tokens  # (past the model's position limit it decodes on, as mlx-lm does)
         self.first_logits: Optional[list] = [] if request.logprobs is not None else None
+        self.processors = tuple(opts.processors()) + tuple(request.logits_processors or ())
         self.prefill = prefill_chunks(engine.target, self.drafter, self.acceptor, self.state, request.prompt_ids,
-                                      engine.prefill_chunk, self.first_logits)
+                                      engine.prefill_chunk, self.first_logits, self.processors)
         self.queued_at = time.perf_counter()
         self.started: Optional[float] = None
         self.last: Optional[mx.array] = None  # [1] the last committed token
@@ -139,7 +142,7 @@ class Row:
             index = self.context_index() if self.copies is not None else None
             self.context = Context(target, self.drafter, self.acceptor, widths, self.state, self.head_rows,
                                    self.copies, index, self.trees, self.shared, self.copy_trees,
-                                   lookahead=self.lookahead)
+                                   lookahead=self.lookahead, processors=self.processors)
         self.context.widths = widths
         step, self.last = cycle(self.context, self.last, self.budget, self.stops, timer, self.request.logprobs)
         self.budget -= len(step.tokens)

@@ -138,9 +138,17 @@ class Sampling(Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = Field(None, description="must be 1 (one choice per request)")
-    frequency_penalty: Optional[float] = Field(None, description="not supported: 0 or left out")
-    presence_penalty: Optional[float] = Field(None, description="not supported: 0 or left out")
-    logit_bias: Optional[Dict[str, float]] = Field(None, description="not supported: empty or left out")
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="subtracted from a token's logit "
+                                               "for each time it occurs in the last frequency_context_size tokens")
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="subtracted from a token's logit "
+                                              "where it occurs in the last presence_context_size tokens")
+    logit_bias: Optional[Dict[str, float]] = Field(None, description="token id (a string of digits) -> a bias "
+                                                   "in [-100, 100] added to its logit at every step")
+    repetition_penalty: Optional[float] = Field(None, ge=0, description="mlx-lm's extension: a token's logit in "
+                                                "the last repetition_context_size tokens divided by it (> 1: rarer)")
+    repetition_context_size: Optional[int] = Field(None, ge=1, description="mlx-lm's extension (default 20)")
+    presence_context_size: Optional[int] = Field(None, ge=1, description="mlx-lm's extension (default 20)")
+    frequency_context_size: Optional[int] = Field(None, ge=1, description="mlx-lm's extension (default 20)")
     user: Optional[str] = None  # changes nothing here
     metadata: Optional[Dict[str, Any]] = None
     store: Optional[bool] = None
@@ -153,11 +161,11 @@ class Sampling(Body):
     def common_refusals(self):
         if self.n not in (None, 1):
             yield Refusal(f"'n' must be 1 (one choice per request), got {self.n}", "n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) not in (None, 0):
-                yield Refusal(f"'{name}' is not supported by this server: leave it out or set it to 0", name)
-        if self.logit_bias:
-            yield Refusal("'logit_bias' is not supported by this server: leave it out", "logit_bias")
+        for token, bias in (self.logit_bias or {}).items():
+            if not token.isdigit() or not -100 <= bias <= 100:
+                yield Refusal(f"'logit_bias' maps token ids (strings of digits) to biases in [-100, 100], got "
+                              f"{token!r}: {bias!r}", "logit_bias")
+                break
         if any(not s for s in self.stop_strings()):
             yield Refusal("'stop' must be a non-empty string or a list of non-empty strings", "stop")
 

@@ -144,9 +144,20 @@ def anthropic_tools(tools: Optional[List[PA.AnthropicTool]]) -> Optional[List[di
                                               "parameters": t.input_schema}} for t in tools]
 
 
+# what a request may set of mlx-lm's logits processors (`GenerationOptions.processors`), beside `logit_bias`
+PENALTIES = ("repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+             "frequency_penalty", "frequency_context_size")
+
+
 def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> GenerationOptions:
-    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed")
+    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed") + PENALTIES
                 if getattr(body, k, None) is not None}
+    if getattr(body, "logit_bias", None):  # (protocol checked the ids are digits)
+        sampling["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
+        outside = [t for t in sampling["logit_bias"] if t >= worker.vocab_size]
+        if outside:
+            raise RequestError(f"'logit_bias' names token id {outside[0]}, outside the model's vocabulary of "
+                               f"{worker.vocab_size} tokens", param="logit_bias")
     options = replace(worker.options, max_tokens=max_tokens or worker.options.max_tokens, **sampling)
     try:
         return options.check()

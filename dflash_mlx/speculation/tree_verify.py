@@ -14,6 +14,7 @@ import numpy as np
 
 from dflash_mlx.models.target.tree_attention import TokenTree
 from dflash_mlx.speculation.accept import GreedyAcceptor, greedy_choice
+from dflash_mlx.speculation.processors import process_tree
 from dflash_mlx.speculation.tree import accept_greedy, accept_sampled, build_tree, draft_top_k
 
 
@@ -31,7 +32,8 @@ class TreeVerify:
     start: int
 
 
-def verify_tree(target, drafter, acceptor, cache: List[Any], last: mx.array, width: int) -> TreeVerify:
+def verify_tree(target, drafter, acceptor, cache: List[Any], last: mx.array, width: int, processors=(),
+                prior=()) -> TreeVerify:
     """Draft a block of `width` - 1 positions, verify the best `width` - 1 nodes of its tree.
 
     Two host syncs: the draft's top-k (the tree's shape is built on the host), and the
@@ -42,17 +44,18 @@ def verify_tree(target, drafter, acceptor, cache: List[Any], last: mx.array, wid
     ids, logprobs = draft_top_k(draft, draft_logits, own)
     mx.eval(ids, logprobs)
     tree = build_tree(int(last.item()), np.array(ids), np.array(logprobs), width - 1)
-    return verify_token_tree(target, acceptor, cache, tree, drafter.layer_ids, drafter.fuse)
+    return verify_token_tree(target, acceptor, cache, tree, drafter.layer_ids, drafter.fuse, processors, prior)
 
 
 def verify_token_tree(target, acceptor, cache: List[Any], tree: TokenTree, layer_ids: List[int],
-                      fuse=None) -> TreeVerify:
+                      fuse=None, processors=(), prior=()) -> TreeVerify:
     """Verify every node of `tree` (its root the last committed token) in one target forward
     and walk down to what the target accepts (one host sync). Its nodes are fixed tokens:
-    a draft's tree or a copy tree (`copy_tree`) alike."""
+    a draft's tree or a copy tree (`copy_tree`) alike. `processors`: the row's logits processors,
+    each node's logits processed after `prior` (the tokens before the root) and its path."""
     start = cache[0].offset
     h, feats, _ = target.forward(mx.array([tree.tokens]), cache, layer_ids, tree=tree, fuse=fuse)
-    logits = target.logits(h)[0]
+    logits = process_tree(processors, prior, tree, target.logits(h)[0])
     if isinstance(acceptor, GreedyAcceptor):
         choices = greedy_choice(logits)
         mx.eval(choices)

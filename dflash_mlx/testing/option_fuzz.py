@@ -18,6 +18,7 @@ import contextlib
 import random
 import time
 import traceback
+from dataclasses import replace
 from typing import List, Optional
 
 import mlx.core as mx
@@ -109,11 +110,30 @@ def stream_case(seed: int, guess: bool = False) -> dict:
     row.update(dtype=rng.choice(["float32", "float32", "bfloat16"]), bits=rng.choice([None, None, None, 4, 8]))
     if row["dtype"] == "bfloat16":
         row["options"]["deterministic"] = True
+    row["options"].update(_penalties(random.Random(f"penalties {seed}")))
     if guess:
         row["options"].update(block_size=extra.choice([2, 3, 4, 5, 8]), split_head=False, logprobs=None, profile=False)
         row.update(kind="guess", max_tokens=extra.choice([24, 40, 64]), draft=extra.choice(["scripted", "random"]),
                    guess_whole=True, queued_first=True)
     return _run(lambda r: _stream(r, rng), row)
+
+
+def _penalties(rng: random.Random) -> dict:
+    """mlx-lm's logits processors a case decodes under (a quarter of the cases; the tiny models' vocabulary
+    is 258 tokens): `GenerationOptions`' fields, empty for none."""
+    if rng.random() >= 0.25:
+        return {}
+    drawn = dict(repetition_penalty=rng.choice([1.1, 1.5, 3.0]), repetition_context_size=rng.choice([1, 4, 20, 64]),
+                 presence_penalty=rng.choice([-0.5, 0.7, 2.0]), frequency_penalty=rng.choice([-1.0, 0.3, 1.5]),
+                 logit_bias={rng.randrange(3, arch_check.VOCAB): rng.choice([-5.0, 2.0, 8.0])})
+    return {k: v for k, v in drawn.items() if rng.random() < 0.5 or k == "repetition_penalty"}
+
+
+def _processors(options: dict) -> list:
+    from dflash_mlx.options import GenerationOptions
+
+    names = ("repetition_penalty", "repetition_context_size", "presence_penalty", "frequency_penalty", "logit_bias")
+    return GenerationOptions(**{k: v for k, v in options.items() if k in names}).processors() or None
 
 
 def split_case(seed: int, families) -> dict:
@@ -192,15 +212,17 @@ def _stream(row: dict, rng: random.Random):
     # deterministic mode prefills in mlx-lm's own chunks, whatever `prefill_step_size` says
     step = MLX_LM_PREFILL_STEP if opts.get("deterministic") else opts["prefill_step_size"]
     prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
+    processors = _processors(opts)
     try:
-        whole = greedy_reference(model, prompt, max_tokens, make_cache=make_cache, prefill_step_size=step)
+        whole = greedy_reference(model, prompt, max_tokens, make_cache=make_cache, prefill_step_size=step,
+                                 logits_processors=processors)
     except Exception as e:  # mlx-lm's own decode fails (MLX's CPU GatherMM takes float32 only)
         row.update(status="not run", reason=f"mlx-lm: {error_line(e)}")
         return
     stops = [rng.choice(whole)] if whole and rng.random() < 0.4 else []
     row["stops"] = stops
     stops += [EOS_ID]
-    ref = greedy_reference(model, prompt, max_tokens, set(stops), make_cache, step)
+    ref = greedy_reference(model, prompt, max_tokens, set(stops), make_cache, step, processors)
     draft = _draft(row["draft"], model, prompt + whole, rng)
     forget_sizers()
     cache = make_prompt_cache(model, draft) if row["turns"] else None
@@ -238,7 +260,7 @@ def _stream(row: dict, rng: random.Random):
                 row.update(status="mismatch", reason="broken off: " + _parted(out, ref[: len(out)]))
                 return
         turn2 = prompt + out + extra
-        want = greedy_reference(model, turn2, 8, {EOS_ID}, make_cache, step)
+        want = greedy_reference(model, turn2, 8, {EOS_ID}, make_cache, step, processors)
         second = decode(turn2, 8, [EOS_ID])
         if second != want:
             row.update(status="mismatch", reason="second turn: " + _parted(second, want))
@@ -305,14 +327,19 @@ def _batch(row: dict, rng: random.Random):
         row["status"] = "no batch"
         return
     cases, wants, requests = [], [], []
+    drawn = random.Random(f"penalties {row['seed']}")  # (apart: the cases drawn before it keep their options)
     for length in row["prompt_lens"]:
         prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(length)]
         max_tokens = rng.choice([1, 3, 8, 15])
-        whole = greedy_reference(model, prompt, max_tokens)
+        penalties = _penalties(drawn)
+        processors = _processors(penalties)
+        whole = greedy_reference(model, prompt, max_tokens, logits_processors=processors)
         stops = ([rng.choice(whole)] if whole and rng.random() < 0.3 else []) + [EOS_ID]
         cases.append((prompt, whole))
-        wants.append(greedy_reference(model, prompt, max_tokens, set(stops)))
-        requests.append(BatchRequest(prompt, GenerationOptions(max_tokens=max_tokens), stop_token_ids=stops))
+        wants.append(greedy_reference(model, prompt, max_tokens, set(stops), logits_processors=processors))
+        requests.append(BatchRequest(prompt, GenerationOptions(max_tokens=max_tokens, **penalties),
+                                     stop_token_ids=stops))
+    row["penalties"] = sum(bool(r.options.processors()) for r in requests)
     if row["draft"] == "scripted":  # (a row's reference is the case of its prompt's length)
         right = random.Random(row["seed"])
         draft = RowScriptedDrafts(Target(model), cases, lambda c: right.randrange(0, 9), block_size=8)
@@ -345,10 +372,11 @@ def _batch(row: dict, rng: random.Random):
         while len(turn2) in lengths:  # (scripted drafts tell rows apart by their prompts' lengths)
             turn2.append(rng.randrange(3, arch_check.VOCAB))
         lengths.add(len(turn2))
+        processors = request.options.processors() or None
         if row["draft"] == "scripted":
-            draft.add_case(turn2, greedy_reference(model, turn2, 8))
-        wants2.append(greedy_reference(model, turn2, 8, {EOS_ID}))
-        seconds.append(BatchRequest(turn2, GenerationOptions(max_tokens=8), stop_token_ids=[EOS_ID],
+            draft.add_case(turn2, greedy_reference(model, turn2, 8, logits_processors=processors))
+        wants2.append(greedy_reference(model, turn2, 8, {EOS_ID}, logits_processors=processors))
+        seconds.append(BatchRequest(turn2, replace(request.options, max_tokens=8), stop_token_ids=[EOS_ID],
                                     prompt_cache=states[i]))
     with _queuing(True, True, plain_steps=True) if row.get("guess_whole") else contextlib.nullcontext():
         tokens, _, _ = serve(engine, seconds, row["join_every"], max_steps=5000)
