@@ -76,6 +76,15 @@ class GenerationOptions:
     frequency_context_size: int = 20
     logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit at every step
 
+    def penalties(self) -> dict:
+        """The penalty and logit bias fields set (for a front end that hands them on, the benchmark's
+        two engines), empty where none is."""
+        if not self.processors():
+            return {}
+        names = ("repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+                 "frequency_penalty", "frequency_context_size", "logit_bias")
+        return {name: getattr(self, name) for name in names}
+
     def processors(self) -> list:
         """mlx-lm's logits processors for the penalties and logit bias set (empty when none is)."""
         from mlx_lm.sample_utils import make_logits_processors

@@ -16,6 +16,7 @@ from dflash_mlx.testing import targets  # noqa: E402
 from dflash_mlx.bench import cli, report, runner  # noqa: E402
 from dflash_mlx.bench.suites import load_suite  # noqa: E402
 from dflash_mlx.models.target.adapter import Target  # noqa: E402
+from dflash_mlx.options import GenerationOptions  # noqa: E402
 
 MAX_TOKENS = 13  # 1 prefill token + 12: divisible into 3-token and 8+4-token cycles
 
@@ -229,3 +230,22 @@ def test_sampling_filters_reach_both_engines(tiny, monkeypatch):
     assert (doc["config"]["top_p"], doc["config"]["top_k"], doc["config"]["min_p"]) == (0.9, 5, 0.0)
     args = cli.build_parser().parse_args(["--top-p", "0.9", "--top-k", "5", "--min-p", "0.1"])
     assert (args.top_p, args.top_k, args.min_p, args.block_size, args.seed) == (0.9, 5, 0.1, "auto", 0)
+
+
+def test_penalties_reach_both_engines_and_the_answers_agree(tiny):
+    """`--repetition-penalty` and the others: mlx-lm's baseline decodes under them as DFlash does, so
+    the harness's token-for-token check holds (and the answers differ from those without them)."""
+    from dflash_mlx.models.draft.checkpoints import random_draft
+
+    model, tok = tiny
+    draft = random_draft(model, seed=0, num_layers=1, block_size=4)
+    penalties = GenerationOptions(repetition_penalty=2.0, presence_penalty=20.0, logit_bias={7: 3.0}).penalties()
+    docs = [runner.run(model, draft, tok, _cfg([4, "auto"], warmup=False, profile=False, penalties=p),
+                       prompts=_prompts()[:2], log=lambda m: None) for p in ({}, penalties)]
+    for doc in docs:
+        assert all(row["dflash"][b]["tokens_match"] for row in doc["prompts"] for b in ("4", "auto"))
+    assert docs[1]["config"]["penalties"]["repetition_penalty"] == 2.0
+    answers = [[r["baseline"]["tokens"] for r in doc["prompts"]] for doc in docs]
+    assert answers[0] != answers[1]
+    args = cli.build_parser().parse_args(["--repetition-penalty", "1.2", "--frequency-penalty", "0.5"])
+    assert GenerationOptions.from_args(args).penalties()["frequency_penalty"] == 0.5

@@ -20,8 +20,8 @@ from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.sizer import forget_sizers
 from dflash_mlx.speculation import processors as processors_module
 from dflash_mlx.testing.serving import serve
-from dflash_mlx.testing.targets import (EOS_ID, RankedDraft, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, clean_case,
-                                        greedy_reference, tiny_target)
+from dflash_mlx.testing.targets import (EOS_ID, RankedDraft, RowScriptedDrafts, ScriptedDraft, byte_tokenizer,
+                                        clean_case, greedy_reference, tiny_target)
 
 PENALTIES = dict(repetition_penalty=1.8, presence_penalty=0.7, frequency_penalty=0.4, logit_bias={5: 3.0, 7: -2.0})
 
@@ -43,7 +43,8 @@ def case(arch, length=30, max_tokens=40, seed=3, **penalties):
     """(model, tokenizer, prompt, mlx-lm's greedy answer under `penalties`, its answer without them)."""
     model, tok = model_for(arch)
     prompt, plain = clean_case(model, length, max_tokens, seed=seed)
-    ref = greedy_reference(model, prompt, max_tokens, stop_ids=[EOS_ID], logits_processors=mlx_lm_processors(**penalties))
+    ref = greedy_reference(model, prompt, max_tokens, stop_ids=[EOS_ID],
+                           logits_processors=mlx_lm_processors(**penalties))
     return model, tok, prompt, ref, plain
 
 

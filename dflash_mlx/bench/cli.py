@@ -149,7 +149,7 @@ def main(argv=None) -> int:
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
         min_p=options.min_p, draft_sampling=options.draft_sampling, seed=options.seed,
-        warmup=not args.no_warmup,
+        penalties=options.penalties(), warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
         model=args.model, draft=draft_name if args.draft_bits is None else label, data_dir=args.data_dir,
         command=_command(argv),
@@ -188,6 +188,9 @@ def depth_main(args, argv) -> int:
     if not any(a == "--limit" or a.startswith("--limit=") for a in raw):
         args.limit = depth.DepthConfig.documents
     options = checked_options(args)
+    if options.penalties():
+        raise CLIError("the depth suite measures the draft's acceptance by depth, without penalties: leave "
+                       "--repetition-penalty, --presence-penalty and --frequency-penalty out", EXIT_USAGE)
     if args.limit < 1:
         raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
     if args.depth_repeats < 1:

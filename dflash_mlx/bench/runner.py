@@ -18,12 +18,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
 
 import mlx.core as mx
 
 from dflash_mlx.generate import encode_prompt, stop_ids, tau
-from dflash_mlx.options import AUTO, DRAFT_WIDTH, parse_block_size
+from dflash_mlx.options import AUTO, DRAFT_WIDTH, GenerationOptions, parse_block_size
 from dflash_mlx.progress import eta_seconds, format_duration
 
 from dflash_mlx.bench import metrics
@@ -46,6 +46,8 @@ class BenchConfig:
     min_p: float = 0.0
     draft_sampling: str = "argmax"  # proposal mode at temperature > 0 (see dflash_mlx.speculation.accept)
     seed: int = 0
+    # mlx-lm's logits processors on both engines: `GenerationOptions`' penalty and logit bias fields
+    penalties: Dict[str, Any] = field(default_factory=dict)
     warmup: bool = True
     profile: bool = True  # run the extra profiled pass for the time split
     forward_reps: int = 5
@@ -110,26 +112,27 @@ def collect(responses: Iterable, stops: Iterable[int] = ()) -> metrics.Trace:
 
 def baseline_stream(model, tokenizer, ids: List[int], max_tokens: int,
                     temperature: float, seed: int, top_p: float = 1.0, top_k: int = 0,
-                    min_p: float = 0.0):
+                    min_p: float = 0.0, penalties: Optional[dict] = None):
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     mx.random.seed(seed)
+    processors = GenerationOptions(**penalties).processors() if penalties else None
     return stream_generate(model, tokenizer, mx.array(ids), max_tokens=max_tokens,
                            sampler=make_sampler(temp=temperature, top_p=top_p, min_p=min_p,
-                                                top_k=top_k))
+                                                top_k=top_k), logits_processors=processors)
 
 
 def dflash_stream(model, draft, tokenizer, ids: List[int], max_tokens: int,
                   block_size: Union[int, str, None], temperature: float, seed: int,
                   profile: bool, draft_sampling: str = "argmax", top_p: float = 1.0,
-                  top_k: int = 0, min_p: float = 0.0):
+                  top_k: int = 0, min_p: float = 0.0, penalties: Optional[dict] = None):
     from dflash_mlx.generate import stream_generate
 
     return stream_generate(model, draft, tokenizer, ids, max_tokens=max_tokens,
                            block_size=block_size, temperature=temperature, top_p=top_p,
                            top_k=top_k, min_p=min_p, seed=seed, profile=profile,
-                           draft_sampling=draft_sampling)
+                           draft_sampling=draft_sampling, **(penalties or {}))
 
 
 # -- direct forward timing ---------------------------------------------------
@@ -237,6 +240,8 @@ def run(model, draft, tokenizer, cfg: BenchConfig,
     # test's stand-in engine without them still fits
     off = {"top_p": 1.0, "top_k": 0, "min_p": 0.0}
     filters = {k: getattr(cfg, k) for k in off if getattr(cfg, k) != off[k]}
+    if cfg.penalties:
+        filters["penalties"] = cfg.penalties
     if baseline_fn is None:
         baseline_fn = functools.partial(baseline_stream, **filters)
     if dflash_fn is None:

@@ -130,9 +130,11 @@ def _penalties(rng: random.Random) -> dict:
 
 
 def _processors(options: dict) -> list:
+    from dataclasses import fields
+
     from dflash_mlx.options import GenerationOptions
 
-    names = ("repetition_penalty", "repetition_context_size", "presence_penalty", "frequency_penalty", "logit_bias")
+    names = {f.name for f in fields(GenerationOptions)}
     return GenerationOptions(**{k: v for k, v in options.items() if k in names}).processors() or None
 
 
@@ -148,6 +150,7 @@ def split_case(seed: int, families) -> dict:
                           token_trees=rng.random() < 0.5)
     row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([2, 5, 12, 20]),
                draft=rng.choice(["random", "scripted", "none"]), turns=rng.random() < 0.3)
+    row["options"].update(_penalties(random.Random(f"penalties {seed}")))  # (every rank draws the same)
     return _run(lambda r: _stream(r, rng), row)
 
 
