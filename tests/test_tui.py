@@ -367,11 +367,15 @@ def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
         proposals.value = "sample"
         app.screen.query_one("#temperature").value = "0.7"
         app.screen.query_one("#seed").value = "5"
+        assert app.screen.query_one("#repetition_penalty").value == ""
+        penalty = app.screen.query_one("#repetition_penalty")
+        bad_penalty = (await try_values(app, pilot, penalty, ("-1",)))["-1"]
+        penalty.value = "1.1"
         await pilot.press("enter")
         await pilot.pause(0.05)
-        return shown, refused, bad_proposals, isinstance(app.screen, SettingsScreen)
+        return shown, refused, bad_proposals, bad_penalty, isinstance(app.screen, SettingsScreen)
 
-    shown, refused, bad_proposals, still_open = run(app, script)
+    shown, refused, bad_proposals, bad_penalty, still_open = run(app, script)
     assert shown == "1"
     for text, (was_open, notes) in refused.items():
         assert was_open, text
@@ -380,7 +384,9 @@ def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
     assert bad_proposals[0] and "draft sampling must be one of argmax, sample" in bad_proposals[1][0][0]
     assert not still_open
     s = app.session.settings
+    assert bad_penalty[0] and "repetition penalty must be >= 0" in bad_penalty[1][0][0]
     assert (s.top_p, s.temperature, s.seed, s.max_tokens, s.draft_sampling) == (0.9, 0.7, 5, MAX, "sample")
+    assert s.repetition_penalty == 1.1 and len(s.processors()) == 1
 
 
 def test_engine_error_shows_a_notification_and_the_app_goes_on(tiny):

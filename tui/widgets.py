@@ -144,7 +144,9 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         ("min_p", "min-p", float),
         ("seed", "seed", int),
         ("draft_sampling", "proposals", str),
+        ("repetition_penalty", "repetition", float),
     )
+    OPTIONAL = ("seed", "repetition_penalty")  # empty: None (no seed; no penalty)
 
     def __init__(self, settings: Settings, draft_block_size: int):
         super().__init__()
@@ -154,13 +156,17 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
     def compose(self) -> ComposeResult:
         s = self.settings
         placeholders = {"block_size": f"auto (empty), draft ({self.draft_block_size}) or a number",
-                        "seed": "empty: none", "draft_sampling": "argmax or sample"}
+                        "seed": "empty: none", "draft_sampling": "argmax or sample",
+                        "repetition_penalty": "empty: off (e.g. 1.1)"}
         with Grid():
             for name, label, _ in self.FIELDS:
                 value = getattr(s, name)
                 yield Label(label)
                 yield Input("" if value is None else f"{value:g}" if isinstance(value, float) else str(value),
                             placeholder=placeholders.get(name, ""), id=name)
+            if len(self.FIELDS) % 2:  # (the system prompt starts a row of its own)
+                yield Label("")
+                yield Label("")
             yield Label("system prompt")
             yield Input(s.system, placeholder="(the template's default)", id="system")
             yield Button("Save", variant="primary", id="save")
@@ -174,7 +180,7 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
             if kind is str:
                 values[name] = text  # block size and draft sampling: Settings.check reads the text
                 continue
-            if not text and name == "seed":
+            if not text and name in self.OPTIONAL:
                 values[name] = None
                 continue
             try:
