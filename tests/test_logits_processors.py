@@ -130,6 +130,27 @@ def test_batch_rows_each_under_their_own():
     assert len({len(r.tokens) for rs in responses.values() for r in rs}) > 2  # rows accepted other lengths
 
 
+def test_batched_plain_steps_queued_before_their_read(monkeypatch):
+    """Without a draft, at width 1, each batched step queued before the one before it is read: the
+    rows' histories end with tokens not read yet (lazy), and every row is still its own mlx-lm answer."""
+    from dflash_mlx.engine import ahead
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
+    monkeypatch.setattr(LookAhead, "pays", lambda self, width: True)
+    forget_sizers()
+    model, _ = model_for("qwen3")
+    settings = [PENALTIES, {}, dict(repetition_penalty=2.0, repetition_context_size=4, frequency_penalty=1.0)]
+    prompts = [clean_case(model, 5 + 7 * i, 16, seed=20 + i)[0] for i in range(len(settings))]
+    refs = [greedy_reference(model, p, 16, logits_processors=mlx_lm_processors(**s)) for p, s in zip(prompts, settings)]
+    engine = BatchEngine(model, None, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=1,
+                         copy_proposals=False)
+    requests = [BatchRequest(p, GenerationOptions(max_tokens=16, **s)) for p, s in zip(prompts, settings)]
+    tokens, _, _ = serve(engine, requests, 1, None)
+    assert [tokens[i] for i in range(len(settings))] == refs
+    assert engine.stats()["batched_ahead"]["queued before a read"] > 5
+
+
 def test_logprobs_are_mlx_lms_processed_ones():
     """mlx-lm's `generate_step` hands out the processed log-probabilities: so does each response."""
     forget_sizers()

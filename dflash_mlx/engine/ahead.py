@@ -160,9 +160,11 @@ def copy_in_sight(ctx: Context, budget: int, width: int) -> bool:
     return ctx.copies_pay
 
 
-def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[int] = None) -> Launched:
+def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[int] = None,
+           unread: Optional[mx.array] = None) -> Launched:
     """Queue `plan` (a chain, a copy or a plain step) after `last` [1]: draft, verify forward,
-    acceptance. No host sync, except the one a split LM head takes between its pieces."""
+    acceptance. No host sync, except the one a split LM head takes between its pieces. `unread` [k]:
+    the tokens the cycle before fed that are not in `state.tokens` yet (queued before its read)."""
     target, drafter, acceptor = ctx.target, ctx.drafter, ctx.acceptor
     started = time.perf_counter()
     width = plan.width
@@ -185,7 +187,7 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
                                           fuse=drafter.fuse)
 
         computed = {}  # a redo reuses the pieces of logits already computed
-        prior = process_prior(ctx.processors, ctx.state.tokens)
+        prior = process_prior(ctx.processors, ctx.state.tokens, unread)
 
         def row_logits(start, stop):
             if (start, stop) not in computed:
@@ -234,10 +236,11 @@ def syncs_midway(ctx: Context, plan: Plan) -> bool:
     return ctx.head_rows.split and ctx.head_rows.first(width) < width
 
 
-def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
+def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: Optional[mx.array] = None):
     """Plan the next cycle now; launch it unless it is a token tree. Its rows are in the caches
-    until it lands (the prompt cache is not valid meanwhile)."""
-    plan = make_plan(ctx, budget, unread)
+    until it lands (the prompt cache is not valid meanwhile). `unread` [k]: the tokens the cycle
+    before fed, not read yet (its successor queued before its read, on the guess that all are kept)."""
+    plan = make_plan(ctx, budget, 0 if unread is None else unread.shape[0])
     state = ctx.state
     if (plan.tree is not None or (plan.width == 1 and not plan.copy_length and ctx.target.rotating)
             or syncs_midway(ctx, plan)):
@@ -248,7 +251,7 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: int = 0):
     # Not in deterministic mode: there the verify's one-token updates write into the very arrays a snapshot
     # would hold, and its rollback of every row already puts each window back from copies, `exact_rows`)
     windows = snapshot_windows(state.target_cache) if ctx.target.rotating and not ctx.target.deterministic else None
-    launched = launch(ctx, plan, last, timer)
+    launched = launch(ctx, plan, last, timer, unread=unread)
     launched.windows = windows
     launched.queued = time.perf_counter()
     mx.async_eval(launched.outcome, *([] if launched.unsure is None else [launched.unsure]))
@@ -280,10 +283,9 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     guess that none comes into sight pays, `copy_in_sight`, `policy.lookahead`) and a discard can take
     the step back (a stop token, or a raw argmax done again the exact way, `land`). A drafted chain's
     successor is queued on the guess that the chain is accepted whole, where that pays (greedy rows,
-    the guess checked once read, `cycle.cycle`). Never for a row with logits processors: they read the
-    tokens before each row (`speculation.processors`)."""
+    the guess checked once read, `cycle.cycle`)."""
     if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
-            and not ctx.processors and may_launch(ctx, timer, logprobs)
+            and may_launch(ctx, timer, logprobs)
             and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)):
         return False
     guess = ctx.lookahead

@@ -41,9 +41,10 @@ def plan(engine) -> Plan:
     return Plan(*plan_batch(engine.target, engine.rows, engine.widths, engine.fixed, engine.batch_copies))
 
 
-def launch(engine, chosen: Plan, lasts: Optional[List[mx.array]] = None) -> BatchLaunched:
+def launch(engine, chosen: Plan, lasts: Optional[List[mx.array]] = None,
+           unread: Optional[mx.array] = None) -> BatchLaunched:
     return launch_batch(engine.target, engine.draft, engine.rows, engine.cache, engine.kinds, engine.head_axis,
-                        *chosen, lasts=lasts)
+                        *chosen, lasts=lasts, unread=unread)
 
 
 def may_launch(engine) -> bool:
@@ -79,10 +80,9 @@ def launch_ahead(engine, chosen: Optional[Plan] = None):
 def before_reading(engine, launched: BatchLaunched) -> bool:
     """Whether the step after `launched`, a batched plain step, is queued before the host reads it."""
     # (a row's logprobs are computed from its logits when it is read: behind a step queued first, that
-    # read would wait for the queued step too; a row's logits processors read its tokens, not read yet)
+    # read would wait for the queued step too)
     return (plain(launched.width, launched.copied) and may_launch(engine)
-            and not engine.target.rotating
-            and all(r.budget > 1 and r.request.logprobs is None and not r.processors for r in launched.rows)
+            and not engine.target.rotating and all(r.budget > 1 and r.request.logprobs is None for r in launched.rows)
             and (lone.BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu) and engine.lookahead.pays(1))
 
 
@@ -96,7 +96,8 @@ def queue_behind(engine, launched: BatchLaunched):
                 r.drafter.keep(launched.feats[b : b + 1])
         launched.kept_early = True
         lasts = [launched.committed[b : b + 1, 0] for b in range(len(rows))]
-        queued = engine.ahead = launch(engine, Plan(1, [0] * len(rows), [None] * len(rows)), lasts)
+        queued = engine.ahead = launch(engine, Plan(1, [0] * len(rows), [None] * len(rows)), lasts,
+                                       launched.verify_in)
     queue(queued)
     engine.ahead_counts["queued before a read"] += 1
 

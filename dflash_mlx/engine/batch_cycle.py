@@ -39,7 +39,7 @@ from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
 from dflash_mlx.models.target.windows import restore_windows
 from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, pack_outcome, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
-from dflash_mlx.speculation.processors import process_chain
+from dflash_mlx.speculation.processors import process_chain, process_prior
 
 
 def _copy_proposal(continuation: List[int], n: int, width: int) -> Proposal:
@@ -103,12 +103,13 @@ class BatchLaunched:
 
 def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds, head_axis: bool, width: int,
                  copied: Sequence[int], matches: Sequence[Optional[CopyMatch]],
-                 lasts: Optional[List[mx.array]] = None) -> BatchLaunched:
+                 lasts: Optional[List[mx.array]] = None, unread: Optional[mx.array] = None) -> BatchLaunched:
     """Queue one cycle of `rows` (two or more, decoding on the batch's caches `cache`, whose rollback
     `kinds` the engine read) at `width`: row b verifies a copy of `copied[b]` tokens of
     `matches[b]`, or (0) its draft's block (with no draft, its last token repeated: it commits
     one token, as a plain step). `lasts`: each row's last token [1] where not yet its `Row.last` (a
-    cycle queued before the one before it is read). Draft, verify forward and acceptance, no host sync."""
+    cycle queued before the one before it is read), and `unread` [B, k] the tokens that one fed, not yet
+    in the rows' `state.tokens`. Draft, verify forward and acceptance, no host sync."""
     started = time.perf_counter()
     for r in rows:
         r.state.valid = False
@@ -139,7 +140,9 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
         logits = target.logits(h)  # [B, width, V]
         if any(r.processors for r in rows):  # (each row after its own tokens: `speculation.processors`)
             logits = mx.concatenate(
-                [process_chain(r.processors, r.state.tokens, verify_in[b : b + 1], logits[b : b + 1])
+                [process_chain(r.processors, process_prior(r.processors, r.state.tokens,
+                                                           None if unread is None else unread[b]),
+                               verify_in[b : b + 1], logits[b : b + 1])
                  for b, r in enumerate(rows)], axis=0)
         acceptors = [r.acceptor for r in rows]
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)

@@ -154,7 +154,7 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
         with mx.stream(generation_stream):
             if launched.feats is not None:
                 drafter.keep(launched.feats)
-        ahead(ctx, budget - full, launched.committed[:, full - 1], timer, unread=full)
+        ahead(ctx, budget - full, launched.committed[:, full - 1], timer, unread=launched.verify_in[0])
     if launched is None:  # a token tree: its own verify, two host syncs
         t0 = time.perf_counter()
         width = plan.width

@@ -11,12 +11,13 @@ them. Each row is processed on its own, with the calls mlx-lm's step makes on th
 greedy output stays mlx-lm's under the same processors and sampling draws from the processed
 distribution (the acceptors and `sampling_logprobs` take processed logits).
 
-The engine needs `prior` on the host when it builds a verify: a cycle queued before the host read the
-one before it (`engine.ahead.before_reading`, `engine.batch_ahead.before_reading`) is not, for a row
-with processors.
+A cycle queued before the host read the one before it (`engine.ahead.before_reading`,
+`engine.batch_ahead.before_reading`) queues on the guess that every token that cycle fed is kept: its
+prior ends with those tokens, lazy (`process_prior`'s `unread`), as mlx-lm's own queued step holds its
+last token; where the guess fails, the cycle is discarded.
 """
 
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -41,10 +42,14 @@ def _tokens(prior) -> mx.array:
     return prior if isinstance(prior, mx.array) else mx.array(list(prior), dtype=mx.int32)
 
 
-def process_prior(processors: Sequence[LogitsProcessor], prior: Sequence[int]):
+def process_prior(processors: Sequence[LogitsProcessor], prior: Sequence[int], unread: Optional[mx.array] = None):
     """`prior` as the array the rows' histories start with, made once, as the verify is built (the host's
-    list grows once the cycle is read); None without processors."""
-    return _tokens(prior) if processors else None
+    list grows once the cycle is read), then `unread` [k] (lazy: the tokens a cycle not read yet fed); None
+    without processors."""
+    if not processors:
+        return None
+    head = _tokens(prior)
+    return head if unread is None else mx.concatenate([head, unread.astype(mx.int32)])
 
 
 def process_first(processors: Sequence[LogitsProcessor], prompt: Sequence[int], logits: mx.array) -> mx.array:
