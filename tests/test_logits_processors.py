@@ -207,12 +207,13 @@ def test_without_each_rows_own_history_it_fails(monkeypatch):
 # -- sampling ----------------------------------------------------------------------------------
 
 
-def sampled_first_tokens(model, tok, penalties, n_runs=150):
-    draft = random_draft(model, block_size=3, seed=4)
+def sampled_first_tokens(model, tok, penalties, n_runs=150, block_size="draft"):
+    draft = random_draft(model, block_size=3 if block_size == "draft" else 4, seed=4)
     outs = []
     for seed in range(n_runs):
-        tokens, _ = run(model, draft, tok, PROMPT, max_tokens=3, seed=seed, block_size="draft", temperature=0.7,
-                        **penalties)
+        forget_sizers()
+        tokens, responses = run(model, draft, tok, PROMPT, max_tokens=3, seed=seed, block_size=block_size,
+                                temperature=0.7, copy_proposals=False, **penalties)
         outs.append(tokens)
     return np.array(outs)
 
@@ -272,3 +273,24 @@ def test_bad_values_are_refused_in_one_line(bad, message):
     model, tok = model_for("llama")
     with pytest.raises(ValueError, match=message):
         run(model, None, tok, [1, 2, 3], max_tokens=4, **bad)
+
+
+def test_sampling_down_token_trees_under_penalties_keeps_the_processed_distribution(monkeypatch):
+    """Every drafted cycle a token tree (the policy forced), each node processed after its own path."""
+    from test_sampling import chi_square, encode
+
+    from dflash_mlx.policy import trees
+    from dflash_mlx.testing.archs import build
+
+    monkeypatch.setattr(trees.TreePolicy, "explore", lambda self, chosen, limit: max(4, min(chosen, limit)))
+    model, tok = build("qwen3_moe", vocab_size=4), byte_tokenizer()
+    penalties = dict(repetition_penalty=3.0, logit_bias={3: 2.0})
+    exact = exact_first_tokens(model, 3, 0.7, mlx_lm_processors(**penalties))
+    assert exact.max() < 0.5
+    _, pval = chi_square(encode(sampled_first_tokens(model, tok, penalties, 300, "auto"), 4), exact)
+    assert pval > 1e-3
+    # the same test fails trees whose nodes skip the processors
+    monkeypatch.setattr("dflash_mlx.speculation.tree_verify.process_tree", lambda processors, prior, tree, logits:
+                        logits)
+    _, pval = chi_square(encode(sampled_first_tokens(model, tok, penalties, 300, "auto"), 4), exact)
+    assert pval < 1e-6
