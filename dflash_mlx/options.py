@@ -23,6 +23,10 @@ DRAFT_SAMPLING_MODES = ("argmax", "sample")
 
 BlockSize = Union[int, str]
 
+# `GenerationOptions`' fields for mlx-lm's penalties (`make_logits_processors`), beside `logit_bias`
+PENALTY_FIELDS = ("repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
+                  "frequency_penalty", "frequency_context_size")
+
 
 def parse_block_size(text) -> BlockSize:
     """`AUTO`, `DRAFT_WIDTH` or a whole number >= 1, from the text as typed (a flag, a
@@ -81,9 +85,7 @@ class GenerationOptions:
         two engines), empty where none is."""
         if not self.processors():
             return {}
-        names = ("repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
-                 "frequency_penalty", "frequency_context_size", "logit_bias")
-        return {name: getattr(self, name) for name in names}
+        return {name: getattr(self, name) for name in PENALTY_FIELDS + ("logit_bias",)}
 
     def processors(self) -> list:
         """mlx-lm's logits processors for the penalties and logit bias set (empty when none is)."""

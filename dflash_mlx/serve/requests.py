@@ -10,7 +10,7 @@ from typing import List, Optional
 
 from dflash_mlx.serve import protocol as P
 from dflash_mlx.serve import protocol_anthropic as PA
-from dflash_mlx.options import GenerationOptions
+from dflash_mlx.options import PENALTY_FIELDS, GenerationOptions
 from dflash_mlx.tool_calls import template_tools
 
 # -- requests -------------------------------------------------------------------
@@ -144,13 +144,8 @@ def anthropic_tools(tools: Optional[List[PA.AnthropicTool]]) -> Optional[List[di
                                               "parameters": t.input_schema}} for t in tools]
 
 
-# what a request may set of mlx-lm's logits processors (`GenerationOptions.processors`), beside `logit_bias`
-PENALTIES = ("repetition_penalty", "repetition_context_size", "presence_penalty", "presence_context_size",
-             "frequency_penalty", "frequency_context_size")
-
-
 def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> GenerationOptions:
-    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed") + PENALTIES
+    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed") + PENALTY_FIELDS
                 if getattr(body, k, None) is not None}
     if getattr(body, "logit_bias", None):  # (protocol checked the ids are digits)
         sampling["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}
