@@ -116,11 +116,14 @@ def conversation(worker, url, model, tok, seed: int, lock, answers: list):
 
 def run_seed(kind: str, workers: str, seed: int, conversations: int, at_once: int) -> list:
     model, tok = target(kind)
+    # mlx-lm's decode runs on a model of its own: the engine swaps modules of the served one during a verify
+    # (taps, taped recurrent layers), which a forward on another thread would go through
+    reference, _ = target(kind)
     answers, lock = [], threading.Lock()
     with served(model, random_draft(model, block_size=8, seed=seed), tok, **WORKERS[workers]) as (worker, url):
         for start in range(0, conversations, at_once):
-            threads = [threading.Thread(target=conversation, args=(worker, url, model, tok, seed * 1000 + c, lock,
-                                                                   answers))
+            threads = [threading.Thread(target=conversation, args=(worker, url, reference, tok, seed * 1000 + c,
+                                                                   lock, answers))
                        for c in range(start, min(start + at_once, conversations))]
             for t in threads:
                 t.start()
