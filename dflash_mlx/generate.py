@@ -96,8 +96,9 @@ def stream_generate(
     plain steps otherwise; with any other block size it is plain decoding.
     `split_head`: verify's LM head in two pieces (`engine.cycle.HeadRows`); None: on CPUs only.
     `logprobs`: None (off, no cost), or k >= 0: each response's `logprobs` gives its
-    tokens' log-probabilities under the target's unmodified distribution (before
-    temperature and filters) and the k most likely tokens there (`TokenLogprob`).
+    tokens' log-probabilities under the target's own distribution (after penalties and
+    logits processors, before temperature and filters, as mlx-lm's) and the k most
+    likely tokens there (`TokenLogprob`).
     `copy_proposals` (with "auto"): a cycle may verify a copy of a span of the context
     instead of the draft's block, when measured acceptance and cost say it commits more
     tokens per second (`dflash_mlx.policy.copies`); exact either way.
