@@ -19,21 +19,18 @@ import contextlib
 import datetime
 import json
 import random
-import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
 import httpx
-import uvicorn
 
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.progress import Progress
-from dflash_mlx.serve.app import create_app
 from dflash_mlx.serve.worker import Worker
+from dflash_mlx.testing.serving import http_server
 from dflash_mlx.testing.targets import EOS_ID, greedy_reference, tiny_target
 
 WORKERS = {"batched": {}, "one-row": {"max_batch": 1}, "deterministic": {"max_batch": 1, "deterministic": True}}
@@ -48,18 +45,8 @@ def target(kind: str):
 @contextlib.contextmanager
 def served(model, draft, tok, **worker_args):
     worker = Worker(model, draft, tok, model_name="tiny", draft_name="random", **worker_args)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    try:
-        yield worker, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
+    with http_server(worker) as url:
+        yield worker, url
 
 
 def penalties(rng: random.Random) -> dict:

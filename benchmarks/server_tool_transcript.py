@@ -12,16 +12,12 @@ OpenAI and the Anthropic APIs, and a streamed tool call, as Markdown.
 import dflash_mlx  # noqa: F401  (BLAS routing before mlx.core)
 
 import json
-import socket
-import threading
-import time
 
 import httpx
-import uvicorn
 
 from dflash_mlx.models.draft.checkpoints import random_draft
-from dflash_mlx.serve.app import create_app
 from dflash_mlx.serve.worker import Worker
+from dflash_mlx.testing.serving import http_server
 from dflash_mlx.testing.targets import tool_call_target
 
 TOOLS = [{"type": "function", "function": {
@@ -47,17 +43,8 @@ def show(title, path, body, response, tools_shown=False):
 def main():
     model, tok = tool_call_target()
     worker = Worker(model, random_draft(model, block_size=4), tok, model_name="tool-target", draft_name="random")
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and without it each
-    # keep-alive response's body waits ~40 ms behind its headers (Nagle against the client's delayed ACK)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    http = httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=60)
-    try:
+    with http_server(worker) as url:
+        http = httpx.Client(base_url=url, timeout=60)
         print("### OpenAI chat completions\n")
         q = [{"role": "user", "content": "What is the weather in Paris?"}]
         body = {"model": "tool-target", "messages": q, "tools": TOOLS, "max_tokens": 64}
@@ -96,9 +83,6 @@ def main():
                 if line:
                     print(line)
         print("```")
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 if __name__ == "__main__":

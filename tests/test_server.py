@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -22,17 +21,16 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from dflash_mlx import stream_generate
 from dflash_mlx.cli.common import CLIError
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.engine.prompt_cache import common_prefix
-from dflash_mlx.serve.app import create_app
 from dflash_mlx.serve.cli import build_parser, load_worker
 from dflash_mlx.serve.requests import StopMatcher
 from dflash_mlx.serve.worker import Worker
+from dflash_mlx.testing.serving import http_server
 from dflash_mlx.testing.targets import EOS_ID, chain_target, greedy_reference, tiny_target
 
 TEMPLATE = (
@@ -49,28 +47,11 @@ def serving(model, draft, tok, template=TEMPLATE, **worker_args):
     if template is not None:
         tok._tokenizer.chat_template = template
     worker = Worker(model, draft, tok, model_name=MODEL, draft_name="random", **worker_args)
-    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and without it each
-    # keep-alive response's body waits ~40 ms behind its headers (Nagle against the client's delayed ACK)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not server.started:
-        assert thread.is_alive() and time.time() < deadline, "server did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    with http_server(worker) as url:
         yield SimpleNamespace(
             url=url, worker=worker, model=model, draft=draft, tok=tok,
             client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
         )
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "server did not stop"
-        assert not worker._thread.is_alive(), "engine worker did not stop"
 
 
 @pytest.fixture(scope="module")

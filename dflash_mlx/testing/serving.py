@@ -1,6 +1,9 @@
 """Requests fed to a `BatchEngine` the way a server feeds them: one joining every few steps while
-there is room, each stepped until it ends (`tests/test_batch.py`, `testing.option_fuzz`)."""
+there is room, each stepped until it ends (`tests/test_batch.py`, `testing.option_fuzz`); and a
+`serve.worker.Worker` behind the HTTP app on a free port of this process (`http_server`: the server
+tests, `benchmarks/server_exactness.py`)."""
 
+import contextlib
 from typing import Dict, List, Optional, Tuple
 
 
@@ -29,3 +32,35 @@ def serve(engine, requests: List, join_every: int = 1, cancel: Optional[Dict[int
         if steps > max_steps:
             raise RuntimeError(f"the engine did not finish its {len(requests)} requests in {max_steps} steps")
     return tokens, responses, states
+
+
+@contextlib.contextmanager
+def http_server(worker, start_within: float = 20.0):
+    """`worker` (`serve.worker.Worker`) behind the server's app on a free loopback port, in a thread of
+    this process: yields its URL; on leaving, the server and the worker's engine thread stop."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from dflash_mlx.serve.app import create_app
+
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets that say so, and without it each
+    # keep-alive response's body waits ~40 ms behind its headers (Nagle against the client's delayed ACK)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(worker), log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + start_within
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        assert not thread.is_alive(), "server did not stop"
+        assert not worker._thread.is_alive(), "engine worker did not stop"
