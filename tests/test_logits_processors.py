@@ -213,7 +213,7 @@ def sampled_first_tokens(model, tok, penalties, n_runs=150, block_size="draft"):
     for seed in range(n_runs):
         forget_sizers()
         tokens, _ = run(model, draft, tok, PROMPT, max_tokens=3, seed=seed, block_size=block_size,
-                                temperature=0.7, copy_proposals=False, **penalties)
+                        temperature=0.7, copy_proposals=False, **penalties)
         outs.append(tokens)
     return np.array(outs)
 
