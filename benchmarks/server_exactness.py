@@ -8,8 +8,9 @@ A tiny random target (`testing.targets.tiny_target`; "global": Llama without sli
 port). Per seed, conversations run a few at a time, each on its own client: every turn's prompt is
 the last prompt, its answer and a few new characters (so the prompt cache pool reuses prefixes),
 some turns are streamed and some of those hung up after two chunks, and some conversations decode
-under penalties and a logit bias. Each worker set-up (`--workers`: the batched engine, one row at a
-time, deterministic mode) serves every seed. Every answer not hung up must be mlx-lm's greedy decode
+under penalties and a logit bias. mlx-lm's references decode in the clients' threads on the served
+model object itself (`--reference-on served`), while the engine verifies on it. Each worker set-up
+(`--workers`: the batched engine, one row at a time, deterministic mode) serves every seed. Every answer not hung up must be mlx-lm's greedy decode
 of the turn's prompt under the same processors; text compares with U+FFFD removed (a random model
 emits invalid UTF-8, whose replacement characters depend on how a naive detokenizer's groups fall).
 """
@@ -101,11 +102,11 @@ def conversation(worker, url, model, tok, seed: int, lock, answers: list):
         prompt += text + "".join(rng.choice("qrstuv ") for _ in range(rng.randrange(1, 8)))
 
 
-def run_seed(kind: str, workers: str, seed: int, conversations: int, at_once: int) -> list:
+def run_seed(kind: str, workers: str, seed: int, conversations: int, at_once: int, reference_on: str) -> list:
     model, tok = target(kind)
-    # mlx-lm's decode runs on a model of its own: the engine swaps modules of the served one during a verify
-    # (taps, taped recurrent layers), which a forward on another thread would go through
-    reference, _ = target(kind)
+    # "served": mlx-lm decodes on the served model object, in the clients' threads, while the engine's thread
+    # verifies on it (`models.target.stand_ins` keeps the two apart); "own": on a copy of its own
+    reference = model if reference_on == "served" else target(kind)[0]
     answers, lock = [], threading.Lock()
     with served(model, random_draft(model, block_size=8, seed=seed), tok, **WORKERS[workers]) as (worker, url):
         for start in range(0, conversations, at_once):
@@ -126,13 +127,19 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0:4", help="first:last (exclusive)")
     p.add_argument("--conversations", type=int, default=12)
     p.add_argument("--at-once", type=int, default=4)
+    p.add_argument("--reference-on", choices=["served", "own"], default="served",
+                   help="the model object mlx-lm's reference decodes run on")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="Python's thread switch interval in seconds (1e-5: threads interleave often, races show)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     first, last = (int(x) for x in args.seeds.split(":"))
     runs = [(k, w, s) for k in args.targets.split(",") for w in args.workers.split(",") for s in range(first, last)]
     progress, answers = Progress(len(runs), "runs"), []
     for done, (kind, workers, seed) in enumerate(runs, 1):
-        answers += run_seed(kind, workers, seed, args.conversations, args.at_once)
+        answers += run_seed(kind, workers, seed, args.conversations, args.at_once, args.reference_on)
         progress.update(done, f"{kind} {workers} seed {seed}: {sum(not a['exact'] for a in answers)} mismatches",
                         force=True)
     progress.close()

@@ -30,8 +30,9 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.rope_offsets import takes_offset_arrays
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.sharding import agreed_reason, on_every_rank
-from dflash_mlx.models.target.rollback import (StandIn, VerifyRecord, recorded_apart, replay_gdn_rows,
-                                               replay_layer_rows, rollback_batch_rows, sub_caches)
+from dflash_mlx.models.target.rollback import (VerifyRecord, recorded_apart, replay_gdn_rows, replay_layer_rows,
+                                               rollback_batch_rows, sub_caches)
+from dflash_mlx.models.target.stand_ins import StandIn
 
 _SUPPORT = IdentityMap()
 

@@ -16,7 +16,8 @@ import mlx.nn as nn
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.kernels import qmm
 from dflash_mlx.models.layout import transposed
-from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError
+from dflash_mlx.models.target.rollback import UnsupportedTargetError
+from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.sharding import gather_vocab, head_group, split_stream
 
 # Where mlx-lm's text models keep their LM head when untied.
@@ -183,11 +184,9 @@ class TargetHead:
         """`Model.__call__` on final hidden states `h` [B, S, H]: its text model swapped for
         `_HiddenStates` for the duration of the call."""
         parent, key = self._text_parent
-        parent[key] = _HiddenStates(self.text_model, h)
-        try:
+        with swaps() as put:
+            put(parent, key, _HiddenStates(self.text_model, h))
             return self.model(mx.zeros(h.shape[:-1], mx.int32))
-        finally:
-            parent[key] = self.text_model
 
     def _needs_own_head(self) -> bool:
         """Whether the model's output differs from the soft-capped LM head on the same

@@ -23,7 +23,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dflash_mlx.models.target.probe import own_model_fails
-from dflash_mlx.models.target.rollback import StandIn, UnsupportedTargetError, swaps
+from dflash_mlx.models.target.rollback import UnsupportedTargetError
+from dflash_mlx.models.target.stand_ins import StandIn, swaps
 
 
 class _PassThrough(StandIn):

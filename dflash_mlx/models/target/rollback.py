@@ -14,7 +14,6 @@ forward and calls these after it.
 """
 
 import inspect
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -24,43 +23,11 @@ from mlx_lm.models.cache import ArraysCache, BatchRotatingKVCache, CacheList, Ro
 
 from dflash_mlx.kernels import gdn
 from dflash_mlx.models.target.rerun import can_rerun
+from dflash_mlx.models.target.stand_ins import StandIn
 
 
 class UnsupportedTargetError(ValueError):
     pass
-
-
-class StandIn:
-    """Base of the wrappers swapped into a model for one forward: attribute reads pass
-    through to the wrapped module, and `isinstance` sees its class (some models pick a
-    layer's mask by the layer's class, e.g. OLMo hybrid), through stand-ins nested in one
-    another (a tapped layer whose calls are also recorded)."""
-
-    _wrapped: Any
-
-    @property
-    def __class__(self):
-        return self._wrapped.__class__  # not type(): a nested stand-in's type is its own class
-
-    def __getattr__(self, name):
-        return getattr(self._wrapped, name)
-
-
-@contextmanager
-def swaps():
-    """`put(container, key, stand_in)` for one forward: `container[key]` (a module's child or a
-    layer list's entry) becomes `stand_in`; everything put is put back, last first, on exit."""
-    replaced = []
-
-    def put(container, key, stand_in):
-        replaced.append((container, key, container[key]))
-        container[key] = stand_in
-
-    try:
-        yield put
-    finally:
-        for container, key, original in reversed(replaced):
-            container[key] = original
 
 
 @dataclass

@@ -21,7 +21,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
 from dflash_mlx.kernels import qmm, selection
-from dflash_mlx.models.target.rollback import ReplayTap, StandIn, TapedGatedDeltaNet, VerifyRecord, swaps
+from dflash_mlx.models.target.rollback import ReplayTap, TapedGatedDeltaNet, VerifyRecord
+from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.tree_attention import TreeRoPE
 
 

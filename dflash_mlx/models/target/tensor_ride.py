@@ -16,7 +16,7 @@ from typing import Any, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from dflash_mlx.models.target.rollback import StandIn, swaps
+from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.taps import modules_of
 
 SUMMED = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)
