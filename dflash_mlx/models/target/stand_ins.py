@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Any
 
 _SWAPPING = threading.RLock()  # (re-entrant: a forward inside a forward's swaps, as probes and heads run)
+_thread = threading.get_ident
 
 
 class StandIn:
@@ -34,7 +35,7 @@ class StandIn:
 
     def __new__(cls, *args, **kwargs):
         self = super().__new__(cls)
-        self._owner = threading.get_ident()
+        self._owner = _thread()
         return self
 
     def __init_subclass__(cls, **kwargs):
@@ -56,7 +57,7 @@ def _owned(name: str, method):
 
     @functools.wraps(method)
     def owned(self, *args, **kwargs):
-        if threading.get_ident() == self._owner:
+        if _thread() == self._owner:
             return method(self, *args, **kwargs)
         return getattr(self._wrapped, name)(*args, **kwargs)
 
