@@ -131,3 +131,23 @@ def test_two_engines_and_mlx_lm_on_one_model_in_three_threads(switch_often):
     assert [got["engine a"][i] for i in range(2)] == [ref for _, ref in cs[:2]]
     assert [got["engine b"][i] for i in range(2)] == [ref for _, ref in cs[2:]]
     assert got["mlx-lm"] == [ref for _, ref in cs]
+
+
+def test_the_fuzz_instrument_sees_a_forward_that_goes_wrong():
+    """`testing.foreign.foreign_forwards` (the option fuzz's foreign thread) counts forwards whose logits
+    differ: a module swapped in for everyone (not a stand-in) while it runs is seen."""
+    from dflash_mlx.testing.foreign import foreign_forwards
+
+    model = model_of("llama")
+    layer = model.layers[0]
+    mlp = layer.mlp
+    with foreign_forwards(model, FOREIGN_PROMPT) as tally:
+        layer.mlp = lambda x: 2 * mlp(x)  # (a plain swap: every thread goes through it)
+        swapped_at = tally.forwards
+        while tally.forwards < swapped_at + 3:
+            threading.Event().wait(0.01)
+        layer.mlp = mlp
+    assert tally.wrong > 0 and "gave other logits" in tally.fault()
+    with foreign_forwards(model, FOREIGN_PROMPT, on=False) as off:
+        pass
+    assert off.forwards == 0 and not off.fault()

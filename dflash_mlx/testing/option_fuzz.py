@@ -26,6 +26,7 @@ import mlx.core as mx
 from dflash_mlx.bench.metrics import first_mismatch
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.testing import arch_check, more_archs
+from dflash_mlx.testing.foreign import foreign_forwards
 from dflash_mlx.testing.quantized_variants import GROUP_SIZE, quantize
 from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, greedy_reference
@@ -111,6 +112,7 @@ def stream_case(seed: int, guess: bool = False) -> dict:
     if row["dtype"] == "bfloat16":
         row["options"]["deterministic"] = True
     row["options"].update(_penalties(random.Random(f"penalties {seed}")))
+    row["foreign"] = random.Random(f"foreign {seed}").random() < 0.1  # mlx-lm's forwards on another thread
     if guess:
         row["options"].update(block_size=extra.choice([2, 3, 4, 5, 8]), split_head=False, logprobs=None, profile=False)
         row.update(kind="guess", max_tokens=extra.choice([24, 40, 64]), draft=extra.choice(["scripted", "random"]),
@@ -235,10 +237,11 @@ def _stream(row: dict, rng: random.Random):
         return [t for r in stream_generate(model, draft, byte_tokenizer(), ids, max_tokens=n, stop_token_ids=stop_ids,
                                            prompt_cache=cache, suffix_index=index, **opts) for t in r.tokens]
 
-    with _queuing(row.get("queued_first", ahead.BEFORE_READING_ON_CPU), row.get("guess_whole", False)):
+    with _queuing(row.get("queued_first", ahead.BEFORE_READING_ON_CPU), row.get("guess_whole", False)), \
+            foreign_forwards(model, prompt[:8], row.get("foreign", False)) as foreign:
         out = decode(prompt, max_tokens, stops)
-    if out != ref:
-        row.update(status="mismatch", reason=_parted(out, ref))
+    if out != ref or foreign.fault():
+        row.update(status="mismatch", reason=_parted(out, ref) if out != ref else foreign.fault())
         return
     row["status"] = "exact"
     # a second turn that extends the first's prompt and answer, on its caches, against a fresh decode
@@ -311,6 +314,7 @@ def batch_case(seed: int, guess: bool = False) -> dict:
                           prefill_budget=rng.choice([3, 16, 512]), block_size=rng.choice([1, 2, 4, 6, 16, "auto"]),
                           copy_proposals=rng.random() < 0.5, token_trees=rng.random() < 0.5,
                           split_head=rng.choice([None, True, False]))
+    row["foreign"] = random.Random(f"foreign {seed}").random() < 0.1  # mlx-lm's forwards on another thread
     if guess:
         row.update(kind="batch guess", guess_whole=True)
     return _run(lambda r: _batch(r, rng), row)
@@ -356,8 +360,12 @@ def _batch(row: dict, rng: random.Random):
     cancel = {cut.randrange(len(requests)): cut.choice([1, 2, 3])} if cut.random() < 0.4 else None
     if cancel:  # a client hangs up after that many responses: its cycle launched ahead is discarded
         row["cancel"] = {str(i): n for i, n in cancel.items()}
-    with _queuing(True, True, plain_steps=True) if row.get("guess_whole") else contextlib.nullcontext():
+    with _queuing(True, True, plain_steps=True) if row.get("guess_whole") else contextlib.nullcontext(), \
+            foreign_forwards(model, requests[0].prompt_ids[:8], row.get("foreign", False)) as foreign:
         tokens, _, states = serve(engine, requests, row["join_every"], cancel, max_steps=5000)
+    if foreign.fault():
+        row.update(status="mismatch", reason=foreign.fault())
+        return
     if cancel:  # what the cancelled request got must begin mlx-lm's answer
         wants = [w[: len(tokens[i])] if i in cancel else w for i, w in enumerate(wants)]
     wrong = [i for i in range(len(requests)) if tokens[i] != wants[i]]
