@@ -12,6 +12,11 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 
+# mlx-lm's own forwards of these, from two threads at once, crash MLX 0.32.4's CPU backend whatever the
+# engine does (Gemma 3n: two threads x 1,000 plain forwards segfaulted in 4 runs of 5, compile on or off)
+CONCURRENCY_UNSAFE = frozenset({"gemma3n"})
+
+
 @dataclass
 class Foreign:
     forwards: int = 0
@@ -47,6 +52,8 @@ def foreign_forwards(model, prompt, on: bool = True, switch_interval: float = 1e
                 tally.forwards += 1
         except Exception as e:  # (the tally carries it to the caller's thread)
             tally.error = f"{type(e).__name__}: {e}"
+        finally:
+            mx.clear_streams()  # (MLX's streams of a thread go before it ends, else the exit may abort)
 
     interval = sys.getswitchinterval()
     sys.setswitchinterval(switch_interval)
