@@ -16,6 +16,7 @@ from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.tree_attention import TokenTree
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.sizer import forget_sizers
 from dflash_mlx.speculation import processors as processors_module
@@ -294,3 +295,70 @@ def test_sampling_down_token_trees_under_penalties_keeps_the_processed_distribut
                         logits)
     _, pval = chi_square(encode(sampled_first_tokens(model, tok, penalties, 300, "auto"), 4), exact)
     assert pval < 1e-6
+
+
+# -- many rows at once -------------------------------------------------------------------------
+
+
+def mlx_lm_rows(processors, histories, logits):
+    """mlx-lm's way: each row alone, each processor on (its whole history, its logits [1, V])."""
+    out = []
+    for history, row in zip(histories, logits):
+        row = row[None]
+        for p in processors:
+            row = p(mx.array(history, dtype=mx.int32), row) if history else row
+        out.append(row)
+    return mx.concatenate(out)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("prior_length", [0, 3, 19, 20, 21, 300])
+def test_penalties_on_a_chain_are_bit_for_bit_mlx_lms_row_by_row(prior_length, dtype):
+    """Every penalty and a logit bias, context sizes below and past the history, many repeated tokens:
+    `process_chain` over 12 rows at once equals mlx-lm's processors called row by row, to the bit."""
+    rng = np.random.default_rng(prior_length)
+    opts = GenerationOptions(repetition_penalty=1.3, repetition_context_size=20, presence_penalty=0.7,
+                             presence_context_size=5, frequency_penalty=0.4, frequency_context_size=33,
+                             logit_bias={3: -2.5, 40: 1.5})
+    ours, theirs = processors_module.option_processors(opts), opts.processors()
+    assert [p.kind for p in ours] == ["bias", "repetition", "presence", "frequency"] and len(theirs) == 4
+    prior = [int(t) for t in rng.integers(0, 12, prior_length)]  # (few distinct tokens: many repeats)
+    fed = mx.array(rng.integers(0, 12, (1, 12)), dtype=mx.int32)
+    logits = mx.array(rng.standard_normal((1, 12, 64)) * 3).astype(dtype)
+    for start in (0, 5):
+        rows = logits[:, start:]
+        got = processors_module.process_chain(ours, prior, fed, rows, start)
+        histories = [prior + fed[0, : r + 1].tolist() for r in range(start, 12)]
+        want = mlx_lm_rows(theirs, histories, rows[0])
+        assert got.dtype == dtype and mx.array_equal(got[0], want).item()
+    assert not mx.array_equal(got[0], rows[0]).item()  # (the processors did something)
+
+
+def test_penalties_on_a_tree_and_a_callers_processor_between_them():
+    """A token tree's nodes (each after its path) and a caller's processor between two penalties: the
+    penalties take the rows at once, the caller's is called row by row with each row's whole history."""
+    rng = np.random.default_rng(7)
+    opts = GenerationOptions(repetition_penalty=0.8, frequency_penalty=-0.3, frequency_context_size=4)
+    rep, freq = processors_module.option_processors(opts)
+    seen = []
+
+    def callers(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits * 1.5 + mx.array(np.arange(logits.shape[-1]) % 3, dtype=logits.dtype)
+
+    tree = TokenTree(tokens=[5, 6, 5, 7, 6, 5], parents=[-1, 0, 0, 1, 3, 2], depths=[0, 1, 1, 2, 3, 2])
+    prior = [5, 9, 9, 6]
+    logits = mx.array(rng.standard_normal((6, 32)).astype(np.float32))
+    got = processors_module.process_tree([rep, callers, freq], prior, tree, logits)
+    paths = [[5], [5, 6], [5, 5], [5, 6, 7], [5, 6, 7, 6], [5, 5, 5]]
+    histories = [prior + path for path in paths]
+    assert seen == histories
+    want = mlx_lm_rows([rep.own, callers, freq.own], histories, logits)
+    assert mx.array_equal(got, want).item()
+
+
+def test_a_first_token_after_the_prompt_alone():
+    opts = GenerationOptions(presence_penalty=2.0, presence_context_size=3, logit_bias={0: 4.0})
+    logits = mx.array(np.linspace(-1, 1, 16, dtype=np.float32))[None]
+    got = processors_module.process_first(processors_module.option_processors(opts), [1, 2, 2, 9, 1], logits)
+    assert mx.array_equal(got, mlx_lm_rows(opts.processors(), [[1, 2, 2, 9, 1]], logits)).item()

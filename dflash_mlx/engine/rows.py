@@ -29,6 +29,7 @@ from dflash_mlx.policy.copy_trees import copy_tree_policy_for
 from dflash_mlx.policy.lookahead import lookahead_for
 from dflash_mlx.policy.trees import tree_policy_for
 from dflash_mlx.speculation.accept import make_acceptor
+from dflash_mlx.speculation.processors import option_processors
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Row:
         self.stops = stop_ids(engine.tokenizer, request.stop_token_ids)
         self.budget = opts.max_tokens  # (past the model's position limit it decodes on, as mlx-lm does)
         self.first_logits: Optional[list] = [] if request.logprobs is not None else None
-        self.processors = tuple(opts.processors()) + tuple(request.logits_processors or ())
+        self.processors = tuple(option_processors(opts)) + tuple(request.logits_processors or ())
         self.prefill = prefill_chunks(engine.target, self.drafter, self.acceptor, self.state, request.prompt_ids,
                                       engine.prefill_chunk, self.first_logits, self.processors)
         self.queued_at = time.perf_counter()

@@ -7,9 +7,15 @@ step: row r of a verify that fed [last, d1 .. dn] after the context `prior` (the
 entries were already written) is the step that fed its own input, so it gets prior + inputs[:r + 1];
 a token tree's node gets prior and the tokens on its path from the root, itself included. Where a
 draft is rejected, the rows past it saw wrong tokens, as their logits did, and acceptance never reads
-them. Each row is processed on its own, with the calls mlx-lm's step makes on the same values, so
-greedy output stays mlx-lm's under the same processors and sampling draws from the processed
-distribution (the acceptors and `sampling_logprobs` take processed logits).
+them. Each row gets what mlx-lm's step computes from the same values, so greedy output stays mlx-lm's
+under the same processors and sampling draws from the processed distribution (the acceptors and
+`sampling_logprobs` take processed logits).
+
+The penalties and logit bias a request sets (`option_processors`: mlx-lm's own processors, with what
+they are made of) take all the rows of a verify at once: each row's last `context_size` tokens are
+gathered into one index matrix and the row's logits updated by the very operations mlx-lm's processor
+runs on one row (elementwise, so every row's values are bit for bit mlx-lm's; `tests/test_logits_processors`).
+A caller's own processor is called row by row, as mlx-lm would call it.
 
 A cycle queued before the host read the one before it (`engine.ahead.before_reading`,
 `engine.batch_ahead.before_reading`) queues on the guess that every token that cycle fed is kept: its
@@ -17,24 +23,101 @@ prior ends with those tokens, lazy (`process_prior`'s `unread`), as mlx-lm's own
 last token; where the guess fails, the cycle is discarded.
 """
 
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from dflash_mlx.models.target.tree_attention import TokenTree
 
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-def _apply(processors: Sequence[LogitsProcessor], histories: List[mx.array], logits: mx.array) -> mx.array:
-    """logits [R, V], histories[r] row r's tokens -> the processed logits [R, V]."""
-    rows = []
-    for r, history in enumerate(histories):
-        row = logits[r : r + 1]
-        for processor in processors:
-            row = processor(history, row)
-        rows.append(row)
-    return mx.concatenate(rows, axis=0)
+@dataclass(frozen=True)
+class Penalty:
+    """One of mlx-lm's penalty or logit-bias processors and what it is made of: called as a
+    `LogitsProcessor`, mlx-lm's own runs; `rows` takes many rows at once (see the module's docstring)."""
+
+    kind: str  # "bias" | "repetition" | "presence" | "frequency"
+    own: LogitsProcessor
+    penalty: float = 0.0
+    context_size: int = 0
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        return self.own(tokens, logits)
+
+    def rows(self, histories: "Histories", logits: mx.array) -> mx.array:
+        """logits [R, V] -> processed [R, V], row r after `histories` row r."""
+        if self.kind == "bias":  # (the same for every history: mlx-lm's own, on all the rows)
+            return self.own(None, logits)
+        positions, pads, has_history = histories.windows(self.context_size)
+        idx = histories.tokens[mx.array(positions)]  # [R, context_size]
+        if self.kind == "frequency":  # counted once per occurrence: a pad subtracts nothing
+            weights = mx.array(np.where(pads, 0.0, self.penalty)).astype(logits.dtype)
+            return logits.at[mx.arange(logits.shape[0])[:, None], idx].subtract(weights)
+        picked = mx.take_along_axis(logits, idx, axis=1)
+        if self.kind == "repetition":
+            changed = mx.where(picked < 0, picked * self.penalty, picked / self.penalty)
+        else:  # presence
+            changed = picked - self.penalty
+        if not has_history.all():  # (mlx-lm skips a step with no tokens)
+            changed = mx.where(mx.array(has_history)[:, None], changed, picked)
+        return mx.put_along_axis(logits, idx, changed, axis=1)
+
+
+def option_processors(options) -> List[Penalty]:
+    """The processors of `options`' penalties and logit bias (`GenerationOptions` fields), in the order
+    and on the conditions of mlx-lm's `make_logits_processors`, each made by mlx-lm."""
+    from mlx_lm.sample_utils import (make_frequency_penalty, make_logits_processors, make_presence_penalty,
+                                     make_repetition_penalty)
+
+    made = []
+    if options.logit_bias:
+        made.append(Penalty("bias", make_logits_processors(logit_bias=options.logit_bias)[0]))
+    for kind, make in (("repetition", make_repetition_penalty), ("presence", make_presence_penalty),
+                       ("frequency", make_frequency_penalty)):
+        penalty, size = getattr(options, f"{kind}_penalty"), getattr(options, f"{kind}_context_size")
+        if penalty is not None and penalty != 0:
+            made.append(Penalty(kind, make(penalty, size), penalty, size))
+    return made
+
+
+class Histories:
+    """Each row's history as positions in `tokens` [T]: the shared first `prefix` tokens, then the row's
+    own `tails[r]` (host positions)."""
+
+    def __init__(self, tokens: mx.array, prefix: int, tails: List[List[int]]):
+        self.tokens, self.prefix, self.tails = tokens, prefix, tails
+
+    def windows(self, size: int):
+        """(positions [R, size] of each row's last `size` tokens, pads [R, size] where a short history
+        repeats its first position, has_history [R]), on the host."""
+        positions = np.zeros((len(self.tails), size), dtype=np.int32)
+        pads = np.ones((len(self.tails), size), dtype=bool)
+        for r, tail in enumerate(self.tails):
+            own = tail[-size:]
+            window = list(range(max(0, self.prefix - (size - len(own))), self.prefix)) + own
+            if window:
+                positions[r] = window + [window[0]] * (size - len(window))
+                pads[r, : len(window)] = False
+        return positions, pads, ~pads.all(axis=1)
+
+    def row(self, r: int) -> mx.array:
+        """Row r's whole history [T_r] (lazy), as a caller's processor takes it."""
+        head = self.tokens[: self.prefix]
+        return mx.concatenate([head, self.tokens[mx.array(self.tails[r], dtype=mx.int32)]]) if self.tails[r] else head
+
+
+def _apply(processors: Sequence[LogitsProcessor], histories: Histories, logits: mx.array) -> mx.array:
+    """logits [R, V] -> processed [R, V]: each processor in turn, on every row."""
+    for processor in processors:
+        if isinstance(processor, Penalty):
+            logits = processor.rows(histories, logits)
+        else:
+            logits = mx.concatenate([processor(histories.row(r), logits[r : r + 1])
+                                     for r in range(logits.shape[0])], axis=0)
+    return logits
 
 
 def _tokens(prior) -> mx.array:
@@ -56,7 +139,8 @@ def process_first(processors: Sequence[LogitsProcessor], prompt: Sequence[int], 
     """The last prompt position's logits [1, V], processed as mlx-lm's first step is (after the whole prompt)."""
     if not processors:
         return logits
-    return _apply(processors, [_tokens(prompt)], logits)
+    head = _tokens(prompt)
+    return _apply(processors, Histories(head, head.shape[0], [[]]), logits)
 
 
 def process_chain(processors: Sequence[LogitsProcessor], prior, inputs: mx.array, logits: mx.array,
@@ -66,9 +150,10 @@ def process_chain(processors: Sequence[LogitsProcessor], prior, inputs: mx.array
     if not processors:
         return logits
     head = _tokens(prior)
-    fed = inputs[0].astype(mx.int32)
-    histories = [mx.concatenate([head, fed[: r + 1]]) for r in range(start, start + logits.shape[1])]
-    return _apply(processors, histories, logits[0])[None]
+    n = head.shape[0]
+    tokens = mx.concatenate([head, inputs[0].astype(mx.int32)])
+    tails = [list(range(n, n + r + 1)) for r in range(start, start + logits.shape[1])]
+    return _apply(processors, Histories(tokens, n, tails), logits[0])[None]
 
 
 def process_tree(processors: Sequence[LogitsProcessor], prior: Sequence[int], tree: TokenTree,
@@ -76,8 +161,10 @@ def process_tree(processors: Sequence[LogitsProcessor], prior: Sequence[int], tr
     """A token tree's verify, logits [N, V] (node 0 the root, the last committed token) -> processed [N, V]."""
     if not processors:
         return logits
+    head = _tokens(prior)
+    n = head.shape[0]
     paths: List[List[int]] = []
     for node, parent in enumerate(tree.parents):
-        paths.append((paths[parent] if parent >= 0 else []) + [tree.tokens[node]])
-    prior = list(prior)
-    return _apply(processors, [_tokens(prior + path) for path in paths], logits)
+        paths.append((paths[parent] if parent >= 0 else []) + [n + node])
+    tokens = mx.concatenate([head, mx.array(tree.tokens, dtype=mx.int32)])
+    return _apply(processors, Histories(tokens, n, paths), logits)
