@@ -105,18 +105,32 @@ class Histories:
 
     def row(self, r: int) -> mx.array:
         """Row r's whole history [T_r] (lazy), as a caller's processor takes it."""
-        head = self.tokens[: self.prefix]
-        return mx.concatenate([head, self.tokens[mx.array(self.tails[r], dtype=mx.int32)]]) if self.tails[r] else head
+        tail = self.tails[r]
+        if tail == list(range(self.prefix, self.prefix + len(tail))):  # (a chain's row: one slice)
+            return self.tokens[: self.prefix + len(tail)]
+        return mx.concatenate([self.tokens[: self.prefix], self.tokens[mx.array(tail, dtype=mx.int32)]])
 
 
 def _apply(processors: Sequence[LogitsProcessor], histories: Histories, logits: mx.array) -> mx.array:
-    """logits [R, V] -> processed [R, V]: each processor in turn, on every row."""
-    for processor in processors:
-        if isinstance(processor, Penalty):
-            logits = processor.rows(histories, logits)
-        else:
-            logits = mx.concatenate([processor(histories.row(r), logits[r : r + 1])
-                                     for r in range(logits.shape[0])], axis=0)
+    """logits [R, V] -> processed [R, V]: each processor in turn, on every row (a run of a caller's
+    processors row by row, each row through the whole run)."""
+    done = 0
+    while done < len(processors):
+        if isinstance(processors[done], Penalty):
+            logits = processors[done].rows(histories, logits)
+            done += 1
+            continue
+        run = []
+        while done < len(processors) and not isinstance(processors[done], Penalty):
+            run.append(processors[done])
+            done += 1
+        rows = []
+        for r in range(logits.shape[0]):
+            row, history = logits[r : r + 1], histories.row(r)
+            for processor in run:
+                row = processor(history, row)
+            rows.append(row)
+        logits = mx.concatenate(rows, axis=0)
     return logits
 
 
