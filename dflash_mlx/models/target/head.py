@@ -17,8 +17,8 @@ from dflash_mlx.identity import IdentityMap
 from dflash_mlx.kernels import qmm
 from dflash_mlx.models.layout import transposed
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
-from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.sharding import gather_vocab, head_group, split_stream
+from dflash_mlx.models.target.stand_ins import StandIn, swaps
 
 # Where mlx-lm's text models keep their LM head when untied.
 HEAD_NAMES = ("lm_head", "output", "embed_out")

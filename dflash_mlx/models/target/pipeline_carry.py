@@ -37,8 +37,8 @@ from typing import Any, Callable, List, Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.sharding import rank_share
+from dflash_mlx.models.target.stand_ins import StandIn, swaps
 
 
 class CarryRefused(Exception):

@@ -41,8 +41,8 @@ from mlx_lm.models.cache import CacheList, RotatingKVCache, _BaseCache
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.target import rerun
 from dflash_mlx.models.target.rollback import UnsupportedTargetError, VerifyRecord, recorded_apart, sub_caches
-from dflash_mlx.models.target.stand_ins import StandIn
 from dflash_mlx.models.target.sharding import agreed_reason, on_every_rank, smallest_on_any_rank, split_stream
+from dflash_mlx.models.target.stand_ins import StandIn
 from dflash_mlx.models.target.taps import taps
 
 _CHECKED = IdentityMap()

@@ -23,8 +23,8 @@ from mlx_lm.models.cache import KVCache
 
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.rope_offsets import takes_offset_arrays
-from dflash_mlx.models.target.stand_ins import StandIn
 from dflash_mlx.models.target.sharding import agreed_reason
+from dflash_mlx.models.target.stand_ins import StandIn
 
 
 @dataclass
