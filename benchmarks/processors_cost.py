@@ -16,7 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_mlx.options import GenerationOptions
-from dflash_mlx.speculation.processors import option_processors, process_chain
+from dflash_mlx.speculation.processors import option_processors, process_batch, process_chain
 
 SETS = {
     "repetition 1.1": dict(repetition_penalty=1.1),
@@ -59,6 +59,27 @@ def main(argv=None) -> int:
         results.append(row)
         print(f"{name}: {row['row_by_row_ms']:.2f} ms row by row, {row['all_rows_ms']:.2f} ms all rows at once "
               f"({args.rows} rows, vocabulary {args.vocab}, best of {args.reps} x 20)")
+    # a batch: 8 rows of 4, every row under a repetition penalty of its own request (same settings)
+    batch, width = 8, 4
+    inputs = mx.array(rng.integers(0, args.vocab, (batch, width)).astype(np.int32))
+    batch_logits = mx.array(rng.standard_normal((batch, width, args.vocab)).astype(np.float32))
+    procs = [option_processors(GenerationOptions(repetition_penalty=1.1)) for _ in range(batch)]
+    priors = [mx.array([int(t) for t in rng.integers(0, args.vocab, args.prior + 7 * b)], dtype=mx.int32)
+              for b in range(batch)]
+    mx.eval(inputs, batch_logits, priors)
+
+    def each_alone():
+        return mx.concatenate([process_chain(procs[b], priors[b], inputs[b : b + 1], batch_logits[b : b + 1])
+                               for b in range(batch)])
+
+    def together():
+        return process_batch(procs, priors, inputs, batch_logits)
+
+    assert mx.array_equal(each_alone(), together()).item()
+    row = dict(processors=f"repetition 1.1, a batch of {batch} rows x {width}",
+               all_rows_ms=best_ms(together, args.reps), row_by_row_ms=best_ms(each_alone, args.reps))
+    results.append(row)
+    print(f"{row['processors']}: {row['row_by_row_ms']:.2f} ms a row at a time, {row['all_rows_ms']:.2f} ms together")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -362,3 +362,47 @@ def test_a_first_token_after_the_prompt_alone():
     logits = mx.array(np.linspace(-1, 1, 16, dtype=np.float32))[None]
     got = processors_module.process_first(processors_module.option_processors(opts), [1, 2, 2, 9, 1], logits)
     assert mx.array_equal(got, mlx_lm_rows(opts.processors(), [[1, 2, 2, 9, 1]], logits)).item()
+
+
+def test_a_batchs_rows_under_shared_and_own_settings_are_each_mlx_lms():
+    """`process_batch`: three rows under the same penalties (processed together), one under others, one
+    under a caller's processor, one under none; priors of different lengths, one of them lazy with a
+    cycle's unread tokens: every row bit for bit what mlx-lm's processors give it row by row."""
+    rng = np.random.default_rng(3)
+    shared = GenerationOptions(repetition_penalty=1.4, presence_penalty=0.6, presence_context_size=4,
+                               logit_bias={2: 3.0})
+    other = GenerationOptions(frequency_penalty=0.9, frequency_context_size=50)
+    double = lambda tokens, logits: logits * 2  # noqa: E731  (a caller's own)
+    settings = [shared, shared, other, None, shared, "caller"]
+    procs = [processors_module.option_processors(s) if isinstance(s, GenerationOptions) else
+             [double] if s == "caller" else [] for s in settings]
+    priors = [[int(t) for t in rng.integers(0, 10, n)] for n in (30, 2, 7, 5, 12, 9)]
+    unread = mx.array([4, 4, 1], dtype=mx.int32)
+    arrays = [processors_module.process_prior(p, prior, unread if b == 4 else None)
+              for b, (p, prior) in enumerate(zip(procs, priors))]
+    width = 5
+    inputs = mx.array(rng.integers(0, 10, (6, width)), dtype=mx.int32)
+    logits = mx.array(rng.standard_normal((6, width, 40)).astype(np.float32))
+    got = processors_module.process_batch(procs, arrays, inputs, logits)
+    for b, setting in enumerate(settings):
+        theirs = (setting.processors() if isinstance(setting, GenerationOptions) else
+                  [double] if setting == "caller" else [])
+        head = priors[b] + ([4, 4, 1] if b == 4 else [])
+        histories = [head + inputs[b, : r + 1].tolist() for r in range(width)]
+        assert mx.array_equal(got[b], mlx_lm_rows(theirs, histories, logits[b])).item(), b
+    assert mx.array_equal(got[3], logits[3]).item() and not mx.array_equal(got[0], logits[0]).item()
+
+
+def test_a_batch_all_under_the_same_settings_is_each_rows_own():
+    """Every row under the same penalties (processed as one, without a gather): each row its own."""
+    rng = np.random.default_rng(5)
+    opts = GenerationOptions(repetition_penalty=0.7, frequency_penalty=0.2, frequency_context_size=6)
+    procs = [processors_module.option_processors(opts) for _ in range(3)]
+    priors = [[int(t) for t in rng.integers(0, 8, n)] for n in (1, 9, 25)]
+    inputs = mx.array(rng.integers(0, 8, (3, 4)), dtype=mx.int32)
+    logits = mx.array(rng.standard_normal((3, 4, 16)).astype(np.float32))
+    got = processors_module.process_batch(procs, [processors_module.process_prior(p, prior)
+                                                  for p, prior in zip(procs, priors)], inputs, logits)
+    for b in range(3):
+        histories = [priors[b] + inputs[b, : r + 1].tolist() for r in range(4)]
+        assert mx.array_equal(got[b], mlx_lm_rows(opts.processors(), histories, logits[b])).item(), b

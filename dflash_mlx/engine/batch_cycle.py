@@ -39,7 +39,7 @@ from dflash_mlx.models.target.rollback import in_temporal_order, sub_caches
 from dflash_mlx.models.target.windows import restore_windows
 from dflash_mlx.speculation.accept import GreedyAcceptor, Proposal, pack_outcome, synced_acceptance
 from dflash_mlx.speculation.copies import CopyMatch
-from dflash_mlx.speculation.processors import process_chain, process_prior
+from dflash_mlx.speculation.processors import process_batch, process_prior
 
 
 def _copy_proposal(continuation: List[int], n: int, width: int) -> Proposal:
@@ -139,11 +139,9 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
                                           record=width > 1, fuse=fuse)
         logits = target.logits(h)  # [B, width, V]
         if any(r.processors for r in rows):  # (each row after its own tokens: `speculation.processors`)
-            logits = mx.concatenate(
-                [process_chain(r.processors, process_prior(r.processors, r.state.tokens,
-                                                           None if unread is None else unread[b]),
-                               verify_in[b : b + 1], logits[b : b + 1])
-                 for b, r in enumerate(rows)], axis=0)
+            logits = process_batch([r.processors for r in rows],
+                                   [process_prior(r.processors, r.state.tokens, None if unread is None else unread[b])
+                                    for b, r in enumerate(rows)], verify_in, logits)
         acceptors = [r.acceptor for r in rows]
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)
         unsure = [a.take_unsure() for a in acceptors]

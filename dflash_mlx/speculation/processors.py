@@ -24,7 +24,7 @@ last token; where the guess fails, the cycle is discarded.
 """
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -43,6 +43,12 @@ class Penalty:
     own: LogitsProcessor
     penalty: float = 0.0
     context_size: int = 0
+    bias: tuple = ()  # a logit bias's (token, value) pairs
+
+    @property
+    def key(self) -> tuple:
+        """What it computes: two with equal keys give every row the same values."""
+        return self.kind, self.penalty, self.context_size, self.bias
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         return self.own(tokens, logits)
@@ -74,7 +80,8 @@ def option_processors(options) -> List[Penalty]:
 
     made = []
     if options.logit_bias:
-        made.append(Penalty("bias", make_logits_processors(logit_bias=options.logit_bias)[0]))
+        made.append(Penalty("bias", make_logits_processors(logit_bias=options.logit_bias)[0],
+                            bias=tuple(options.logit_bias.items())))
     for kind, make in (("repetition", make_repetition_penalty), ("presence", make_presence_penalty),
                        ("frequency", make_frequency_penalty)):
         penalty, size = getattr(options, f"{kind}_penalty"), getattr(options, f"{kind}_context_size")
@@ -84,20 +91,21 @@ def option_processors(options) -> List[Penalty]:
 
 
 class Histories:
-    """Each row's history as positions in `tokens` [T]: the shared first `prefix` tokens, then the row's
-    own `tails[r]` (host positions)."""
+    """Each row's history as positions in `tokens` [T] (one sequence or several, end to end): row r's
+    sequence starts at `rows[r][0]`, its first `rows[r][1]` tokens are its own prior, then come its
+    `rows[r][2]` (host positions)."""
 
-    def __init__(self, tokens: mx.array, prefix: int, tails: List[List[int]]):
-        self.tokens, self.prefix, self.tails = tokens, prefix, tails
+    def __init__(self, tokens: mx.array, rows: List[Tuple[int, int, List[int]]]):
+        self.tokens, self.rows = tokens, rows
 
     def windows(self, size: int):
         """(positions [R, size] of each row's last `size` tokens, pads [R, size] where a short history
         repeats its first position, has_history [R]), on the host."""
-        positions = np.zeros((len(self.tails), size), dtype=np.int32)
-        pads = np.ones((len(self.tails), size), dtype=bool)
-        for r, tail in enumerate(self.tails):
+        positions = np.zeros((len(self.rows), size), dtype=np.int32)
+        pads = np.ones((len(self.rows), size), dtype=bool)
+        for r, (base, prefix, tail) in enumerate(self.rows):
             own = tail[-size:]
-            window = list(range(max(0, self.prefix - (size - len(own))), self.prefix)) + own
+            window = list(range(max(base, base + prefix - (size - len(own))), base + prefix)) + own
             if window:
                 positions[r] = window + [window[0]] * (size - len(window))
                 pads[r, : len(window)] = False
@@ -105,10 +113,11 @@ class Histories:
 
     def row(self, r: int) -> mx.array:
         """Row r's whole history [T_r] (lazy), as a caller's processor takes it."""
-        tail = self.tails[r]
-        if tail == list(range(self.prefix, self.prefix + len(tail))):  # (a chain's row: one slice)
-            return self.tokens[: self.prefix + len(tail)]
-        return mx.concatenate([self.tokens[: self.prefix], self.tokens[mx.array(tail, dtype=mx.int32)]])
+        base, prefix, tail = self.rows[r]
+        end = base + prefix
+        if tail == list(range(end, end + len(tail))):  # (a chain's row: one slice)
+            return self.tokens[base : end + len(tail)]
+        return mx.concatenate([self.tokens[base:end], self.tokens[mx.array(tail, dtype=mx.int32)]])
 
 
 def _apply(processors: Sequence[LogitsProcessor], histories: Histories, logits: mx.array) -> mx.array:
@@ -154,7 +163,7 @@ def process_first(processors: Sequence[LogitsProcessor], prompt: Sequence[int], 
     if not processors:
         return logits
     head = _tokens(prompt)
-    return _apply(processors, Histories(head, head.shape[0], [[]]), logits)
+    return _apply(processors, Histories(head, [(0, head.shape[0], [])]), logits)
 
 
 def process_chain(processors: Sequence[LogitsProcessor], prior, inputs: mx.array, logits: mx.array,
@@ -166,8 +175,42 @@ def process_chain(processors: Sequence[LogitsProcessor], prior, inputs: mx.array
     head = _tokens(prior)
     n = head.shape[0]
     tokens = mx.concatenate([head, inputs[0].astype(mx.int32)])
-    tails = [list(range(n, n + r + 1)) for r in range(start, start + logits.shape[1])]
-    return _apply(processors, Histories(tokens, n, tails), logits[0])[None]
+    rows = [(0, n, list(range(n, n + r + 1))) for r in range(start, start + logits.shape[1])]
+    return _apply(processors, Histories(tokens, rows), logits[0])[None]
+
+
+def process_batch(processors: Sequence[Sequence[LogitsProcessor]], priors: Sequence, inputs: mx.array,
+                  logits: mx.array) -> mx.array:
+    """A batch's verify, logits [B, W, V], whose row b fed `inputs[b]` after `priors[b]` (`process_prior`'s,
+    None without processors) under its own `processors[b]` -> processed [B, W, V]. Rows whose processors
+    are all penalties of the same settings are processed together (one index matrix for all their rows)."""
+    groups = {}
+    for b, own in enumerate(processors):
+        if own:
+            same = all(isinstance(p, Penalty) for p in own)
+            groups.setdefault(tuple(p.key for p in own) if same else ("own", b), []).append(b)
+    out = [logits[b : b + 1] for b in range(logits.shape[0])]
+    width = inputs.shape[1]
+    for group in groups.values():
+        if len(group) == 1:
+            b = group[0]
+            out[b] = process_chain(processors[b], priors[b], inputs[b : b + 1], logits[b : b + 1])
+            continue
+        parts, rows, base = [], [], 0
+        for b in group:
+            head = _tokens(priors[b])
+            n = head.shape[0]
+            parts += [head, inputs[b].astype(mx.int32)]
+            rows += [(base, n, list(range(base + n, base + n + r + 1))) for r in range(width)]
+            base += n + width
+        every = len(group) == logits.shape[0]  # (every row: no gather, no split)
+        together = (logits if every else logits[mx.array(group)]).reshape(len(group) * width, -1)
+        done = _apply(processors[group[0]], Histories(mx.concatenate(parts), rows), together)
+        if every:
+            return done.reshape(logits.shape)
+        for i, b in enumerate(group):
+            out[b] = done[i * width : (i + 1) * width][None]
+    return mx.concatenate(out, axis=0)
 
 
 def process_tree(processors: Sequence[LogitsProcessor], prior: Sequence[int], tree: TokenTree,
@@ -181,4 +224,4 @@ def process_tree(processors: Sequence[LogitsProcessor], prior: Sequence[int], tr
     for node, parent in enumerate(tree.parents):
         paths.append((paths[parent] if parent >= 0 else []) + [n + node])
     tokens = mx.concatenate([head, mx.array(tree.tokens, dtype=mx.int32)])
-    return _apply(processors, Histories(tokens, n, paths), logits)
+    return _apply(processors, Histories(tokens, [(0, n, path) for path in paths]), logits)
