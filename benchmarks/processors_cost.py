@@ -83,8 +83,8 @@ def main(argv=None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "backend": str(mx.default_device()),
-                                                      "results": results}, indent=1))
+        run = {"command": " ".join(sys.argv), "backend": str(mx.default_device()), "results": results}
+        (out / "results.json").write_text(json.dumps(run, indent=1))
     return 0
 
 
