@@ -157,3 +157,33 @@ def test_the_fuzz_instrument_sees_a_forward_that_goes_wrong():
     with foreign_forwards(model, FOREIGN_PROMPT, on=False) as off:
         pass
     assert off.forwards == 0 and not off.fault()
+
+
+def test_a_target_made_while_another_thread_decodes_on_the_model(switch_often):
+    """`Target(model)` reads the model's modules while another thread's engine swaps its stand-ins in and
+    out: it waits for them (`stand_ins.unswapped`), and reads by key through any it meets."""
+    from dflash_mlx.models.target.adapter import Target
+
+    model = model_of("qwen3_5")
+    cs = cases(model, 2)
+    stop, errors = threading.Event(), []
+
+    def decode():
+        try:
+            while not stop.is_set():
+                serve(engine_of(model, cs, max_batch=2), requests(cs))
+        finally:
+            mx.clear_streams()
+
+    thread = threading.Thread(target=decode)
+    thread.start()
+    try:
+        for _ in range(60):
+            try:
+                assert Target(model).recurrent
+            except Exception as e:  # (gathered: the thread is stopped before the test fails)
+                errors.append(repr(e))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[:3]

@@ -29,6 +29,7 @@ from dflash_mlx.models.target.parts import (EMBEDDING_NAMES, find_text_model, la
 from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_carry, carried
 from dflash_mlx.models.target.sharding import (gather_features, on_every_rank, own_layers_caches, sharding_of,
                                                split_stream)
+from dflash_mlx.models.target.stand_ins import unswapped
 from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
@@ -70,6 +71,10 @@ class Target:
     """
 
     def __init__(self, model, name: Optional[str] = None):
+        with unswapped():  # (another thread's forward may have its stand-ins in the model's modules)
+            self._build(model, name)
+
+    def _build(self, model, name: Optional[str]):
         self.model = model
         self.text_model, text_parent = find_text_model(model)
         self.args = text_args(model, self.text_model)

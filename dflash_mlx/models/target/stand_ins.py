@@ -51,6 +51,14 @@ class StandIn:
     def __getattr__(self, name):
         return getattr(self._wrapped, name)
 
+    # (looked up on the type, not through __getattr__: a module's children read by key, as code that
+    # inspects the model reads them)
+    def __contains__(self, key):
+        return key in self._wrapped
+
+    def __getitem__(self, key):
+        return self._wrapped[key]
+
 
 def _owned(name: str, method):
     """`method` for the stand-in's own thread; the wrapped module's `name` for any other."""
@@ -62,6 +70,14 @@ def _owned(name: str, method):
         return getattr(self._wrapped, name)(*args, **kwargs)
 
     return owned
+
+
+@contextmanager
+def unswapped():
+    """Inside: no other thread's stand-ins are in any model (their forwards wait), for code that reads a
+    model's modules (`Target`'s construction)."""
+    with _SWAPPING:
+        yield
 
 
 @contextmanager
