@@ -62,6 +62,27 @@ def _inner_head(target, model, text_parent, refusal: Exception):
     return found
 
 
+def _check_caches(target: "Target") -> List[Optional[str]]:
+    """Each cache entry's rollback ("trim" | "gdn" | "replay" | "rerun"); refuses what has none."""
+    kinds, caches = [], target.make_cache()
+    for i, c in enumerate(caches):
+        kind = rollback_kind(c)
+        if kind is None:
+            parts = "/".join(type(s).__name__ for s in sub_caches(c))
+            raise UnsupportedTargetError(
+                f"{target.arch}: cache {i} ({parts}) cannot be rolled back after a partial accept: it has no "
+                "trim (attention KV) and is not a recurrent state (mlx-lm's ArraysCache) that can be "
+                "restored and replayed; it needs a rollback path in dflash_mlx/models/target/rollback.py"
+            )
+        if kind == "replay" and i + target.layer_offset in target._gdn_layers and isinstance(c, ArraysCache):
+            kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
+        kinds.append(kind)
+    reason = rerun.refusal(kinds, caches)
+    if reason is not None:
+        raise UnsupportedTargetError(f"{target.arch}: {reason}")
+    return kinds
+
+
 class Target:
     """A DFlash view of an mlx-lm model (never modifies it).
 
@@ -107,7 +128,7 @@ class Target:
         ]
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
         self._quantized = [x for layer in self.layers if layer is not None for x in quantized_linears(layer)]
-        self._replay_kinds = self._check_caches()
+        self._replay_kinds = _check_caches(self)
         # whether a one-token update can overwrite a sliding window's oldest entry (`engine.ahead`)
         self.rotating = any(isinstance(s, RotatingKVCache) for c in self.make_cache() for s in sub_caches(c))
         self._recurrent = any(kind != "trim" for kind in self._replay_kinds)
@@ -129,26 +150,6 @@ class Target:
         # layer (Kimi K3); taps read a layer the model never calls whole at the next one's input norm (IQuest)
         self.replay_mixers = self.tap_inputs = False
         check_forward(self)  # once per model: what only a forward shows is refused here, in one line
-
-    def _check_caches(self) -> List[Optional[str]]:
-        """Each cache entry's rollback ("trim" | "gdn" | "replay" | "rerun"); refuses what has none."""
-        kinds, caches = [], self.make_cache()
-        for i, c in enumerate(caches):
-            kind = rollback_kind(c)
-            if kind is None:
-                parts = "/".join(type(s).__name__ for s in sub_caches(c))
-                raise UnsupportedTargetError(
-                    f"{self.arch}: cache {i} ({parts}) cannot be rolled back after a partial accept: it has no "
-                    "trim (attention KV) and is not a recurrent state (mlx-lm's ArraysCache) that can be "
-                    "restored and replayed; it needs a rollback path in dflash_mlx/models/target/rollback.py"
-                )
-            if kind == "replay" and i + self.layer_offset in self._gdn_layers and isinstance(c, ArraysCache):
-                kind = "gdn"  # the taped Gated DeltaNet: rewound without running the layer again
-            kinds.append(kind)
-        reason = rerun.refusal(kinds, caches)
-        if reason is not None:
-            raise UnsupportedTargetError(f"{self.arch}: {reason}")
-        return kinds
 
     # -- embedding and head (TargetHead) ------------------------------------------
 
