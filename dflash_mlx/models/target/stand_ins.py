@@ -10,7 +10,8 @@ engine on the same weights. So a stand-in is the forward's own, on two counts:
   record, and a rollback would put its states into the batch's rows, or read hidden states for logits);
 - `swaps` holds one process-wide lock while its stand-ins are in place, so two forwards that swap
   (two engines' threads) never interleave their puts and put-backs. Only the graph's building runs
-  under it; the device runs the graphs after.
+  under it; the device runs the graphs after. Code that reads a model's modules (`Target`'s
+  construction) takes the same lock (`unswapped`), so it never meets another thread's stand-ins.
 """
 
 import functools
