@@ -162,7 +162,6 @@ def test_the_fuzz_instrument_sees_a_forward_that_goes_wrong():
 def test_a_target_made_while_another_thread_decodes_on_the_model(switch_often):
     """`Target(model)` reads the model's modules while another thread's engine swaps its stand-ins in and
     out: it waits for them (`stand_ins.unswapped`), and reads by key through any it meets."""
-
     model = model_of("qwen3_5")
     cs = cases(model, 2)
     stop, errors = threading.Event(), []
