@@ -14,13 +14,13 @@ from functools import lru_cache
 import dflash_mlx  # noqa: F401,I001  (before mlx.core: BLAS routing)
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from dflash_mlx.engine.engine import BatchEngine
 from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.sizer import forget_sizers
+from dflash_mlx.testing.foreign import foreign_forwards, plain_logits
 from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import RowScriptedDrafts, byte_tokenizer, clean_case, greedy_reference, tiny_target
 
@@ -48,12 +48,6 @@ def requests(cs):
     return [BatchRequest(p, GenerationOptions(max_tokens=len(ref))) for p, ref in cs]
 
 
-def plain_logits(model) -> mx.array:
-    out = model(mx.array([FOREIGN_PROMPT]), cache=make_prompt_cache(model))
-    mx.eval(out)
-    return out
-
-
 class Intruder:
     """Stands in for the first layer's MLP (the test's own, put back after): whenever the engine's
     thread runs it inside a verify (several tokens a row), another thread runs a plain forward of the
@@ -71,7 +65,7 @@ class Intruder:
         return self.mlp(x)
 
     def foreign_forward(self):
-        self.foreign.append(plain_logits(self.model))
+        self.foreign.append(plain_logits(self.model, FOREIGN_PROMPT))
         mx.clear_streams()  # (MLX's streams of a thread go before it ends, else the exit may abort)
 
     def __enter__(self):
@@ -89,7 +83,7 @@ def test_a_forward_on_another_thread_mid_verify_leaves_both_exact(arch, rows):
     it gives with nothing else running."""
     model = model_of(arch)
     cs = cases(model, rows)
-    clean = plain_logits(model)
+    clean = plain_logits(model, FOREIGN_PROMPT)
     with Intruder(model) as intruder:
         tokens, _, _ = serve(engine_of(model, cs, max_batch=rows), requests(cs))
     assert len(intruder.foreign) >= 3
@@ -142,8 +136,6 @@ def test_two_engines_and_mlx_lm_on_one_model_in_three_threads(switch_often):
 def test_the_fuzz_instrument_sees_a_forward_that_goes_wrong():
     """`testing.foreign.foreign_forwards` (the option fuzz's foreign thread) counts forwards whose logits
     differ: a module swapped in for everyone (not a stand-in) while it runs is seen."""
-    from dflash_mlx.testing.foreign import foreign_forwards
-
     model = model_of("llama")
     layer = model.layers[0]
     mlp = layer.mlp

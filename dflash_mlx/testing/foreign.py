@@ -30,7 +30,8 @@ class Foreign:
         return ""
 
 
-def _logits(model, prompt) -> mx.array:
+def plain_logits(model, prompt) -> mx.array:
+    """mlx-lm's forward of `prompt` (token ids) on fresh caches, evaluated: logits [1, T, V]."""
     out = model(mx.array([prompt]), cache=make_prompt_cache(model))
     mx.eval(out)
     return out
@@ -43,12 +44,12 @@ def foreign_forwards(model, prompt, on: bool = True, switch_interval: float = 1e
     if not on:
         yield Foreign()
         return
-    clean, tally, stop = _logits(model, prompt), Foreign(), threading.Event()
+    clean, tally, stop = plain_logits(model, prompt), Foreign(), threading.Event()
 
     def loop():
         try:
             while not stop.is_set() or tally.forwards == 0:
-                tally.wrong += not mx.array_equal(_logits(model, prompt), clean).item()
+                tally.wrong += not mx.array_equal(plain_logits(model, prompt), clean).item()
                 tally.forwards += 1
         except Exception as e:  # (the tally carries it to the caller's thread)
             tally.error = f"{type(e).__name__}: {e}"
