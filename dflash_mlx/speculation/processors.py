@@ -175,8 +175,14 @@ def process_chain(processors: Sequence[LogitsProcessor], prior, inputs: mx.array
     head = _tokens(prior)
     n = head.shape[0]
     tokens = mx.concatenate([head, inputs[0].astype(mx.int32)])
-    rows = [(0, n, list(range(n, n + r + 1))) for r in range(start, start + logits.shape[1])]
-    return _apply(processors, Histories(tokens, rows), logits[0])[None]
+    return _apply(processors, Histories(tokens, _chain_rows(0, n, range(start, start + logits.shape[1]))),
+                  logits[0])[None]
+
+
+def _chain_rows(base: int, prefix: int, rows: range) -> List[Tuple[int, int, List[int]]]:
+    """`Histories` rows of one chain's verify rows `rows`: its sequence at `base`, `prefix` tokens of prior,
+    then row r's fed tokens up to its own."""
+    return [(base, prefix, list(range(base + prefix, base + prefix + r + 1))) for r in rows]
 
 
 def process_batch(processors: Sequence[Sequence[LogitsProcessor]], priors: Sequence, inputs: mx.array,
@@ -201,7 +207,7 @@ def process_batch(processors: Sequence[Sequence[LogitsProcessor]], priors: Seque
             head = _tokens(priors[b])
             n = head.shape[0]
             parts += [head, inputs[b].astype(mx.int32)]
-            rows += [(base, n, list(range(base + n, base + n + r + 1))) for r in range(width)]
+            rows += _chain_rows(base, n, range(width))
             base += n + width
         every = len(group) == logits.shape[0]  # (every row: no gather, no split)
         together = (logits if every else logits[mx.array(group)]).reshape(len(group) * width, -1)
