@@ -4,6 +4,7 @@ Python switching threads every 10 us so they interleave with the building of the
 counts those whose logits are not the ones that prompt gives with nothing else running."""
 
 import contextlib
+import random
 import sys
 import threading
 from dataclasses import dataclass
@@ -15,6 +16,11 @@ from mlx_lm.models.cache import make_prompt_cache
 # mlx-lm's own forwards of these, from two threads at once, crash MLX 0.32.4's CPU backend whatever the
 # engine does (Gemma 3n: two threads x 1,000 plain forwards segfaulted in 4 runs of 5, compile on or off)
 CONCURRENCY_UNSAFE = frozenset({"gemma3n"})
+
+
+def foreign_case(seed: int, key: str) -> bool:
+    """Whether the option fuzz's case `seed` on architecture `key` runs foreign forwards (one in ten)."""
+    return random.Random(f"foreign {seed}").random() < 0.1 and key not in CONCURRENCY_UNSAFE
 
 
 @dataclass

@@ -26,7 +26,7 @@ import mlx.core as mx
 from dflash_mlx.bench.metrics import first_mismatch
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.testing import arch_check, more_archs
-from dflash_mlx.testing.foreign import CONCURRENCY_UNSAFE, foreign_forwards
+from dflash_mlx.testing.foreign import foreign_case, foreign_forwards
 from dflash_mlx.testing.quantized_variants import GROUP_SIZE, quantize
 from dflash_mlx.testing.serving import serve
 from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, greedy_reference
@@ -112,7 +112,7 @@ def stream_case(seed: int, guess: bool = False) -> dict:
     if row["dtype"] == "bfloat16":
         row["options"]["deterministic"] = True
     row["options"].update(_penalties(random.Random(f"penalties {seed}")))
-    row["foreign"] = random.Random(f"foreign {seed}").random() < 0.1 and row["key"] not in CONCURRENCY_UNSAFE
+    row["foreign"] = foreign_case(seed, row["key"])  # mlx-lm's forwards on another thread meanwhile
     if guess:
         row["options"].update(block_size=extra.choice([2, 3, 4, 5, 8]), split_head=False, logprobs=None, profile=False)
         row.update(kind="guess", max_tokens=extra.choice([24, 40, 64]), draft=extra.choice(["scripted", "random"]),
@@ -314,7 +314,7 @@ def batch_case(seed: int, guess: bool = False) -> dict:
                           prefill_budget=rng.choice([3, 16, 512]), block_size=rng.choice([1, 2, 4, 6, 16, "auto"]),
                           copy_proposals=rng.random() < 0.5, token_trees=rng.random() < 0.5,
                           split_head=rng.choice([None, True, False]))
-    row["foreign"] = random.Random(f"foreign {seed}").random() < 0.1 and row["key"] not in CONCURRENCY_UNSAFE
+    row["foreign"] = foreign_case(seed, row["key"])  # mlx-lm's forwards on another thread meanwhile
     if guess:
         row.update(kind="batch guess", guess_whole=True)
     return _run(lambda r: _batch(r, rng), row)

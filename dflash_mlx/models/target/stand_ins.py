@@ -91,7 +91,7 @@ def swaps():
         replaced.append((container, key, container[key]))
         container[key] = stand_in
 
-    with _SWAPPING:
+    with unswapped():
         try:
             yield put
         finally:
