@@ -266,11 +266,14 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
         out, secs, accepts = decode(model, draft, tok, prompt, tokens, tau)
         with no_guess():
             _, secs_no_guess, _ = decode(model, draft, tok, prompt, tokens, tau)
+        with whole_graph():
+            _, secs_whole_graph, _ = decode(model, draft, tok, prompt, tokens, tau)
         rows.append(dict(tau=tau, width=tau, measured_tau=round(float(np.mean([a + 1 for a in accepts])), 2),
                          exact=out == ref[: len(out)], seconds=secs, plain_seconds=plain_s,
                          mlx_lm_seconds=mlx_lm_s, speedup=round(plain_s / secs, 3),
                          speedup_vs_mlx_lm=round(mlx_lm_s / secs, 3),
-                         speedup_no_guess=round(plain_s / secs_no_guess, 3)))
+                         speedup_no_guess=round(plain_s / secs_no_guess, 3),
+                         speedup_whole_graph=round(plain_s / secs_whole_graph, 3)))
     return rows
 
 
@@ -282,12 +285,20 @@ def no_guess():
     return mock.patch.object(LookAhead, "pays", lambda self, width: False)
 
 
-def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
-    """(d): the CPU oracle probe on this device: a target whose compute is nil, every block
-    accepted; mlx-lm's plain step against the engine's plain step and its cycles."""
+def whole_graph():
+    """Every forward's graph queued whole, not a layer at a time while the host builds the rest
+    (`models.target.taps.SUBMIT_EVERY`), in this process while inside: what the pieces buy."""
+    from dflash_mlx.models.target import taps
+
+    return mock.patch.object(taps, "SUBMIT_EVERY", 0)
+
+
+def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3, layers: int = 2) -> Dict:
+    """(d): the CPU oracle probe on this device: a target whose compute is nil (`TINY`, with `layers`
+    decoder layers), every block accepted; mlx-lm's plain step against the engine's plain step and its cycles."""
     from mlx_lm.generate import generate_step
 
-    model = build(TINY, default_dtype())
+    model = build(dict(TINY, num_hidden_layers=layers), default_dtype())
     tok = tokenizer_for(TINY["vocab_size"])
     prompt = list(range(10, 42))
     ref = greedy_reference(model, prompt, tokens + 16)
@@ -315,6 +326,9 @@ def host(widths=(1, 2, 4, 8, 16), tokens: int = 256, reps: int = 3) -> Dict:
     with no_guess():
         for w, ms in oracle_cycles(model, tok, prompt, ref, widths, tokens, reps).items():
             best["cycles"][w]["cycle_ms_no_guess"] = ms
+    with whole_graph():
+        for w, ms in oracle_cycles(model, tok, prompt, ref, widths, tokens, reps).items():
+            best["cycles"][w]["cycle_ms_whole_graph"] = ms
     best["ceiling"] = compute_ceiling(model, widths, len(prompt), tokens)
     for w, c in best["cycles"].items():
         c["efficiency"] = round(c["speedup"] / best["ceiling"]["ideal"][w], 3)

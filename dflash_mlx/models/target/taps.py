@@ -11,6 +11,7 @@ windows, shared KV, embedding scales) runs unchanged around them:
   quantized linears   go through the small-M kernel at verify widths (`_SmallMQuantizedLinear`)
   rotary embeddings   take a token tree's positions (`TreeRoPE`)
   an inner LM head    passes the final hidden states through (`inner_head`)
+  every few layers    the graph so far goes to the device while the host builds the rest (`submit_layers`)
 """
 
 from contextlib import contextmanager
@@ -27,16 +28,45 @@ from dflash_mlx.models.target.tree_attention import TreeRoPE
 
 
 class _LayerTap(StandIn):
-    """Stands in for one decoder layer during a forward and hands its output to `after`."""
+    """Stands in for one decoder layer during a forward and hands its output to `after` (None:
+    nobody); with `submit`, queues the graph that made it (`submit_layers`)."""
 
-    def __init__(self, layer, after):
+    def __init__(self, layer, after, submit: bool = False):
         self._wrapped = layer
         self._after = after
+        self._submit = submit
 
     def __call__(self, *args, **kwargs):
         out = self._wrapped(*args, **kwargs)
-        self._after(out)
+        if self._after is not None:
+            self._after(out)
+        if self._submit:
+            first = out[0] if isinstance(out, tuple) else out
+            if isinstance(first, mx.array):
+                mx.async_eval(first)
         return out
+
+
+# Building a forward's graph is host work (~0.1 ms a layer of mlx-lm's models on MLX's CPU backend,
+# and there `mx.async_eval` hands the device its nodes one by one). A cycle's verify, and a plain
+# step read before its successor is built, are built after the host read the cycle before, so the
+# device would wait for the whole build. Queued every `SUBMIT_EVERY` layers, the first layers run
+# while the host builds the rest. MLX fuses kernels only under `mx.compile`, so where a graph is cut
+# changes no value. Oracle probe, a 24-layer hidden-64 target whose compute is nil (CPU, float32,
+# 2026-12-06): a width-16 cycle 13.4 ms with the graph queued whole, 12.9 in 8 pieces, 10.7 a layer
+# a piece; a width-1 step alike (8.6-8.9 ms). On a GPU, where each queue commits a command buffer,
+# the check (`benchmarks/gpu`, part d) times it against the graph queued whole.
+SUBMIT_EVERY = 1
+
+
+def submit_layers(target) -> frozenset:
+    """The layers after which a forward queues its graph so far: every `SUBMIT_EVERY`-th, not the last
+    (the final norm and head follow at once). None on a split target (its ranks evaluate their sends
+    and receives together) or one whose layers are never called whole (`tap_inputs`)."""
+    n = len(target.layers)
+    if target.sharding is not None or target.tap_inputs or not SUBMIT_EVERY:
+        return frozenset()
+    return frozenset(range(SUBMIT_EVERY - 1, n - 1, SUBMIT_EVERY))
 
 
 class _InputTap(StandIn):
@@ -171,9 +201,12 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
         if tree is not None:
             for parent, key in target.rope_slots:
                 put(parent, key, TreeRoPE(parent[key], tree))
+        submit = submit_layers(target)
+        for idx in submit - set(slot):
+            put(layers, idx, _LayerTap(layers[idx], None, submit=True))
         for idx in slot:
             if not target.tap_inputs:
-                put(layers, idx, _LayerTap(layers[idx], keep_output(idx)))
+                put(layers, idx, _LayerTap(layers[idx], keep_output(idx), submit=idx in submit))
                 continue
             # layers the model never calls whole: what the next one's input norm (the last: the final norm) takes
             parent, key = (layers[idx + 1], "input_layernorm") if idx + 1 < len(layers) else (target.text_model, "norm")
