@@ -40,18 +40,24 @@ def forward(target, tokens, **kwargs):
     return h, feats, [c.state for c in cache]
 
 
-@pytest.mark.parametrize("record", [False, True])
-def test_a_forward_queues_its_graph_after_every_layer_but_the_last(model_tok, record):
+@pytest.mark.parametrize("layer_ids,record,pieces", [
+    ([1, 2], False, LAYERS - 1),  # a drafted target's plain step or prompt chunk: taps for the draft
+    ([1, 2], True, LAYERS - 1),  # its verify
+    ([], True, LAYERS - 1),  # a verify without a draft (a copy)
+    ([], False, 0),  # a plain forward with nothing to tap: mlx-lm's forward as it is
+])
+def test_a_forward_queues_its_graph_after_every_layer_but_the_last(model_tok, layer_ids, record, pieces):
     model, _ = model_tok
     target = Target(model)
     tokens = list(range(3, 19))
-    (h, feats, states), queued = queued_by(lambda: forward(target, tokens, layer_ids=[1, 2], record=record))
-    assert len(queued) == LAYERS - 1
+    (h, feats, states), queued = queued_by(lambda: forward(target, tokens, layer_ids=layer_ids, record=record))
+    assert len(queued) == pieces
     assert all(q.shape == (1, len(tokens), target.hidden_size) for q in queued)
     with mock.patch.object(taps, "SUBMIT_EVERY", 0):
-        (h0, feats0, states0), none = queued_by(lambda: forward(target, tokens, layer_ids=[1, 2], record=record))
+        (h0, feats0, states0), none = queued_by(lambda: forward(target, tokens, layer_ids=layer_ids, record=record))
     assert none == []
-    assert mx.array_equal(h, h0).item() and mx.array_equal(feats, feats0).item()
+    assert mx.array_equal(h, h0).item()
+    assert feats is None if not layer_ids else mx.array_equal(feats, feats0).item()
     assert all(mx.array_equal(a, b).item() for s, s0 in zip(states, states0) for a, b in zip(s, s0))
 
 

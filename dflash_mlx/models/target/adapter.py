@@ -30,7 +30,7 @@ from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_car
 from dflash_mlx.models.target.sharding import (gather_features, on_every_rank, own_layers_caches, sharding_of,
                                                split_stream)
 from dflash_mlx.models.target.stand_ins import unswapped
-from dflash_mlx.models.target.taps import quantized_linears, taps, use_small_m
+from dflash_mlx.models.target.taps import quantized_linears, submit_layers, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
 NO_LIMIT = 1 << 30  # `verify_room` of a model with no position limit
@@ -259,7 +259,8 @@ class Target:
         small_m = use_small_m(self, tokens.size)
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
-        if not (layer_ids or ride or small_m) and rec is None and tree is None and self.inner_head is None:
+        if (not (layer_ids or ride or small_m or (record and submit_layers(self))) and rec is None and tree is None
+                and self.inner_head is None):
             return self.run_text_model(tokens, cache), None, None  # nothing to tap, swap or carry: a plain forward
         features = [None] * len(layer_ids)
         with taps(self, layer_ids, features, rec, small_m, cache, tree, tokens.shape[:2]), \
