@@ -72,12 +72,12 @@ def write_report(results: dict, out: Path):
                     f"k={k} {t[k] / t[min(t, key=int)]:.2f}" for k in sorted(t, key=int) if int(k) in (2, 4, 8, 16))
                 for c, t in res["verify_ms"].items()), "",
                 "| tau | speed-up vs plain (engine) | vs mlx-lm | ideal tau*t(1)/t(tau) | efficiency | exact "
-                "| no chain queued on a guess | graph queued whole |",
-                "|---:|---:|---:|---:|---:|---|---:|---:|"]
+                "| no chain queued on a guess | graph queued whole | every 4 layers |",
+                "|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
             for r in res["speedups"]:
                 lines.append(f"| {r['tau']} | {r['speedup']} | {r['speedup_vs_mlx_lm']} | {r['ideal']} | "
                              f"{r['efficiency']} | {r['exact']} | {r.get('speedup_no_guess', '')} | "
-                             f"{r.get('speedup_whole_graph', '')} |")
+                             f"{r.get('speedup_whole_graph', '')} | {r.get('speedup_every_4_layers', '')} |")
             lines.append("")
     if "host" in p and "cycles" in p["host"]:
         h = p["host"]
