@@ -11,7 +11,7 @@ windows, shared KV, embedding scales) runs unchanged around them:
   quantized linears   go through the small-M kernel at verify widths (`_SmallMQuantizedLinear`)
   rotary embeddings   take a token tree's positions (`TreeRoPE`)
   an inner LM head    passes the final hidden states through (`inner_head`)
-  every few layers    the graph so far goes to the device while the host builds the rest (`submit_layers`)
+  every decoder layer queues the graph so far while the host builds the rest (`submit_layers`)
 """
 
 from contextlib import contextmanager
@@ -48,14 +48,15 @@ class _LayerTap(StandIn):
 
 
 # Building a forward's graph is host work (~0.1 ms a layer of mlx-lm's models on MLX's CPU backend,
-# and there `mx.async_eval` hands the device its nodes one by one). A cycle's verify, and a plain
-# step read before its successor is built, are built after the host read the cycle before, so the
-# device would wait for the whole build. Queued every `SUBMIT_EVERY` layers, the first layers run
-# while the host builds the rest. MLX fuses kernels only under `mx.compile`, so where a graph is cut
-# changes no value. Oracle probe, a 24-layer hidden-64 target whose compute is nil (CPU, float32,
-# 2026-12-06): a width-16 cycle 13.4 ms with the graph queued whole, 12.9 in 8 pieces, 10.7 a layer
-# a piece; a width-1 step alike (8.6-8.9 ms). On a GPU, where each queue commits a command buffer,
-# the check (`benchmarks/gpu`, part d) times it against the graph queued whole.
+# where `mx.async_eval` also hands the device its nodes one by one). A cycle's verify, or a step the
+# host reads before it queues the next, is built after the host read the cycle before: queued whole,
+# the device would wait for the whole build. Queued every `SUBMIT_EVERY` layers (0: whole), the
+# first layers run while the host builds the rest. MLX fuses kernels only under `mx.compile`, so
+# where a graph is cut changes no value. Oracle probe on a 24-layer hidden-64 target whose compute
+# is nil (CPU, float32, 2026-12-06, `benchmarks/results/20261206-engine-overhead-graph-pieces-24-layers`):
+# a width-16 cycle 13.0 ms against 18.1 queued whole, width 1 9.6 against 12.7. On a GPU each queue
+# commits a command buffer: the GPU check (`benchmarks/gpu`) times a layer a piece against the graph
+# whole (parts c and d) and every 4 layers (c).
 SUBMIT_EVERY = 1
 
 
