@@ -26,8 +26,11 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     assert all(r["diverged"] == 0 for r in rows if r["deterministic"])
     for label, shape in parts["shapes"].items():
         assert shape["verify_ms"] and all(r["measured_tau"] >= 0.75 * r["tau"] for r in shape["speedups"]), label
+        # mlx-lm's tokens with the graph queued a layer at a time, whole and every 4 layers
+        assert all(r["exact"] and r["speedup_whole_graph"] > 0 for r in shape["speedups"]), label
     assert all(r["identical"] and r["ms a step"]["ahead"] > 0 for r in parts["batch"]["rows"])
     assert parts["host"]["cycles"] and parts["host"]["engine_plain_step_read_first_ms"] > 0
+    assert all(c["cycle_ms_whole_graph"] > 0 for c in parts["host"]["cycles"].values())
     ceiling = parts["host"]["ceiling"]  # the forwards' own cost (json keys are strings)
     assert ceiling["ideal"]["1"] == 1.0 and all(c["efficiency"] > 0 for c in parts["host"]["cycles"].values())
     # one host sync and one read a step, as mlx-lm's: a cycle's outcome comes back as one array
