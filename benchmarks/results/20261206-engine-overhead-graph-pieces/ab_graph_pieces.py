@@ -11,7 +11,8 @@ tok = parts.tokenizer_for(parts.TINY["vocab_size"])
 prompt = list(range(10, 42))
 ref = parts.greedy_reference(model, prompt, N + 16)
 res = {}
-drafts = {W: parts.OracleDraft(model, prompt + ref, model.args.vocab_size, lambda c: 10**9, block_size=W) for W in (1, 16)}
+drafts = {W: parts.OracleDraft(model, prompt + ref, model.args.vocab_size, lambda c: 10**9, block_size=W)
+          for W in (1, 16)}
 for rep in range(int(sys.argv[2])):
     for W in (1, 16):
         for v in (("p1", "whole") if rep % 2 else ("whole", "p1")):
