@@ -8,7 +8,6 @@ a caller's own processor runs), on one chain's verify rows; the outputs must be 
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (before mlx.core: BLAS routing)
@@ -18,6 +17,9 @@ import numpy as np
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.speculation.processors import option_processors, process_batch, process_chain
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import parts  # noqa: E402
+
 SETS = {
     "repetition 1.1": dict(repetition_penalty=1.1),
     "repetition, presence, frequency, bias": dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3,
@@ -25,14 +27,8 @@ SETS = {
 }
 
 
-def best_ms(fn, reps: int, inner: int = 20) -> float:
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(inner):
-            mx.eval(fn())
-        best = min(best, (time.perf_counter() - start) / inner)
-    return best * 1e3
+def best_ms(fn, reps: int) -> float:
+    return 1e3 * parts.best_call_seconds(fn, 20, reps)
 
 
 def main(argv=None) -> int:

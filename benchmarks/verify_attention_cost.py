@@ -16,7 +16,6 @@ import dflash_mlx  # noqa: F401,I001  (before mlx.core: BLAS routing)
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -26,15 +25,7 @@ from gpu import parts  # noqa: E402
 
 
 def best_us(fn, iters: int, reps: int) -> float:
-    for _ in range(20):
-        mx.eval(fn())
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            mx.eval(fn())
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return 1e6 * best
+    return 1e6 * parts.best_call_seconds(fn, iters, reps, warm=20)
 
 
 def layer_ops(rows: int, context: int, iters: int, reps: int) -> dict:

@@ -118,6 +118,20 @@ def sync():
     mx.synchronize() if hasattr(mx, "synchronize") else mx.eval(mx.zeros(1))
 
 
+def best_call_seconds(fn, iters: int, reps: int, warm: int = 0) -> float:
+    """Seconds one call of `fn` takes, its output evaluated: the best of `reps` runs of `iters` calls,
+    after `warm` calls not timed."""
+    for _ in range(warm):
+        mx.eval(fn())
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(iters):
+            mx.eval(fn())
+        best = min(best, (time.perf_counter() - start) / iters)
+    return best
+
+
 def decode(model, draft, tok, prompt, max_tokens, width, deterministic=False, baseline=False):
     """(tokens, seconds from the first token to the last, accept lengths) of one greedy answer."""
     out, first_at, last = [], None, None
