@@ -72,24 +72,27 @@ def no_draft_note(model: str) -> str:
 
 
 def draft_for(model: str, draft=None, baseline=None, without_draft: bool = False):
-    """The draft a front end loads for `model`: `draft`, else a packaged model's own.
+    """The draft a front end loads for `model`: `draft`, else the trained draft shipped with a packaged model.
 
     `baseline` is the front end's --baseline flag: True means no draft (None is
     returned); None means the front end has no such flag. Both names are
     checked before anything loads. `without_draft`: a front end that decodes with
     copies of the context alone gets None for a model with no draft (else an error).
+    A packaged model with no trained draft shipped yet has none: an untrained one only
+    costs time (its chains are rarely accepted; `--draft <packaged name>` still loads one).
     """
-    from dflash_mlx.models.packaged import is_packaged
+    from dflash_mlx.models.packaged import is_packaged, untrained_draft
 
     check_sources(model)
     if baseline:
         return None
     if draft is None:
-        if not is_packaged(model):
+        if not is_packaged(model) or untrained_draft(model):
             if without_draft:
                 return None
+            shipped = " (none is shipped with it yet)" if is_packaged(model) else ""
             alternative = "" if baseline is None else ", or --baseline to use the target alone"
-            raise CLIError(f"no DFlash draft for {model!r}: pass --draft (a folder or hub id){alternative}")
+            raise CLIError(f"no DFlash draft for {model!r}{shipped}: pass --draft (a folder or hub id){alternative}")
         draft = model
     check_sources(model, draft)
     return draft

@@ -100,7 +100,7 @@ def report() -> dict:
         models[name] = {
             "description": entry.description,
             "model": packaged_status(name),
-            "draft": str(draft) if draft else "none shipped yet (an untrained draft is used)",
+            "draft": str(draft) if draft else "none shipped yet (copies of the context alone; --draft adds one)",
         }
     return {
         **machine(),
