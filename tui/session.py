@@ -9,6 +9,7 @@ from typing import Callable, Dict, List, Optional, Union
 
 from dflash_mlx.generate import (encode_prompt, make_prompt_cache, make_suffix_index, stop_ids, stream_generate,
                                  target_for, tokens_to_window)
+from dflash_mlx.policy import memory
 from dflash_mlx.policy.copies import NO_DRAFT_MAX_COPY
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 
@@ -104,6 +105,7 @@ class ChatSession:
         self.last = turn
         if self.cache is None:
             self.cache = make_prompt_cache(self.model, self.draft)
+            memory.restore(self.model, self.draft)  # what `auto` learned in earlier runs on this machine
         kwargs = s.generate_kwargs()  # the answer stops where the model's context window does
         kwargs["max_tokens"] = tokens_to_window(self.context_window, len(turn.prompt_ids), s.max_tokens)
         stream = self.stream_fn(
@@ -127,6 +129,7 @@ class ChatSession:
         finally:
             stream.close()
         self.messages = messages + [{"role": "assistant", "content": turn.text}]
+        memory.save(self.model, self.draft)
         return turn
 
     def baseline(self, turn: Turn, should_stop: Callable[[], bool]) -> Turn:

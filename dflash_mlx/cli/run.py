@@ -92,6 +92,7 @@ def run(args) -> int:
     from dflash_mlx.generate import encode_prompt, tokens_to_window
     from dflash_mlx.models.loading import apply_chat_template
     from dflash_mlx.models.target.adapter import target_for
+    from dflash_mlx.policy import memory
 
     if args.no_chat_template:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
@@ -103,6 +104,10 @@ def run(args) -> int:
     kwargs = options.generate_kwargs()
     kwargs["max_tokens"] = tokens_to_window(target_for(model, draft).max_context, len(prompt_ids),
                                             options.max_tokens)
+    # what `auto` learned in earlier runs on this machine (not split: every rank must choose alike)
+    remembers = not args.baseline and args.distributed is None
+    if remembers:
+        memory.restore(model, draft)
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
@@ -115,6 +120,8 @@ def run(args) -> int:
                 sys.stdout.flush()
     except ValueError as e:  # the engine's checks: prompt past the context window, ...
         raise CLIError(str(e), EXIT_USAGE) from None
+    if remembers:
+        memory.save(model, draft)
 
     if last is None:
         raise CLIError("the engine produced no output")

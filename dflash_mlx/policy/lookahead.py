@@ -95,6 +95,17 @@ def lookahead_for(model, draft) -> LookAhead:
         return policy
 
 
+def adopt_lookahead(model, draft, policy: LookAhead) -> bool:
+    """Make `policy` (what an earlier process learned, `policy.memory`) the pair's, unless the pair
+    has one already. True when adopted."""
+    key = (model,) if draft is None else (model, draft)
+    with _LOCK:
+        if _LOOKAHEADS.get(key) is not None:
+            return False
+        _LOOKAHEADS.put(key, policy)
+        return True
+
+
 def forget_lookaheads():
     """Drop what every pair's `LookAhead` learnt."""
     with _LOCK:

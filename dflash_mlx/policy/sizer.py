@@ -300,6 +300,23 @@ def sizer_for(model, draft) -> BlockSizer:
         return sizer
 
 
+def has_sizer(model, draft) -> bool:
+    """Whether this process has a `BlockSizer` for the pair yet."""
+    with _SIZERS_LOCK:
+        return _SIZERS.get((model,) if draft is None else (model, draft)) is not None
+
+
+def adopt_sizer(model, draft, sizer: BlockSizer) -> bool:
+    """Make `sizer` (what an earlier process learned, `policy.memory`) the pair's, unless the pair
+    has one already. True when adopted."""
+    key = (model,) if draft is None else (model, draft)
+    with _SIZERS_LOCK:
+        if _SIZERS.get(key) is not None:
+            return False
+        _SIZERS.put(key, sizer)
+        return True
+
+
 def forget_sizers():
     """Drop every learned width policy (the next "auto" call explores from scratch)."""
     with _SIZERS_LOCK:
