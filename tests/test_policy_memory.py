@@ -165,3 +165,27 @@ def test_the_chat_app_reads_them_before_its_first_answer_and_saves_after_each(ca
     session.turn("and again", lambda t, n: None, lambda: False)  # saved after each turn
     _new_process()
     assert memory.restore(model, draft) and sizer.sizer_for(model, draft).cycle >= 2000
+
+
+def test_the_server_starts_from_them_and_saves_them_when_it_stops(pair, cache):
+    from dflash_mlx.serve.cli import build_parser, keep_policies, load_worker
+
+    model, draft = _loaded(pair, "draft")
+    sizer.sizer_for(model, draft).cycle = 500  # a mark: what an earlier process learned
+    assert memory.save(model, draft)
+    _new_process()
+    args = build_parser().parse_args(["--model", str(pair / "tiny.gguf"), "--draft", str(pair / "draft")])
+    worker = load_worker(args, speaks=False)
+    try:
+        assert sizer.sizer_for(worker.model, worker.draft).cycle == 500  # its engine's policies began there
+        sizer.sizer_for(worker.model, worker.draft).cycle = 600
+    finally:
+        assert keep_policies(worker) and worker.stopped()
+    _new_process()
+    assert memory.restore(model, draft) and sizer.sizer_for(model, draft).cycle == 600
+    sizer.sizer_for(model, None).cycle = 5  # the target alone has a file of its own too
+    assert memory.save(model, None)
+    _new_process()
+    plain = load_worker(build_parser().parse_args(["--model", str(pair / "tiny.gguf"), "--baseline"]), speaks=False)
+    plain.stop()
+    assert not sizer.has_sizer(plain.model, None)  # plain decoding reads nothing

@@ -6,7 +6,8 @@ guess pays (`sizer_for`, and what rides on it; `lookahead_for`). A process keeps
 its life, so a chat or a server pays for the exploration once; but a one-shot command is a
 process per prompt, and each run paid for it again (about a tenth of a 128-token answer of
 SmolLM2 with its draft on a 2-core CPU, 2026-12-06). The CLI and the chat app `restore` a
-pair's policies before its first answer in a process and `save` them after each one.
+pair's policies before its first answer in a process and `save` them after each one; the
+server restores them before its engine starts and saves them when it stops.
 
 One file per pair and machine under `$XDG_CACHE_HOME/dflash-mlx/policies/` (or
 `DFLASH_MLX_POLICY_CACHE`, a folder; `0` turns it off), named by a hash of what the

@@ -18,6 +18,7 @@ from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg
                                    launched, load_model_and_draft, no_draft_note)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
+from dflash_mlx.policy import memory
 from dflash_mlx.serve.app import create_app
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES
 from dflash_mlx.serve.ranks import STOP_S, end_within, exit_now, follow
@@ -115,11 +116,25 @@ def load_worker(args, speaks: bool = True) -> Worker:
                                                                distributed=getattr(args, "distributed", None))
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
+    if remembers(args):  # before the engine makes the pair's policies
+        memory.restore(model, draft)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
                   prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
                   deterministic=getattr(args, "deterministic", False),
                   global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
+
+
+def remembers(args) -> bool:
+    """Whether the server starts from what `auto` learned in earlier runs on this machine and keeps what it
+    learns for the next (`policy.memory`): not for plain decoding, nor split (every rank must choose alike)."""
+    return not args.baseline and getattr(args, "distributed", None) is None
+
+
+def keep_policies(worker: Worker) -> bool:
+    """Once the server has stopped: what its policies learned, saved for its next start. True when saved."""
+    worker.stop()  # (idempotent) its engine thread ended: the policies are read whole
+    return worker.stopped() and memory.save(worker.model, worker.draft)
 
 
 def main(argv=None) -> int:
@@ -141,6 +156,8 @@ def main(argv=None) -> int:
     config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
                             timeout_graceful_shutdown=5)
     _serve(config, worker)
+    if remembers(args):
+        keep_policies(worker)
     failed = worker.failed or worker.ranks.gone()
     if worker.ranks.size > 1 and not worker.ended.is_set():  # stuck in a collective: a rank is gone
         exit_now(f"dflash-mlx serve: {failed or 'rank 0: the other ranks did not stop'}")

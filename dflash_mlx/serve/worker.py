@@ -214,6 +214,10 @@ class Worker:
             self.jobs.put(None)
             self._thread.join(timeout)
 
+    def stopped(self) -> bool:
+        """Whether the engine thread has ended."""
+        return not self._thread.is_alive()
+
     def _cancelled_waiting(self, job: Job):
         """A job cancelled while it waited: answered without running a cycle."""
         self.counts["cancelled"] += 1
