@@ -28,6 +28,13 @@ class IdentityMap:
             del self._items[k]
         self._items[tuple(map(id, keys))] = (tuple(weakref.ref(k) for k in keys), value)
 
+    def put_new(self, keys: tuple, value) -> bool:
+        """`put` unless the keys have a value already; True when put."""
+        if self.get(keys, _MISSING) is not _MISSING:
+            return False
+        self.put(keys, value)
+        return True
+
     def clear(self):
         self._items.clear()
 

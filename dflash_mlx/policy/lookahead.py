@@ -98,12 +98,8 @@ def lookahead_for(model, draft) -> LookAhead:
 def adopt_lookahead(model, draft, policy: LookAhead) -> bool:
     """Make `policy` (what an earlier process learned, `policy.memory`) the pair's, unless the pair
     has one already. True when adopted."""
-    key = (model,) if draft is None else (model, draft)
     with _LOCK:
-        if _LOOKAHEADS.get(key) is not None:
-            return False
-        _LOOKAHEADS.put(key, policy)
-        return True
+        return _LOOKAHEADS.put_new((model,) if draft is None else (model, draft), policy)
 
 
 def forget_lookaheads():

@@ -309,12 +309,8 @@ def has_sizer(model, draft) -> bool:
 def adopt_sizer(model, draft, sizer: BlockSizer) -> bool:
     """Make `sizer` (what an earlier process learned, `policy.memory`) the pair's, unless the pair
     has one already. True when adopted."""
-    key = (model,) if draft is None else (model, draft)
     with _SIZERS_LOCK:
-        if _SIZERS.get(key) is not None:
-            return False
-        _SIZERS.put(key, sizer)
-        return True
+        return _SIZERS.put_new((model,) if draft is None else (model, draft), sizer)
 
 
 def forget_sizers():
