@@ -129,8 +129,7 @@ def restore(model, draft) -> bool:
         width_policy, guess_policy = saved
         if not (isinstance(width_policy, sizer.BlockSizer) and isinstance(guess_policy, lookahead.LookAhead)):
             return False
-    except (OSError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError,
-            pickle.UnpicklingError):
+    except Exception:  # a cache: a file that cannot be read whole is as good as none (the next save replaces it)
         return False
     expected = draft.block_size if draft is not None else 1
     if width_policy.max_block != expected:
