@@ -189,3 +189,15 @@ def test_the_server_starts_from_them_and_saves_them_when_it_stops(pair, cache):
     plain = load_worker(build_parser().parse_args(["--model", str(pair / "tiny.gguf"), "--baseline"]), speaks=False)
     plain.stop()
     assert not sizer.has_sizer(plain.model, None)  # plain decoding reads nothing
+
+
+def test_doctor_says_where_they_are_kept(pair, cache, monkeypatch, capsys):
+    from dflash_mlx.cli import doctor
+
+    assert doctor.report()["policies"].startswith(f"{cache} (0 model/draft pairs kept")
+    model, draft = _loaded(pair, "draft")
+    sizer.sizer_for(model, draft)
+    assert memory.save(model, draft)
+    assert doctor.main([]) == 0 and f"policies             {cache} (1 model/draft pair kept" in capsys.readouterr().out
+    monkeypatch.setenv(memory.ENV_VAR, "0")
+    assert doctor.report()["policies"] == "not kept (DFLASH_MLX_POLICY_CACHE=0)"

@@ -107,7 +107,19 @@ def report() -> dict:
         "default_dtype": str(default_dtype()).replace("mlx.core.", ""),
         "dtype_override": f"set {DTYPE_ENV}=float32|float16|bfloat16 or pass --dtype",
         "packaged": models,
+        "policies": _policies(),
     }
+
+
+def _policies() -> str:
+    """Where the front ends keep what `auto` learned per model/draft pair (`policy.memory`)."""
+    from dflash_mlx.policy import memory
+
+    where = memory.folder()
+    if where is None:
+        return f"not kept ({memory.ENV_VAR}=0)"
+    kept = len(list(where.glob("*.pkl"))) if where.is_dir() else 0
+    return f"{where} ({kept} model/draft pair{'s' if kept != 1 else ''} kept; {memory.ENV_VAR}=0 turns it off)"
 
 
 def main(argv=None) -> int:
@@ -131,6 +143,7 @@ def main(argv=None) -> int:
     for name, info in r["packaged"].items():
         print(f"{'model ' + name:<{width}} {info['description']}: {info['model']}")
         print(f"{'':<{width}} draft: {info['draft']}")
+    print(f"{'policies':<{width}} {r['policies']}")
     return 0
 
 
