@@ -201,3 +201,32 @@ def test_doctor_says_where_they_are_kept(pair, cache, monkeypatch, capsys):
     assert doctor.main([]) == 0 and f"policies             {cache} (1 model/draft pair kept" in capsys.readouterr().out
     monkeypatch.setenv(memory.ENV_VAR, "0")
     assert doctor.report()["policies"] == "not kept (DFLASH_MLX_POLICY_CACHE=0)"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("draft_blocks", [4, None])
+def test_a_restored_policy_changes_no_token(arch, draft_blocks, cache):
+    """The first cycles after a restore start wide or copy at once, as no fresh process's do: still the
+    target's greedy decode, token for token (full attention, sliding windows, a recurrent hybrid; with a
+    draft and with copies alone)."""
+    from dflash_mlx import stream_generate
+    from dflash_mlx.models.draft.checkpoints import random_draft
+    from dflash_mlx.testing.targets import greedy_reference, tiny_target
+
+    model, tok = tiny_target(arch, seed=0)
+    draft = random_draft(model, num_layers=1, block_size=draft_blocks, seed=3) if draft_blocks else None
+    learn, check = [7, 8, 9, 10, 7, 8, 9, 10, 7, 8], [11, 12, 13, 11, 12, 13, 11, 12, 13, 11, 12]
+    _new_process()
+    for _ in range(3):
+        for _ in stream_generate(model, draft, tok, learn, max_tokens=40, stop_token_ids=[]):
+            pass
+    learned = sizer.sizer_for(model, draft)
+    learned.acceptance.hits = list(learned.acceptance.trials)  # as if the draft were always right: wide at once
+    learned.acceptance.slow_hits = list(learned.acceptance.slow_trials)
+    assert memory.save(model, draft)
+    _new_process()
+    assert memory.restore(model, draft)
+    got = []
+    for r in stream_generate(model, draft, tok, check, max_tokens=48, stop_token_ids=[]):
+        got += r.tokens
+    assert got == greedy_reference(model, check, 48)
