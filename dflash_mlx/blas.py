@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from dflash_mlx.user_cache import user_cache
+
 ENV_VAR = "DFLASH_MLX_BLAS"
 
 
@@ -266,8 +268,7 @@ def _mlx_bundled_libs():
 
 
 def _cache_dir():
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "dflash_mlx" / "blas"
+    return user_cache("blas")
 
 
 def _patched_copy(src, soname):

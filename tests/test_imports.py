@@ -117,7 +117,7 @@ FLOORS = [
     ("dflash_mlx.models",),
     ("dflash_mlx.kernels", "dflash_mlx.metal"),
     ("dflash_mlx.identity", "dflash_mlx.options", "dflash_mlx.blas", "dflash_mlx.progress",
-     "dflash_mlx.tool_calls", "dflash_mlx.requirements"),
+     "dflash_mlx.tool_calls", "dflash_mlx.requirements", "dflash_mlx.user_cache"),
 ]
 
 

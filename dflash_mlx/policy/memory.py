@@ -9,7 +9,7 @@ SmolLM2 with its draft on a 2-core CPU, 2026-12-06). The CLI and the chat app `r
 pair's policies before its first answer in a process and `save` them after each one; the
 server restores them before its engine starts and saves them when it stops.
 
-One file per pair and machine under `$XDG_CACHE_HOME/dflash-mlx/policies/` (or
+One file per pair and machine under `$XDG_CACHE_HOME/dflash_mlx/policies/` (`user_cache`) (or
 `DFLASH_MLX_POLICY_CACHE`, a folder; `0` turns it off), named by a hash of what the
 measurements depend on (`pair_key`): the target's and the draft's parameters (names, shapes,
 dtypes, a few values), the device, MLX's version and the policy code itself, so another
@@ -24,7 +24,6 @@ import hashlib
 import io
 import os
 import pickle
-import platform
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dflash_mlx.policy import lookahead, sizer
+from dflash_mlx.user_cache import user_cache
 
 ENV_VAR = "DFLASH_MLX_POLICY_CACHE"
 FORMAT = 1
@@ -53,8 +53,7 @@ def folder() -> Optional[Path]:
         return None
     if choice:
         return Path(choice).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "dflash-mlx" / "policies"
+    return user_cache("policies")
 
 
 @lru_cache(maxsize=1)
@@ -83,26 +82,15 @@ def pair_key(model, draft) -> Optional[str]:
     a model or draft that is not an MLX module (a test double), which is not kept."""
     if not all(isinstance(m, nn.Module) for m in (model, draft) if m is not None):
         return None
-    info = mx.device_info() if hasattr(mx, "device_info") else {}
-    h = hashlib.sha256(f"{FORMAT};{mx.__version__};{mx.default_device()};{platform.machine()};".encode())
-    h.update(f"{info.get('device_name', '')};{info.get('architecture', '')};{_cpu_name()};".encode())
+    info = mx.device_info()  # the CPU's or the GPU's name and architecture
+    h = hashlib.sha256(f"{FORMAT};{mx.__version__};{mx.default_device()};".encode())
+    h.update(f"{info.get('device_name', '')};{info.get('architecture', '')};".encode())
     h.update(_code_hash().encode())
     _fingerprint(model, h)
     if draft is not None:
         h.update(b"draft;")
         _fingerprint(draft, h)
     return h.hexdigest()[:32]
-
-
-@lru_cache(maxsize=1)
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 class _PolicyUnpickler(pickle.Unpickler):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_mlx.models.gguf.reader import GGUFError, GGUFFile
+from dflash_mlx.user_cache import user_cache
 
 _TOKENIZER_KEYS = {
     "tokenizer.ggml.model": "tokenizer_type",
@@ -38,8 +39,7 @@ def tokenizer_cache_dir(gf: GGUFFile) -> Path:
     st = os.stat(gf.path)
     key = f"{os.path.realpath(gf.path)}|{st.st_size}|{st.st_mtime_ns}|{TOKENIZER_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "dflash_mlx" / "gguf_tokenizers" / f"{Path(gf.path).stem}-{digest}"
+    return user_cache("gguf_tokenizers", f"{Path(gf.path).stem}-{digest}")
 
 
 def build_hf_tokenizer(gf: GGUFFile):
