@@ -98,6 +98,12 @@ def draft_for(model: str, draft=None, baseline=None, without_draft: bool = False
     return draft
 
 
+def remembers(args) -> bool:
+    """Whether a front end starts from what `auto` learned in earlier runs on this machine and keeps what it
+    learns for the next (`policy.memory`): not for plain decoding, nor split (every rank must choose alike)."""
+    return not args.baseline and getattr(args, "distributed", None) is None
+
+
 def add_distributed_arg(parser) -> None:
     """`--distributed`: the target split over the processes `mlx.launch` started."""
     parser.add_argument("--distributed", choices=("tensor", "pipeline", "auto"), default=None,

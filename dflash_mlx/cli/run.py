@@ -8,7 +8,8 @@ import json
 import sys
 
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
-                                   add_draft_bits_arg, checked_options, launched, load_model_and_draft, no_draft_note)
+                                   add_draft_bits_arg, checked_options, launched, load_model_and_draft, no_draft_note,
+                                   remembers)
 from dflash_mlx.options import add_generation_args
 
 
@@ -104,9 +105,7 @@ def run(args) -> int:
     kwargs = options.generate_kwargs()
     kwargs["max_tokens"] = tokens_to_window(target_for(model, draft).max_context, len(prompt_ids),
                                             options.max_tokens)
-    # what `auto` learned in earlier runs on this machine (not split: every rank must choose alike)
-    remembers = not args.baseline and args.distributed is None
-    if remembers:
+    if remembers(args):  # what `auto` learned in earlier runs on this machine
         memory.restore(model, draft)
     pieces, tokens, last = [], [], None
     try:
@@ -120,7 +119,7 @@ def run(args) -> int:
                 sys.stdout.flush()
     except ValueError as e:  # the engine's checks: prompt past the context window, ...
         raise CLIError(str(e), EXIT_USAGE) from None
-    if remembers:
+    if remembers(args):
         memory.save(model, draft)
 
     if last is None:

@@ -15,7 +15,7 @@ import threading
 import uvicorn
 
 from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, checked_options,
-                                   launched, load_model_and_draft, no_draft_note)
+                                   launched, load_model_and_draft, no_draft_note, remembers)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -123,12 +123,6 @@ def load_worker(args, speaks: bool = True) -> Worker:
                   prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
                   deterministic=getattr(args, "deterministic", False),
                   global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
-
-
-def remembers(args) -> bool:
-    """Whether the server starts from what `auto` learned in earlier runs on this machine and keeps what it
-    learns for the next (`policy.memory`): not for plain decoding, nor split (every rank must choose alike)."""
-    return not args.baseline and getattr(args, "distributed", None) is None
 
 
 def keep_policies(worker: Worker) -> bool:
