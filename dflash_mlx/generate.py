@@ -20,6 +20,8 @@ from dflash_mlx.engine.responses import (DFlashResponse, TokenLogprob, stop_ids,
                                          wrap_tokenizer)
 from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.models.target.adapter import target_for
+from dflash_mlx.models.target.kv_quantization import DEFAULT_START as DEFAULT_QUANTIZED_KV_START
+from dflash_mlx.models.target.kv_quantization import make_kv_quantization
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.speculation.accept import make_acceptor
 from dflash_mlx.speculation.suffix_index import SuffixIndex, make_suffix_index  # noqa: F401 (public path)
@@ -83,6 +85,9 @@ def stream_generate(
     frequency_context_size: int = 20,
     logit_bias: Optional[Dict[int, float]] = None,
     logits_processors: Optional[Sequence[Callable]] = None,
+    kv_bits: Optional[int] = None,
+    kv_group_size: int = 64,
+    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -119,6 +124,10 @@ def stream_generate(
     logits are processed as mlx-lm's `generate_step` processes that step's, after the prompt and every
     token before it (`dflash_mlx.speculation.processors`), so greedy output is mlx-lm's under the same
     processors and sampling keeps their distribution; `logprobs` are then the processed ones, as mlx-lm's.
+    `kv_bits` (None: off), `kv_group_size`, `quantized_kv_start`: mlx-lm's quantized KV cache, its attention
+    caches quantized in place once they hold `quantized_kv_start` tokens, where mlx-lm's `generate_step` does
+    it, so greedy output is mlx-lm's under the same arguments (`dflash_mlx.models.target.kv_quantization`);
+    chains and copies only, no token trees; refused, in one line, where mlx-lm cannot quantize the caches.
     """
     tokenizer = wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -135,6 +144,7 @@ def stream_generate(
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) < 0):
         raise ValueError(f"logprobs must be None (off) or a whole number >= 0 of alternatives, got {logprobs!r}")
+    kv_quantization = make_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # ValueError for bad ones
     if suffix_index is not None and not suffix_index.made_for(model):
         raise ValueError("suffix_index was made for another model; make one with make_suffix_index(model)")
 
@@ -163,7 +173,7 @@ def stream_generate(
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
         engine.add(BatchRequest(prompt_ids, options, stop_token_ids or (), logprobs, state,
-                                logits_processors=tuple(logits_processors or ())))
+                                logits_processors=tuple(logits_processors or ()), kv_quantization=kv_quantization))
         while not engine.idle:  # the first token goes out before the first cycle runs
             for _, response in engine.prefill_step():
                 yield response

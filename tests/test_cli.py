@@ -194,6 +194,7 @@ def test_non_utf8_stdin(capsys, monkeypatch):
     (["--block-size", "0"], "block size takes 'auto' (default), 'draft'"),
     (["--block-size", "big"], "block size takes 'auto' (default), 'draft'"),
     (["--draft-sampling", "beam"], "--draft-sampling: invalid choice"),
+    (["--kv-bits", "7"], "--kv-bits: invalid choice"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_options_one_line(capsys, argv, words):
@@ -271,6 +272,31 @@ def test_default_model_answers(capsys, monkeypatch):
     code, out, err = cli(capsys, *q, "--baseline")
     assert code == 0, err
     assert json.loads(out)["tokens"] == spec["tokens"]
+
+
+def test_kv_bits_is_mlx_lm_s_quantized_kv_cache(capsys, monkeypatch, tiny):
+    """`--kv-bits`: the default model's answer is mlx-lm's greedy decode under the same quantized KV cache
+    (converted inside the answer); a model whose cache cannot be quantized so is one line."""
+    import dflash_mlx.models.loading as loading
+    from dflash_mlx.engine.responses import wrap_tokenizer
+    from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.testing.targets import greedy_reference
+
+    code, out, err = cli(capsys, "--model", str(tiny / "tiny.gguf"), "--kv-bits", "4", "hi")  # head dimension 16
+    assert code == 2 and out == "" and "Traceback" not in err
+    assert [line for line in err.splitlines() if "error" in line] == [err.splitlines()[-1]]
+    assert "cannot be quantized to 4 bits in groups of 64" in err
+    model, tokenizer = load_packaged("smollm2-135m")
+    monkeypatch.setattr(loading, "load", lambda name, **kw: (model, tokenizer))
+    question = "Name three colours."
+    prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), loading.apply_chat_template(tokenizer, question))
+    kv = ["--kv-bits", "4", "--quantized-kv-start", str(len(prompt_ids) + 4)]
+    code, out, err = cli(capsys, "--max-tokens", "24", "--json", *kv, question)
+    assert code == 0, err
+    ref = greedy_reference(model, prompt_ids, 24, kv_bits=4, kv_group_size=64,
+                           quantized_kv_start=len(prompt_ids) + 4)
+    assert ref != greedy_reference(model, prompt_ids, 24)  # (4 bits change this answer from its 6th token)
+    assert json.loads(out)["tokens"] == ref[: len(json.loads(out)["tokens"])] and len(ref) >= 12
 
 
 def test_default_model_without_its_package_names_the_fix(monkeypatch, capsys):

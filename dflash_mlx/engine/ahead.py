@@ -34,6 +34,7 @@ from mlx_lm.generate import generation_stream
 from mlx_lm.models.cache import ChunkedKVCache
 
 from dflash_mlx.engine.timing import NoTimer, launched_seconds
+from dflash_mlx.models.target import kv_quantization
 from dflash_mlx.models.target.rollback import sub_caches
 from dflash_mlx.models.target.windows import restore_windows, snapshot_windows
 from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, accept_in_pieces, pack_outcome,
@@ -120,6 +121,9 @@ def make_plan(ctx: Context, budget: int, unread: int = 0) -> Plan:
     context = len(ctx.state.tokens) + unread
     widths.at_context(context)
     budget = min(budget, ctx.target.verify_room(context))  # the rows it may verify
+    kv_room = kv_quantization.room(ctx.state.target_cache, ctx.state.kv_quantization, context)
+    if kv_room is not None:  # (none past where plain decoding's caches are quantized and these not yet)
+        budget = min(budget, kv_room)
     width = widths.choose(budget)
     plan = Plan(width)
     if copies is not None and not unread:  # (the indexes lack an unread token: no copy lines up)
@@ -283,10 +287,12 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     guess that none comes into sight pays, `copy_in_sight`, `policy.lookahead`) and a discard can take
     the step back (a stop token, or a raw argmax done again the exact way, `land`). A drafted chain's
     successor is queued on the guess that the chain is accepted whole, where that pays (greedy rows,
-    the guess checked once read, `cycle.cycle`)."""
+    the guess checked once read, `cycle.cycle`). Not where the next forward would start past the line
+of a quantized KV cache not converted yet (`models.target.kv_quantization`)."""
     if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
             and may_launch(ctx, timer, logprobs)
-            and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)):
+            and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)
+            and not kv_quantization.due(ctx.state.target_cache, ctx.state.kv_quantization)):
         return False
     guess = ctx.lookahead
     # (chains greedy only: a guess thrown away at T > 0 would have drawn from the seed's stream; a head in

@@ -39,6 +39,7 @@ from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
 from dflash_mlx.engine.rows import BatchRequest, Row
 from dflash_mlx.engine.timing import NoTimer, PhaseTimer
+from dflash_mlx.models.target import kv_quantization
 from dflash_mlx.models.target.adapter import Target, target_for
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.options import AUTO, fixed_width
@@ -151,6 +152,11 @@ class BatchEngine:
         if outside:  # (an index past the logits: garbage, no error)
             raise ValueError(f"logit_bias names token id {outside[0]}, outside {self.target.name}'s vocabulary of "
                              f"{self.target.vocab_size} tokens")
+        if request.kv_quantization is not None:
+            reason = ("a quantized KV cache runs one sequence at a time (an engine of max_batch=1)"
+                      if self.max_batch > 1 else kv_quantization.refusal(self.target, request.kv_quantization))
+            if reason is not None:
+                raise UnsupportedTargetError(f"kv_bits: {self.target.name}: {reason}")
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

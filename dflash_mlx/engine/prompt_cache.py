@@ -81,6 +81,8 @@ class PromptCache:
     # the next cycle, planned or launched before the host needed it (`engine.ahead`); while one is
     # launched its rows are in the caches, and `valid` is False
     ahead: Any = None
+    # the call's quantized KV cache setting (`models.target.kv_quantization`), None: full precision
+    kv_quantization: Any = None
 
     def context_index(self, last: int) -> ContextIndex:
         """The index of `tokens` + [last] for copy proposals: the one kept from earlier calls

@@ -22,6 +22,7 @@ from dflash_mlx.engine.drafter import DraftContext, PlainDecoding
 from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.engine.responses import (Answer, DFlashResponse, Step, committed_span, first_step, stop_ids,
                                          token_logprobs)
+from dflash_mlx.models.target.kv_quantization import KVQuantization
 from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.copies import copy_policy_for
@@ -45,6 +46,8 @@ class BatchRequest:
     global_copies: bool = True  # copies from the engine's index of earlier requests, and this one kept there
     # mlx-lm `LogitsProcessor`s of the caller's own, after those `options` sets (`speculation.processors`)
     logits_processors: Sequence = ()
+    # mlx-lm's kv_bits, kv_group_size and quantized_kv_start (`models.target.kv_quantization`); None: off
+    kv_quantization: Optional[KVQuantization] = None
 
 
 class Row:
@@ -59,6 +62,9 @@ class Row:
         # kept as a snapshot, which a next turn that starts with this prompt restores
         self.state = request.prompt_cache or make_prompt_cache(engine.model, engine.draft,
                                                                max_snapshots=1 if engine.target.recurrent else 0)
+        self.state.kv_quantization = request.kv_quantization
+        # (a token tree's verify writes rows it then moves: full-precision attention caches only)
+        trees_on = engine.token_trees and request.kv_quantization is None
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)
@@ -70,10 +76,10 @@ class Row:
                                   else engine.split_head)
         sizer = engine.widths.sizer(1) if engine.widths is not None else None
         self.copies = copy_policy_for(sizer) if sizer is not None and engine.copy_proposals else None
-        self.trees = (tree_policy_for(sizer) if sizer is not None and engine.draft is not None and engine.token_trees
+        self.trees = (tree_policy_for(sizer) if sizer is not None and engine.draft is not None and trees_on
                       and tree_support(engine.target) is None else None)
         # several continuations of a copy as one tree, on targets that take trees (with a draft or not)
-        self.copy_trees = (copy_tree_policy_for(sizer) if self.copies is not None and engine.token_trees
+        self.copy_trees = (copy_tree_policy_for(sizer) if self.copies is not None and trees_on
                            and tree_support(engine.target) is None else None)
         # earlier requests' prompts and answers (`speculation.suffix_index`), unless this one opted out
         self.shared = engine.suffix_index if self.copies is not None and request.global_copies else None

@@ -90,17 +90,18 @@ def _scale_embeddings(params):
 
 
 def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids=(), make_cache=None,
-                     prefill_step_size: int = 2048, logits_processors=None) -> List[int]:
+                     prefill_step_size: int = 2048, logits_processors=None, **kv_quantization) -> List[int]:
     """Plain mlx-lm greedy decoding: the ground truth DFlash must reproduce (`make_cache`: the
     caches it decodes with, mlx-lm's own for the model where None; `prefill_step_size`: its
-    prompt chunks, mlx-lm's default; `logits_processors`: mlx-lm's, on every step)."""
+    prompt chunks, mlx-lm's default; `logits_processors`: mlx-lm's, on every step;
+    `kv_quantization`: its `kv_bits`, `kv_group_size` and `quantized_kv_start`)."""
     from mlx_lm.generate import generate_step
 
     out = []
     cache = make_cache() if make_cache is not None else None
     for tok, _ in generate_step(mx.array(prompt_ids), model, max_tokens=max_tokens, prompt_cache=cache,
                                 prefill_step_size=prefill_step_size, sampler=lambda x: mx.argmax(x, axis=-1),
-                                logits_processors=logits_processors):
+                                logits_processors=logits_processors, **kv_quantization):
         tok = int(tok)
         out.append(tok)
         if tok in stop_ids:

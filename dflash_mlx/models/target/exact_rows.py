@@ -17,7 +17,7 @@ it, so deterministic mode (`Target.deterministic`) runs:
 Every kernel then sees the shapes it sees in plain decoding, so greedy DFlash is plain
 decoding token for token in every dtype, on every backend. The price is that a verify
 costs its rows' decode steps (less the host syncs between them): on a GPU, where a wide
-verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches,
+verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches (quantized or not),
 puts every other attention cache (sliding windows, chunks) back and replays the kept rows'
 updates, and puts any other state (recurrent layers' states, DeepSeek V4.1's compressed groups)
 back as the last kept row left it (`RowsRecord`). Split targets, token trees and batches of rows
@@ -70,15 +70,16 @@ class RowsRecord:
     CALLS = ("update_and_fetch", "maybe_trim_front")  # what the models call on a cache
 
     def __init__(self, cache: List[Any]):
-        from mlx_lm.models.cache import KVCache
+        from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
         from dflash_mlx.models.target.rollback import sub_caches
 
         subs = [c for entry in cache for c in sub_caches(entry)]
-        self.trimmed = [c for c in subs if type(c) is KVCache]
+        full = (KVCache, QuantizedKVCache)  # (whose entries only grow: a trim takes rows back)
+        self.trimmed = [c for c in subs if type(c) in full]
         # (a window's buffer is written in place: a state kept per row would copy it every row)
-        self.replayed = [c for c in subs if type(c) is not KVCache and hasattr(c, "update_and_fetch")]
-        self.stateful = [c for c in subs if type(c) is not KVCache and not hasattr(c, "update_and_fetch")]
+        self.replayed = [c for c in subs if type(c) not in full and hasattr(c, "update_and_fetch")]
+        self.stateful = [c for c in subs if type(c) not in full and not hasattr(c, "update_and_fetch")]
         self.before = [_state(c) for c in self.replayed]
         self.states: List[List[dict]] = [[_state(c)] for c in self.stateful]  # [cache][rows run]
         self.calls: List[List[Tuple[str, tuple]]] = [[] for _ in self.replayed]

@@ -1,0 +1,119 @@
+"""A quantized KV cache, as mlx-lm's `generate_step(kv_bits=...)` keeps one.
+
+mlx-lm quantizes a generation's attention caches in place (`KVCache.to_quantized`) after the
+first forward that leaves them holding `quantized_kv_start` tokens or more: every row of a
+forward before that one attends to full-precision keys and values, every row after it to
+quantized ones (its own included). Each token's entries are quantized on their own (groups run
+along the head dimension), so what a row sees depends only on whether its forward ran before
+or after the conversion, not on how the rows were cut into forwards.
+
+The engine keeps that line where plain decoding draws it. Its prompt runs in mlx-lm's chunks
+(`engine.cycle.prefill_bounds`), so the conversion falls after the same chunk. A verify that
+starts before `start` while the caches are full precision holds at most the rows up to it
+(`room`): the rows at `start` and past it run after the conversion, as plain decoding's steps
+do. The caches are converted after each prefill forward and after each cycle's rollback, where
+their offset is what was committed (`convert_due`), and no cycle is queued on a guess whose
+forward would start past the line before the conversion (`due`): a guess thrown away would
+leave caches quantized that plain decoding holds in full.
+"""
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import KVCache
+
+from dflash_mlx.identity import IdentityMap
+
+# mlx-lm's `generate_step(quantized_kv_start=...)` default
+DEFAULT_START = 5000
+BITS = (2, 3, 4, 5, 6, 8)  # mlx's affine quantization
+GROUP_SIZES = (32, 64, 128)
+
+_CHECKED = IdentityMap()
+
+
+@dataclass(frozen=True)
+class KVQuantization:
+    """mlx-lm's `kv_bits`, `kv_group_size` and `quantized_kv_start`."""
+
+    bits: int
+    group_size: int = 64
+    start: int = DEFAULT_START
+
+    def __post_init__(self):
+        if isinstance(self.bits, bool) or self.bits not in BITS:
+            raise ValueError(f"kv_bits takes one of {', '.join(map(str, BITS))} (None: off), got {self.bits!r}")
+        if isinstance(self.group_size, bool) or self.group_size not in GROUP_SIZES:
+            raise ValueError(f"kv_group_size takes one of {', '.join(map(str, GROUP_SIZES))}, "
+                             f"got {self.group_size!r}")
+        if isinstance(self.start, bool) or not isinstance(self.start, int) or self.start < 0:
+            raise ValueError(f"quantized_kv_start must be a whole number >= 0, got {self.start!r}")
+
+
+def make_kv_quantization(bits: Optional[int], group_size: int = 64,
+                         start: int = DEFAULT_START) -> Optional[KVQuantization]:
+    """The setting for mlx-lm's three arguments; None where `bits` is None (off)."""
+    return None if bits is None else KVQuantization(bits, group_size, start)
+
+
+def refusal(target, spec: KVQuantization) -> Optional[str]:
+    """Why `target`'s caches cannot be quantized as mlx-lm quantizes them, or None. Checked
+    once per model and setting: a one-token forward, then each convertible cache converted."""
+    found = _CHECKED.get((target.model,))
+    if found is None:
+        found = {}
+        _CHECKED.put((target.model,), found)
+    key = (spec.bits, spec.group_size)
+    if key not in found:
+        found[key] = _check(target, spec)
+    return found[key]
+
+
+def _check(target, spec: KVQuantization) -> Optional[str]:
+    if target.sharding is not None:
+        return "a quantized KV cache is not supported on a target split over processes"
+    if "rerun" in target.rollback_kinds():
+        return "its layers share cache state that a rollback restores whole (a quantized KV cache is not supported)"
+    cache = target.make_cache()
+    others = sorted({type(c).__name__ for c in cache if hasattr(c, "to_quantized") and type(c) is not KVCache})
+    if others:
+        return f"its {', '.join(others)} caches cannot be quantized (mlx-lm's kv_bits raises there too)"
+    if not any(type(c) is KVCache for c in cache):
+        return "it has no attention KV cache to quantize"
+    try:
+        target.forward(mx.array([[0]]), cache)
+        mx.eval([c.to_quantized(group_size=spec.group_size, bits=spec.bits).state[:2]
+                 for c in cache if type(c) is KVCache])
+    except Exception as e:  # e.g. a head dimension the group size does not divide
+        return f"its KV cache cannot be quantized to {spec.bits} bits in groups of {spec.group_size} ({e})"
+    return None
+
+
+def convertible(cache: List[Any]) -> bool:
+    """Whether some cache is still full precision (mlx-lm would convert it)."""
+    return any(type(c) is KVCache for c in cache)
+
+
+def due(cache: List[Any], spec: Optional[KVQuantization]) -> bool:
+    """Whether a forward on `cache` as it stands would run where plain decoding's caches are quantized
+    but these are not yet."""
+    return spec is not None and any(type(c) is KVCache and c.offset >= spec.start for c in cache)
+
+
+def convert_due(cache: List[Any], spec: Optional[KVQuantization]):
+    """Quantize, in place in `cache`, the caches holding `spec.start` tokens or more (mlx-lm's
+    `maybe_quantize_kv_cache`), after a forward whose tokens are all committed."""
+    if spec is None:
+        return
+    for i, c in enumerate(cache):
+        if type(c) is KVCache and c.offset >= spec.start:
+            cache[i] = c.to_quantized(group_size=spec.group_size, bits=spec.bits)
+
+
+def room(cache: List[Any], spec: Optional[KVQuantization], position: int) -> Optional[int]:
+    """The most rows a forward from `position` may hold so that none of them runs on full-precision
+    caches where plain decoding's are quantized; None: no limit."""
+    if spec is None or position >= spec.start or not convertible(cache):
+        return None
+    return spec.start - position
