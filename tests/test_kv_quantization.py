@@ -178,3 +178,33 @@ def test_the_packaged_target_with_a_quantized_kv_cache(smollm2):
     for r in stream_generate(model, load_draft("smollm2-135m", model), tok, prompt, max_tokens=len(ref), **kv):
         out += r.tokens
     assert out == ref
+
+
+def test_a_prompt_cache_quantized_before_stays_exact_without_kv_bits():
+    """A second call on a prompt cache the first quantized, without `kv_bits`: mlx-lm decodes on with the
+    caches as they are (quantized), and so does the engine, with no token tree (whose compaction moves
+    rows of full-precision caches only); a batch engine refuses that prompt cache in one line."""
+    from mlx_lm.generate import generate_step
+
+    model, tok = _target("llama")
+    draft = random_draft(model, block_size=8, num_layers=1)
+    prompt, _ = _case(model, 20, 8, seed=4, **_kv(2, 22))
+    cache = make_prompt_cache(model, draft)
+    first, _ = _decode(model, draft, tok, prompt, 8, prompt_cache=cache, **_kv(2, 22))
+    assert all(type(c) is QuantizedKVCache for c in cache.target_cache)
+    follow = prompt + first + [65, 66, 67]
+    second, kinds = _decode(model, draft, tok, follow, 24, prompt_cache=cache)
+    assert "tree" not in kinds and "copy_tree" not in kinds
+    # mlx-lm: its own caches after the first call (the prompt and the answer but its last token), then the rest
+    ref_cache = make_prompt_cache(model).target_cache
+    ref_first = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=8, prompt_cache=ref_cache,
+                                                  sampler=lambda x: mx.argmax(x, axis=-1), **_kv(2, 22))]
+    assert ref_first == first
+    for c in ref_cache:
+        c.trim(c.offset - (len(prompt) + len(first) - 1))
+    ref = [int(t) for t, _ in generate_step(mx.array(follow[len(prompt) + len(first) - 1:]), model, max_tokens=24,
+                                            prompt_cache=ref_cache, sampler=lambda x: mx.argmax(x, axis=-1))]
+    assert second == ref
+    engine = BatchEngine(model, draft, tok, max_batch=2)
+    with pytest.raises(UnsupportedTargetError, match="one sequence at a time"):
+        engine.add(BatchRequest(follow, GenerationOptions(max_tokens=4), prompt_cache=cache))

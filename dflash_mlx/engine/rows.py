@@ -22,7 +22,7 @@ from dflash_mlx.engine.drafter import DraftContext, PlainDecoding
 from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache
 from dflash_mlx.engine.responses import (Answer, DFlashResponse, Step, committed_span, first_step, stop_ids,
                                          token_logprobs)
-from dflash_mlx.models.target.kv_quantization import KVQuantization
+from dflash_mlx.models.target.kv_quantization import KVQuantization, holds_quantized
 from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.policy.copies import copy_policy_for
@@ -64,7 +64,8 @@ class Row:
                                                                max_snapshots=1 if engine.target.recurrent else 0)
         self.state.kv_quantization = request.kv_quantization
         # (a token tree's verify writes rows it then moves: full-precision attention caches only)
-        trees_on = engine.token_trees and request.kv_quantization is None
+        trees_on = (engine.token_trees and request.kv_quantization is None
+                    and not holds_quantized(self.state.target_cache))
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)

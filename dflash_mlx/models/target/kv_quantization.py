@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from dflash_mlx.identity import IdentityMap
 
@@ -80,19 +80,33 @@ def _check(target, spec: KVQuantization) -> Optional[str]:
     if others:
         return f"its {', '.join(others)} caches cannot be quantized (mlx-lm's kv_bits raises there too)"
     if not any(type(c) is KVCache for c in cache):
-        return "it has no attention KV cache to quantize"
+        return ("none of its caches is one mlx-lm quantizes (a plain KVCache; mlx-lm's kv_bits leaves these as "
+                "they are): run it without kv_bits")
     try:
         target.forward(mx.array([[0]]), cache)
-        mx.eval([c.to_quantized(group_size=spec.group_size, bits=spec.bits).state[:2]
-                 for c in cache if type(c) is KVCache])
+        convert_due(cache, KVQuantization(spec.bits, spec.group_size, 0))
+        mx.eval([c.state[:2] for c in cache if isinstance(c, QuantizedKVCache)])
     except Exception as e:  # e.g. a head dimension the group size does not divide
-        return f"its KV cache cannot be quantized to {spec.bits} bits in groups of {spec.group_size} ({e})"
+        return f"its KV cache cannot be quantized to {spec.bits} bits in groups of {spec.group_size} ({_line(e)})"
+    try:  # a model whose attention reads its cache's arrays itself takes no quantized ones
+        mx.eval(target.forward(mx.array([[1, 2]]), cache)[0])
+    except Exception as e:
+        return f"its attention does not take a quantized KV cache ({type(e).__name__}: {_line(e)})"
     return None
+
+
+def _line(error: Exception) -> str:
+    return " ".join(str(error).split())[:160]
 
 
 def convertible(cache: List[Any]) -> bool:
     """Whether some cache is still full precision (mlx-lm would convert it)."""
     return any(type(c) is KVCache for c in cache)
+
+
+def holds_quantized(cache: Optional[List[Any]]) -> bool:
+    """Whether some cache was quantized (by this call or an earlier one on the same prompt cache)."""
+    return any(isinstance(c, QuantizedKVCache) for c in cache or ())
 
 
 def due(cache: List[Any], spec: Optional[KVQuantization]) -> bool:
