@@ -108,7 +108,8 @@ def main():
              f"shipped draft, {len(prompts)} prompts ({', '.join(SHORT)}, {args.short} each), {args.max_tokens} "
              f"tokens, greedy, best of {args.repeats} runs each (ABBA). Each row: `auto` against plain decoding "
              "with the same cache (tok/s after the first token; geometric means, worst prompt in brackets).", "",
-             "| KV cache | plain tok/s | auto tok/s | speed-up (worst) | tau | auto = plain | = mlx-lm's generate_step |",
+             "| KV cache | plain tok/s | auto tok/s | speed-up (worst) | tau | auto = plain "
+             "| = mlx-lm's generate_step |",
              "|---|---:|---:|---:|---:|---|---|"]
     for bits, s in summary.items():
         name = "full precision" if bits == "None" else f"{bits}-bit from token {args.start}"

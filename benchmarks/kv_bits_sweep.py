@@ -4,10 +4,11 @@
 
 Each architecture of `dflash_mlx.testing.arch_check` is built with heads of 32 dimensions (its config's
 `head_dim` set to 32 where it has one, else its hidden size in heads of 32, else its own heads widened to
-32: the tiny configs' heads of 8-16 fit no quantization group; `build`), then decoded greedily by DFlash with mlx-lm's quantized
-KV cache (`--bits`, groups of 32, quantized from 3 tokens into the answer: the conversion falls inside a
-verify's rows) against mlx-lm's own `generate_step` with the same arguments: a random draft at `auto`, a
-scripted draft right for a random number of tokens each cycle at its block size, and no draft. "changed"
+32: the tiny configs' heads of 8-16 fit no quantization group; `build`), then decoded greedily by DFlash
+with mlx-lm's quantized KV cache (`--bits`, groups of 32, quantized from 3 tokens into the answer: the
+conversion falls inside a verify's rows) against mlx-lm's own `generate_step` with the same arguments: a
+random draft at `auto`, a scripted draft right for a random number of tokens each cycle at its block size,
+and no draft. "changed"
 says whether the quantized cache changed mlx-lm's answer (where not, the case could not catch a misplaced
 conversion). Writes README.md and results.json.
 """

@@ -288,7 +288,7 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     the step back (a stop token, or a raw argmax done again the exact way, `land`). A drafted chain's
     successor is queued on the guess that the chain is accepted whole, where that pays (greedy rows,
     the guess checked once read, `cycle.cycle`). Not where the next forward would start past the line
-of a quantized KV cache not converted yet (`models.target.kv_quantization`)."""
+    of a quantized KV cache not converted yet (`models.target.kv_quantization`)."""
     if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
             and may_launch(ctx, timer, logprobs)
             and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)

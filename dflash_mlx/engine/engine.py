@@ -152,14 +152,15 @@ class BatchEngine:
         if outside:  # (an index past the logits: garbage, no error)
             raise ValueError(f"logit_bias names token id {outside[0]}, outside {self.target.name}'s vocabulary of "
                              f"{self.target.vocab_size} tokens")
-        quantized = request.prompt_cache is not None and kv_quantization.holds_quantized(
-            request.prompt_cache.target_cache)
-        if request.kv_quantization is not None or quantized:
-            reason = ("a quantized KV cache runs one sequence at a time (an engine of max_batch=1)"
-                      if self.max_batch > 1 else None if request.kv_quantization is None
-                      else kv_quantization.refusal(self.target, request.kv_quantization))
-            if reason is not None:
-                raise UnsupportedTargetError(f"kv_bits: {self.target.name}: {reason}")
+        reason = None
+        if request.kv_quantization is not None or (request.prompt_cache is not None and kv_quantization
+                                                   .holds_quantized(request.prompt_cache.target_cache)):
+            if self.max_batch > 1:  # (mlx-lm's batch caches have no quantized kind)
+                reason = "a quantized KV cache runs one sequence at a time (an engine of max_batch=1)"
+            elif request.kv_quantization is not None:
+                reason = kv_quantization.refusal(self.target, request.kv_quantization)
+        if reason is not None:
+            raise UnsupportedTargetError(f"kv_bits: {self.target.name}: {reason}")
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

@@ -17,8 +17,8 @@ it, so deterministic mode (`Target.deterministic`) runs:
 Every kernel then sees the shapes it sees in plain decoding, so greedy DFlash is plain
 decoding token for token in every dtype, on every backend. The price is that a verify
 costs its rows' decode steps (less the host syncs between them): on a GPU, where a wide
-verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches (quantized or not),
-puts every other attention cache (sliding windows, chunks) back and replays the kept rows'
+verify is nearly free, this mode gives that up for exactness. A rollback trims full KV caches
+(quantized or not), puts every other attention cache (sliding windows, chunks) back and replays the kept rows'
 updates, and puts any other state (recurrent layers' states, DeepSeek V4.1's compressed groups)
 back as the last kept row left it (`RowsRecord`). Split targets, token trees and batches of rows
 are refused (`refusal`, the engine): their verify has no plain-decoding twin here.
