@@ -208,3 +208,23 @@ def test_a_prompt_cache_quantized_before_stays_exact_without_kv_bits():
     engine = BatchEngine(model, draft, tok, max_batch=2)
     with pytest.raises(UnsupportedTargetError, match="one sequence at a time"):
         engine.add(BatchRequest(follow, GenerationOptions(max_tokens=4), prompt_cache=cache))
+
+
+def test_no_cycle_is_queued_on_a_guess_across_the_line(monkeypatch):
+    """Every chain's successor queued before its read, on the guess that it is accepted whole: a guess whose
+    forward would start where the caches must be quantized first is not made (a thrown-away guess would
+    leave them quantized where plain decoding's are not), and the answer stays mlx-lm's."""
+    from dflash_mlx.engine import ahead
+    from dflash_mlx.policy.lookahead import LookAhead
+
+    monkeypatch.setattr(LookAhead, "pays", lambda self, width: True)
+    monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
+    model, tok = _target("llama")
+    for start in (24, 27, 29, 30):  # (29: a guess kept whose successor reaches the line; 24: one stopped)
+        prompt, ref = _case(model, 20, 40, seed=start, **_kv(2, start))
+        target = Target(model)
+        rng = random.Random(start)
+        right = [rng.choice([1, 2, 3, 10**9]) for _ in range(200)]  # often whole, often not
+        draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=4)
+        out, _ = _decode(model, draft, tok, prompt, 40, 4, **_kv(2, start))
+        assert out == ref, start
