@@ -220,7 +220,7 @@ def test_no_cycle_is_queued_on_a_guess_across_the_line(monkeypatch):
     monkeypatch.setattr(LookAhead, "pays", lambda self, width: True)
     monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
     model, tok = _target("llama")
-    for start in (24, 27, 29, 30):  # (29: a guess kept whose successor reaches the line; 24: one stopped)
+    for start in (24, 27, 29, 30):  # (29: a guess kept whose successor reaches the line)
         prompt, ref = _case(model, 20, 40, seed=start, **_kv(2, start))
         target = Target(model)
         rng = random.Random(start)
