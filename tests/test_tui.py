@@ -674,3 +674,35 @@ def test_stats_panel_under_auto():
     unbounded = panel_lines(stats, "m", "d", "auto", 0.0, 32, False, "ready")
     assert "block auto (2)  temp 0  max 32" in unbounded and sparkline([3, 1, 0, 3], top=3) in unbounded
     assert "block 4  temp 0  max 32" in panel_lines(stats, "m", "d", 4, 0.0, 32, False, "ready")
+
+
+def test_chat_with_a_quantized_kv_cache():
+    """`dflash-mlx chat --kv-bits`: every answer and baseline run gets mlx-lm's quantized KV cache; the first
+    answer is mlx-lm's greedy decode under it, and a later turn's baseline (a fresh cache, converted where the
+    conversation's was not) is not called a mismatch. A bad setting is a usage error before the app starts."""
+    from dflash_mlx.cli.common import CLIError, kv_cache_kwargs
+
+    model, tok = targets.tiny_target("llama", hidden_size=128, layer_types=["full_attention"] * 4,
+                                     sliding_window=None)
+    kv = dict(kv_bits=2, kv_group_size=32, quantized_kv_start=30)
+    calls = []
+
+    def stream_fn(*args, **kwargs):
+        calls.append({k: kwargs.get(k) for k in kv})
+        return stream_generate(*args, **kwargs)
+
+    s = ChatSession(model, tok, random_draft(model, num_layers=1, block_size=4),
+                    Settings(max_tokens=24, system="Be brief."), stream_fn=stream_fn, kv_cache=kv)
+    first = s.turn("hello there", lambda turn, new: None, lambda: False)
+    ref = targets.greedy_reference(model, first.prompt_ids, 24, **kv)
+    assert first.tokens == ref[: len(first.tokens)] and not first.reused_cache
+    assert ref != targets.greedy_reference(model, first.prompt_ids, 24)  # (the 2-bit cache changes this answer)
+    s.baseline(first, lambda: False)
+    assert first.stats.baseline_same is True
+    second = s.turn("and again", lambda turn, new: None, lambda: False)
+    s.baseline(second, lambda: False)
+    assert second.reused_cache and second.stats.baseline_same is None
+    assert calls == [kv] * 4
+    args = build_parser().parse_args(["--kv-bits", "4", "--quantized-kv-start", "-1"])
+    with pytest.raises(CLIError, match="quantized_kv_start must be"):
+        kv_cache_kwargs(args)

@@ -45,17 +45,21 @@ class Turn:
     stats: TurnStats = field(default_factory=TurnStats)
     cycles: Optional[CycleText] = None
     stopped: bool = False
+    reused_cache: bool = False  # the conversation's caches held earlier turns when it started
 
 
 class ChatSession:
     def __init__(self, model, tokenizer, draft, settings: Optional[Settings] = None,
-                 template: Optional[Template] = None, stream_fn=stream_generate):
+                 template: Optional[Template] = None, stream_fn=stream_generate, kv_cache: Optional[dict] = None):
+        """`kv_cache`: mlx-lm's quantized KV cache (`stream_generate`'s `kv_bits`, `kv_group_size`,
+        `quantized_kv_start`) for every answer and baseline run; None: full precision."""
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
         self.settings = settings or Settings()
         self.template = template
         self.stream_fn = stream_fn  # the engine; tests wrap it to pace or break it
+        self.kv_cache = dict(kv_cache or {})
         self.messages: List[Dict[str, str]] = []  # user/assistant turns, system kept apart
         self.cache = None
         self.last: Optional[Turn] = None
@@ -106,11 +110,12 @@ class ChatSession:
         if self.cache is None:
             self.cache = make_prompt_cache(self.model, self.draft)
             memory.restore(self.model, self.draft)  # what `auto` learned in earlier runs on this machine
+        turn.reused_cache = bool(self.cache.tokens)
         kwargs = s.generate_kwargs()  # the answer stops where the model's context window does
         kwargs["max_tokens"] = tokens_to_window(self.context_window, len(turn.prompt_ids), s.max_tokens)
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
-            suffix_index=self.suffix_index, **kwargs,
+            suffix_index=self.suffix_index, **self.kv_cache, **kwargs,
         )
         try:
             for r in stream:
@@ -143,7 +148,7 @@ class ChatSession:
         stats, tokens = TurnStats(), []
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, max_tokens=budget,
-            temperature=s.temperature, baseline=True,
+            temperature=s.temperature, baseline=True, **self.kv_cache,
         )
         try:
             for r in stream:
@@ -154,6 +159,8 @@ class ChatSession:
         finally:
             stream.close()
         turn.stats.baseline_tps = stats.tps
-        # Greedy DFlash must give the target's own tokens; with sampling they differ anyway.
-        turn.stats.baseline_same = tokens == turn.tokens if s.temperature == 0 else None
+        # Greedy DFlash must give the target's own tokens; with sampling they differ anyway, and so they may
+        # with a quantized KV cache that earlier turns converted where this fresh one is not (as mlx-lm's would)
+        comparable = s.temperature == 0 and not (self.kv_cache and turn.reused_cache)
+        turn.stats.baseline_same = tokens == turn.tokens if comparable else None
         return turn

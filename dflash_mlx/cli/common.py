@@ -142,6 +142,32 @@ def add_draft_bits_arg(parser) -> None:
                         "group size 64; default: as stored; a draft stored quantized loads quantized)")
 
 
+def add_kv_cache_args(parser) -> None:
+    """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`), in the front ends that run
+    one sequence at a time (the one-shot CLI, the chat)."""
+    from dflash_mlx.models.target.kv_quantization import BITS, DEFAULT_START, GROUP_SIZES
+
+    parser.add_argument("--kv-bits", type=int, default=None, choices=BITS,
+                        help="quantize the KV cache to this many bits once it holds --quantized-kv-start tokens, "
+                             "as mlx-lm's --kv-bits (greedy output stays mlx-lm's under it; default: off)")
+    parser.add_argument("--kv-group-size", type=int, default=64, choices=GROUP_SIZES, help="default: 64")
+    parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_START,
+                        help=f"tokens in the cache before it is quantized (default: {DEFAULT_START})")
+
+
+def kv_cache_kwargs(args) -> dict:
+    """`stream_generate`'s quantized KV cache arguments from `add_kv_cache_args`' flags (empty when off)."""
+    from dflash_mlx.models.target.kv_quantization import KVQuantization
+
+    if args.kv_bits is None:
+        return {}
+    try:
+        KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+    except ValueError as e:
+        raise CLIError(str(e), EXIT_USAGE) from None
+    return dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+
+
 def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,
                          without_draft: bool = False, distributed=None):
     """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags

@@ -8,8 +8,8 @@ import json
 import sys
 
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
-                                   add_draft_bits_arg, checked_options, launched, load_model_and_draft, no_draft_note,
-                                   remembers)
+                                   add_draft_bits_arg, add_kv_cache_args, checked_options, kv_cache_kwargs, launched,
+                                   load_model_and_draft, no_draft_note, remembers)
 from dflash_mlx.options import add_generation_args
 
 
@@ -52,18 +52,6 @@ def build_parser():
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--debug", action="store_true", help="show a traceback on errors (any subcommand)")
     return p
-
-
-def add_kv_cache_args(p):
-    """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`)."""
-    from dflash_mlx.models.target.kv_quantization import BITS, DEFAULT_START, GROUP_SIZES
-
-    p.add_argument("--kv-bits", type=int, default=None, choices=BITS,
-                   help="quantize the KV cache to this many bits once it holds --quantized-kv-start tokens, "
-                        "as mlx-lm's --kv-bits (greedy output stays mlx-lm's under it; default: off)")
-    p.add_argument("--kv-group-size", type=int, default=64, choices=GROUP_SIZES, help="default: 64")
-    p.add_argument("--quantized-kv-start", type=int, default=DEFAULT_START,
-                   help=f"tokens in the cache before it is quantized (default: {DEFAULT_START})")
 
 
 def _read_prompt(args) -> str:
@@ -123,9 +111,7 @@ def run(args) -> int:
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
-                                 deterministic=args.deterministic or None, kv_bits=args.kv_bits,
-                                 kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start,
-                                 **kwargs):
+                                 deterministic=args.deterministic or None, **kv_cache_kwargs(args), **kwargs):
             pieces.append(r.text)
             tokens.extend(r.tokens)
             last = r
