@@ -166,16 +166,33 @@ def test_refusals_name_what_is_wrong():
 
 
 def test_the_packaged_target_with_a_quantized_kv_cache(smollm2):
-    """SmolLM2-135M (float32, head dimension 64) with its shipped draft: mlx-lm's greedy decode with an
-    8-bit cache from the 20th token on."""
+    """SmolLM2-135M (float32, heads of 64) with its shipped draft at width 16 and an 8-bit cache: mlx-lm's
+    greedy decode. A 16-row verify's keys differ from one-row steps' in their last bits (OpenBLAS sums 4 rows
+    or more in another order), which puts some on the other side of a quantization level: with every verify
+    16 rows wide this GSM8K answer parts from mlx-lm's at its 41st token. The verify rows are held to those
+    that round as one-row steps do (`row_invariant_width`: 3 here), and the answer is mlx-lm's."""
     from dflash_mlx import load_draft
+    from dflash_mlx.bench.suites import format_prompt, load_suite
+    from dflash_mlx.engine.responses import wrap_tokenizer
+    from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.models.target import kv_quantization
+    from dflash_mlx.models.target.adapter import target_for
 
     model, tok = smollm2
-    prompt = tok.encode("The three primary colours are")
-    kv = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=len(prompt) + 3)
+    draft = load_draft("smollm2-135m", model)
+    assert 1 <= kv_quantization.row_invariant_width(target_for(model, draft), 8, 64) < 16
+    ids = encode_prompt(wrap_tokenizer(tok), format_prompt(tok, load_suite("gsm8k", 2)[1]))
+    kv = dict(kv_bits=8, kv_group_size=64, quantized_kv_start=0)
+    ref = greedy_reference(model, ids, 48, **kv)
+    out = []
+    for r in stream_generate(model, draft, tok, ids, max_tokens=len(ref), block_size=16, **kv):
+        out += r.tokens
+    assert out == ref
+    prompt = tok.encode("The three primary colours are")  # converted inside the answer
+    kv = dict(kv_bits=4, kv_group_size=64, quantized_kv_start=len(prompt) + 3)
     ref = greedy_reference(model, prompt, 24, **kv)
     out = []
-    for r in stream_generate(model, load_draft("smollm2-135m", model), tok, prompt, max_tokens=len(ref), **kv):
+    for r in stream_generate(model, draft, tok, prompt, max_tokens=len(ref), **kv):
         out += r.tokens
     assert out == ref
 

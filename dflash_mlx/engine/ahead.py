@@ -121,8 +121,8 @@ def make_plan(ctx: Context, budget: int, unread: int = 0) -> Plan:
     context = len(ctx.state.tokens) + unread
     widths.at_context(context)
     budget = min(budget, ctx.target.verify_room(context))  # the rows it may verify
-    kv_room = kv_quantization.room(ctx.state.target_cache, ctx.state.kv_quantization, context)
-    if kv_room is not None:  # (none past where plain decoding's caches are quantized and these not yet)
+    kv_room = kv_quantization.room(ctx.target, ctx.state.target_cache, ctx.state.kv_quantization, context)
+    if kv_room is not None:  # (a quantized KV cache's rows: as plain decoding's would be, bit for bit)
         budget = min(budget, kv_room)
     width = widths.choose(budget)
     plan = Plan(width)

@@ -159,6 +159,9 @@ class BatchEngine:
                 reason = "a quantized KV cache runs one sequence at a time (an engine of max_batch=1)"
             elif request.kv_quantization is not None:
                 reason = kv_quantization.refusal(self.target, request.kv_quantization)
+            if reason is None:  # (probed now, not in the middle of a cycle)
+                kv_quantization.room(self.target, request.prompt_cache.target_cache if request.prompt_cache else [],
+                                     request.kv_quantization, 0)
         if reason is not None:
             raise UnsupportedTargetError(f"kv_bits: {self.target.name}: {reason}")
         self._uid += 1

@@ -15,6 +15,17 @@ do. The caches are converted after each prefill forward and after each cycle's r
 their offset is what was committed (`convert_due`), and no cycle is queued on a guess whose
 forward would start past the line before the conversion (`due`): a guess thrown away would
 leave caches quantized that plain decoding holds in full.
+
+Quantizing also turns rounding into steps. A verify row's keys and values differ from a one-row
+step's in their last bits wherever the backend sums a k-row product in another order (MLX's CPU
+backend through OpenBLAS: from 4 rows on; a GPU: from 2); in full precision that moves a logit by
+~1e-5, but a key on the edge between two quantization levels then lands on the other level, a
+whole step away (SmolLM2 with an 8-bit cache: logits ~5e-2 apart after a 16-row verify), and
+greedy answers part within a few dozen tokens. So while a cache is, or will be, quantized, a
+verify holds at most the rows whose forward and LM head give, bit for bit, what as many one-row
+steps give on this backend (`row_invariant_width`, probed once per model: 3 on this CPU, and
+likely 1 on a GPU, where deterministic mode, whose verify rows are one-row forwards, keeps every
+width exact).
 """
 
 from dataclasses import dataclass
@@ -57,17 +68,51 @@ def make_kv_quantization(bits: Optional[int], group_size: int = 64,
     return None if bits is None else KVQuantization(bits, group_size, start)
 
 
-def refusal(target, spec: KVQuantization) -> Optional[str]:
-    """Why `target`'s caches cannot be quantized as mlx-lm quantizes them, or None. Checked
-    once per model and setting: a one-token forward, then each convertible cache converted."""
+def _checked(target) -> dict:
     found = _CHECKED.get((target.model,))
     if found is None:
         found = {}
         _CHECKED.put((target.model,), found)
-    key = (spec.bits, spec.group_size)
+    return found
+
+
+def refusal(target, spec: KVQuantization) -> Optional[str]:
+    """Why `target`'s caches cannot be quantized as mlx-lm quantizes them, or None. Checked
+    once per model and setting: a one-token forward, then each convertible cache converted."""
+    found, key = _checked(target), ("refusal", spec.bits, spec.group_size)
     if key not in found:
         found[key] = _check(target, spec)
     return found[key]
+
+
+def row_invariant_width(target, bits: int, group_size: int, most: int = 16) -> int:
+    """The most verify rows (<= `most`) whose forward and LM head give, bit for bit, what as many one-row
+    steps give, on caches quantized to `bits` in groups of `group_size` after a short prompt: probed once
+    per model and setting, k = 2, 3, ... up to the first k that differs (what a backend's kernels do
+    with a product's rows depends on their count, not their values)."""
+    found, key = _checked(target), ("rows", bits, group_size)
+    if key not in found:
+        found[key] = _probe_rows(target, KVQuantization(bits, group_size, 0), most)
+    return found[key]
+
+
+def _probe_rows(target, spec: KVQuantization, most: int) -> int:
+    vocab = target.vocab_size
+    prompt = mx.array([[(7 * i + 3) % vocab for i in range(8)]])
+    width = 1
+    for k in range(2, most + 1):
+        rows = mx.array([[(11 * i + 5) % vocab for i in range(k)]])
+        wide_cache, step_cache = target.make_cache(), target.make_cache()
+        for cache in (wide_cache, step_cache):
+            target.forward(prompt, cache)
+            convert_due(cache, spec)
+        wide = target.logits(target.forward(rows, wide_cache)[0])
+        steps = mx.concatenate([target.logits(target.forward(rows[:, i : i + 1], step_cache)[0]) for i in range(k)],
+                               axis=1)
+        if not mx.array_equal(wide, steps).item():
+            break
+        width = k
+    return width
 
 
 def _check(target, spec: KVQuantization) -> Optional[str]:
@@ -125,9 +170,16 @@ def convert_due(cache: List[Any], spec: Optional[KVQuantization]):
             cache[i] = c.to_quantized(group_size=spec.group_size, bits=spec.bits)
 
 
-def room(cache: List[Any], spec: Optional[KVQuantization], position: int) -> Optional[int]:
-    """The most rows a forward from `position` may hold so that none of them runs on full-precision
-    caches where plain decoding's are quantized; None: no limit."""
-    if spec is None or position >= spec.start or not convertible(cache):
-        return None
-    return spec.start - position
+def room(target, cache: List[Any], spec: Optional[KVQuantization], position: int) -> Optional[int]:
+    """The most rows a verify from `position` may hold: none of them on full-precision caches where plain
+    decoding's are quantized, and, while the caches are or will be quantized, no more than round as one-row
+    steps do (`row_invariant_width`; not in deterministic mode, whose rows are one-row forwards); None: no
+    limit."""
+    limits = []
+    if spec is not None and position < spec.start and convertible(cache):
+        limits.append(spec.start - position)
+    quantized = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
+    if (spec is not None or quantized is not None) and not target.deterministic:
+        bits, group = (spec.bits, spec.group_size) if spec is not None else (quantized.bits, quantized.group_size)
+        limits.append(row_invariant_width(target, bits, group))
+    return min(limits) if limits else None
