@@ -237,11 +237,12 @@ def test_no_cycle_is_queued_on_a_guess_across_the_line(monkeypatch):
     monkeypatch.setattr(LookAhead, "pays", lambda self, width: True)
     monkeypatch.setattr(ahead, "BEFORE_READING_ON_CPU", True)
     model, tok = _target("llama")
-    for start in (24, 27, 29, 30):  # (29: a guess kept whose successor reaches the line)
+    for start in (24, 26, 45, 48):  # (26, 45, 48: a guess kept whose successor reaches the line)
         prompt, ref = _case(model, 20, 40, seed=start, **_kv(2, start))
         target = Target(model)
         rng = random.Random(start)
-        right = [rng.choice([1, 2, 3, 10**9]) for _ in range(200)]  # often whole, often not
+        right = [rng.choice([1, 2, 10**9]) for _ in range(200)]  # often whole, often not
         draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=4)
-        out, _ = _decode(model, draft, tok, prompt, 40, 4, **_kv(2, start))
+        # (3 rows: the most that round as one-row steps do on this CPU, `row_invariant_width`)
+        out, _ = _decode(model, draft, tok, prompt, 40, 3, **_kv(2, start))
         assert out == ref, start
