@@ -246,3 +246,25 @@ def test_no_cycle_is_queued_on_a_guess_across_the_line(monkeypatch):
         # (3 rows: the most that round as one-row steps do on this CPU, `row_invariant_width`)
         out, _ = _decode(model, draft, tok, prompt, 40, 3, **_kv(2, start))
         assert out == ref, start
+
+
+def test_the_server_serves_a_quantized_kv_cache_one_request_at_a_time():
+    """`dflash-mlx serve --kv-bits`: every request decodes with mlx-lm's quantized KV cache, one at a time (as
+    mlx-lm's server serves `--kv-bits`), and answers mlx-lm's greedy decode under it; a target whose caches
+    cannot be quantized so is refused when the server starts."""
+    from dflash_mlx.serve.worker import Worker
+    from test_server import serving
+
+    model, tok = _target("llama")
+    kv = _kv(2, 24)
+    with serving(model, random_draft(model, block_size=8), tok, max_batch=4, kv_cache=kv) as s:
+        assert s.worker.max_batch == 1 and "one request at a time" in s.worker.scheduling
+        prompt = "tell me something new"
+        ids = s.worker.encode_text(prompt)
+        ref = greedy_reference(model, ids, 24, **kv)
+        assert ref != greedy_reference(model, ids, 24) and EOS_ID not in ref
+        r = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.0)
+        assert r.usage.completion_tokens == 24 and r.choices[0].text == tok.decode(ref)
+    model, tok = tiny_target("gemma3_text")
+    with pytest.raises(UnsupportedTargetError, match="RotatingKVCache caches cannot be quantized"):
+        Worker(model, None, tok, model_name="tiny", kv_cache=dict(kv_bits=4, kv_group_size=32))

@@ -143,8 +143,8 @@ def add_draft_bits_arg(parser) -> None:
 
 
 def add_kv_cache_args(parser) -> None:
-    """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`), in the front ends that run
-    one sequence at a time (the one-shot CLI, the chat)."""
+    """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`), in every front end that
+    runs one sequence at a time (the one-shot CLI, the chat; the server then serves one request at a time)."""
     from dflash_mlx.models.target.kv_quantization import BITS, DEFAULT_START, GROUP_SIZES
 
     parser.add_argument("--kv-bits", type=int, default=None, choices=BITS,

@@ -14,8 +14,9 @@ import threading
 
 import uvicorn
 
-from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, checked_options,
-                                   launched, load_model_and_draft, no_draft_note, remembers)
+from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
+                                   checked_options, kv_cache_kwargs, launched, load_model_and_draft, no_draft_note,
+                                   remembers)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -102,6 +103,7 @@ def build_parser():
     p.add_argument("--deterministic", action="store_true",
                    help="every target row in plain decoding's shapes: greedy answers are mlx-lm's token for token "
                         "on GPU kernels too; one request at a time")
+    add_kv_cache_args(p)
     p.add_argument("--no-global-copies", action="store_true",
                    help="no index of earlier requests: each request copies from its own conversation only "
                    "(privacy between users; one request opts out with \"dflash\": {\"global_copies\": false})")
@@ -121,7 +123,7 @@ def load_worker(args, speaks: bool = True) -> Worker:
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
                   prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
-                  deterministic=getattr(args, "deterministic", False),
+                  deterministic=getattr(args, "deterministic", False), kv_cache=kv_cache_kwargs(args),
                   global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
 
 

@@ -36,7 +36,9 @@ from dflash_mlx.generate import encode_prompt, stream_generate, tokens_to_window
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
+from dflash_mlx.models.target import kv_quantization
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
 from dflash_mlx.serve.jobs import Job, JobAnswer, shutting_down
@@ -63,7 +65,7 @@ class Worker:
                  options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, max_batch: Optional[int] = None,
                  baseline: bool = False, global_copies_bytes: int = DEFAULT_SUFFIX_INDEX_BYTES,
-                 deterministic: bool = False):
+                 deterministic: bool = False, kv_cache: Optional[dict] = None):
         """`options`: the server's block size and draft sampling, and the defaults of the
         request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
         the bounds of the cached conversations (by count and by bytes; batched, the rows'
@@ -73,7 +75,10 @@ class Worker:
         `global_copies_bytes`: the bound of the index of earlier requests' prompts and answers
         that every request not opting out copies from and adds to (0: none). `deterministic`:
         every target row in plain decoding's shapes (`models.target.exact_rows`), one request at a
-        time (a batch's rows are not plain decoding's shapes)."""
+        time (a batch's rows are not plain decoding's shapes). `kv_cache`: mlx-lm's quantized KV cache
+        (`stream_generate`'s `kv_bits`, `kv_group_size`, `quantized_kv_start`) for every request, one at a
+        time, as mlx-lm's server serves it (its batch caches have no quantized kind); a target whose caches
+        cannot be quantized so is refused here, in one line."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
@@ -100,6 +105,12 @@ class Worker:
         self.deterministic = deterministic
         if deterministic:
             target.deterministic = True  # refuses, in one line, a target it cannot run so
+            max_batch = 1
+        self.kv_cache = dict(kv_cache or {})
+        if self.kv_cache:
+            reason = kv_quantization.refusal(target, kv_quantization.make_kv_quantization(**self.kv_cache))
+            if reason is not None:
+                raise UnsupportedTargetError(f"kv_bits: {target.name}: {reason}")
             max_batch = 1
         self.context_window = target.max_context
         self.recurrent = target.recurrent
@@ -264,7 +275,7 @@ class Worker:
             stream = stream_generate(
                 self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
                 baseline=self.baseline, logprobs=req.logprobs, deterministic=self.deterministic,
-                **self._options(req).generate_kwargs(),
+                **self.kv_cache, **self._options(req).generate_kwargs(),
                 suffix_index=self.suffix_index if req.global_copies else None,
             )
             for r in stream:

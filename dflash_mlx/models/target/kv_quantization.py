@@ -62,10 +62,10 @@ class KVQuantization:
             raise ValueError(f"quantized_kv_start must be a whole number >= 0, got {self.start!r}")
 
 
-def make_kv_quantization(bits: Optional[int], group_size: int = 64,
-                         start: int = DEFAULT_START) -> Optional[KVQuantization]:
-    """The setting for mlx-lm's three arguments; None where `bits` is None (off)."""
-    return None if bits is None else KVQuantization(bits, group_size, start)
+def make_kv_quantization(kv_bits: Optional[int], kv_group_size: int = 64,
+                         quantized_kv_start: int = DEFAULT_START) -> Optional[KVQuantization]:
+    """The setting for mlx-lm's three arguments (its names); None where `kv_bits` is None (off)."""
+    return None if kv_bits is None else KVQuantization(kv_bits, kv_group_size, quantized_kv_start)
 
 
 def _checked(target) -> dict:
