@@ -152,18 +152,14 @@ class BatchEngine:
         if outside:  # (an index past the logits: garbage, no error)
             raise ValueError(f"logit_bias names token id {outside[0]}, outside {self.target.name}'s vocabulary of "
                              f"{self.target.vocab_size} tokens")
-        reason = None
-        if request.kv_quantization is not None or (request.prompt_cache is not None and kv_quantization
-                                                   .holds_quantized(request.prompt_cache.target_cache)):
+        cache = request.prompt_cache.target_cache if request.prompt_cache is not None else []
+        if request.kv_quantization is not None or kv_quantization.holds_quantized(cache):
             if self.max_batch > 1:  # (mlx-lm's batch caches have no quantized kind)
-                reason = "a quantized KV cache runs one sequence at a time (an engine of max_batch=1)"
-            elif request.kv_quantization is not None:
-                reason = kv_quantization.refusal(self.target, request.kv_quantization)
-            if reason is None:  # (probed now, not in the middle of a cycle)
-                kv_quantization.room(self.target, request.prompt_cache.target_cache if request.prompt_cache else [],
-                                     request.kv_quantization, 0)
-        if reason is not None:
-            raise UnsupportedTargetError(f"kv_bits: {self.target.name}: {reason}")
+                raise UnsupportedTargetError(f"kv_bits: {self.target.name}: a quantized KV cache runs one sequence "
+                                             "at a time (an engine of max_batch=1)")
+            if request.kv_quantization is not None:
+                kv_quantization.check(self.target, request.kv_quantization)
+            kv_quantization.room(self.target, cache, request.kv_quantization, 0)  # (probed now, not mid-cycle)
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

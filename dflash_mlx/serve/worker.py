@@ -38,7 +38,6 @@ from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
 from dflash_mlx.models.target import kv_quantization
 from dflash_mlx.models.target.adapter import Target
-from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
 from dflash_mlx.serve.jobs import Job, JobAnswer, shutting_down
@@ -108,9 +107,7 @@ class Worker:
             max_batch = 1
         self.kv_cache = dict(kv_cache or {})
         if self.kv_cache:
-            reason = kv_quantization.refusal(target, kv_quantization.make_kv_quantization(**self.kv_cache))
-            if reason is not None:
-                raise UnsupportedTargetError(f"kv_bits: {target.name}: {reason}")
+            kv_quantization.check(target, kv_quantization.make_kv_quantization(**self.kv_cache))
             max_batch = 1
         self.context_window = target.max_context
         self.recurrent = target.recurrent

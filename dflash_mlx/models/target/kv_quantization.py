@@ -35,6 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from dflash_mlx.identity import IdentityMap
+from dflash_mlx.models.target.rollback import UnsupportedTargetError
 
 # mlx-lm's `generate_step(quantized_kv_start=...)` default
 DEFAULT_START = 5000
@@ -113,6 +114,13 @@ def _probe_rows(target, spec: KVQuantization, most: int) -> int:
             break
         width = k
     return width
+
+
+def check(target, spec: KVQuantization):
+    """`refusal` as an `UnsupportedTargetError`, in one line."""
+    reason = refusal(target, spec)
+    if reason is not None:
+        raise UnsupportedTargetError(f"kv_bits: {target.name}: {reason}")
 
 
 def _check(target, spec: KVQuantization) -> Optional[str]:
