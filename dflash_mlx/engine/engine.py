@@ -159,7 +159,7 @@ class BatchEngine:
                                              "at a time (an engine of max_batch=1)")
             if request.kv_quantization is not None:
                 kv_quantization.check(self.target, request.kv_quantization)
-            kv_quantization.room(self.target, cache, request.kv_quantization, 0)  # (probed now, not mid-cycle)
+            kv_quantization.row_limit(self.target, cache, request.kv_quantization)  # (probed now, not mid-cycle)
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

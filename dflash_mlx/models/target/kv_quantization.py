@@ -28,7 +28,7 @@ likely 1 on a GPU, where deterministic mode, whose verify rows are one-row forwa
 width exact).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, List, Optional
 
 import mlx.core as mx
@@ -137,7 +137,7 @@ def _check(target, spec: KVQuantization) -> Optional[str]:
                 "they are): run it without kv_bits")
     try:
         target.forward(mx.array([[0]]), cache)
-        convert_due(cache, KVQuantization(spec.bits, spec.group_size, 0))
+        convert_due(cache, replace(spec, start=0))
         mx.eval([c.state[:2] for c in cache if isinstance(c, QuantizedKVCache)])
     except Exception as e:  # e.g. a head dimension the group size does not divide
         return f"its KV cache cannot be quantized to {spec.bits} bits in groups of {spec.group_size} ({_line(e)})"
@@ -162,10 +162,15 @@ def holds_quantized(cache: Optional[List[Any]]) -> bool:
     return any(isinstance(c, QuantizedKVCache) for c in cache or ())
 
 
+def _converts(c, spec: KVQuantization) -> bool:
+    """Whether mlx-lm would quantize cache `c` now (`maybe_quantize_kv_cache`)."""
+    return type(c) is KVCache and c.offset >= spec.start
+
+
 def due(cache: List[Any], spec: Optional[KVQuantization]) -> bool:
     """Whether a forward on `cache` as it stands would run where plain decoding's caches are quantized
     but these are not yet."""
-    return spec is not None and any(type(c) is KVCache and c.offset >= spec.start for c in cache)
+    return spec is not None and any(_converts(c, spec) for c in cache)
 
 
 def convert_due(cache: List[Any], spec: Optional[KVQuantization]):
@@ -174,7 +179,7 @@ def convert_due(cache: List[Any], spec: Optional[KVQuantization]):
     if spec is None:
         return
     for i, c in enumerate(cache):
-        if type(c) is KVCache and c.offset >= spec.start:
+        if _converts(c, spec):
             cache[i] = c.to_quantized(group_size=spec.group_size, bits=spec.bits)
 
 
@@ -183,11 +188,18 @@ def room(target, cache: List[Any], spec: Optional[KVQuantization], position: int
     decoding's are quantized, and, while the caches are or will be quantized, no more than round as one-row
     steps do (`row_invariant_width`; not in deterministic mode, whose rows are one-row forwards); None: no
     limit."""
-    limits = []
+    limits = [row_limit(target, cache, spec)]
     if spec is not None and position < spec.start and convertible(cache):
         limits.append(spec.start - position)
+    return min((n for n in limits if n is not None), default=None)
+
+
+def row_limit(target, cache: List[Any], spec: Optional[KVQuantization]) -> Optional[int]:
+    """While `cache` is or will be quantized (`spec`, or an earlier call's conversion), outside deterministic
+    mode: the most verify rows that round as one-row steps do (`row_invariant_width`, probed at the first
+    call for the setting); else None."""
     quantized = next((c for c in cache if isinstance(c, QuantizedKVCache)), None)
-    if (spec is not None or quantized is not None) and not target.deterministic:
-        bits, group = (spec.bits, spec.group_size) if spec is not None else (quantized.bits, quantized.group_size)
-        limits.append(row_invariant_width(target, bits, group))
-    return min(limits) if limits else None
+    if (spec is None and quantized is None) or target.deterministic:
+        return None
+    bits, group = (spec.bits, spec.group_size) if spec is not None else (quantized.bits, quantized.group_size)
+    return row_invariant_width(target, bits, group)
