@@ -33,11 +33,9 @@ PROMPT_LEN, MAX_TOKENS, BLOCK = 20, 16, 8
 def build(key: str, wide: bool = False):
     """`key`'s tiny model with heads of 32 dimensions: its `head_dim` 32 where it has one, else its hidden
     size in heads of 32; `wide`: its own heads of 32 each (the hidden size grown to fit) instead."""
-    from mlx_lm.utils import _get_classes
+    from dflash_mlx.testing import arch_check
 
-    from dflash_mlx.testing import arch_check, archs, more_archs
-
-    cfg = copy.deepcopy(arch_check.ARCHITECTURES[key] if key not in archs.ALL_ARCHS else archs.config(key)[1])
+    cfg = copy.deepcopy(arch_check.ARCHITECTURES[key])
     text = cfg.get("text_config", cfg)
     heads = text.get("num_attention_heads", 4)
     if wide:  # its own heads, 32 dimensions each
@@ -51,17 +49,7 @@ def build(key: str, wide: bool = False):
         kv_heads = text.get("num_key_value_heads") or heads
         text["num_attention_heads"] = heads
         text["num_key_value_heads"] = kv_heads if kv_heads <= heads and heads % kv_heads == 0 else 1
-    base = key.split("/")[0]
-    with arch_check._importable(key):
-        model_class, args_class = _get_classes(cfg)
-    seeds = archs.SEEDS if key in archs.ALL_ARCHS else more_archs.SEEDS
-    mx.random.seed(seeds.get(key, seeds.get(base, 0)))
-    model = model_class(args_class.from_dict(cfg))
-    if key in archs.ALL_ARCHS:
-        return archs.finish(model, archs.EMBED_SCALE.get(key, 4.0), archs.TWEAKS.get(key, {}), archs._EMBED_SUFFIXES)
-    return archs.finish(model, more_archs.EMBED_SCALE.get(key, more_archs.EMBED_SCALE.get(base, 4.0)),
-                        more_archs.TWEAKS.get(key, more_archs.TWEAKS.get(base, {})), more_archs.EMBEDDINGS,
-                        matrices_only=True)
+    return arch_check.build(key, config=cfg)
 
 
 def check(key: str, bits: int) -> dict:

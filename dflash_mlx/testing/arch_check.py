@@ -85,14 +85,15 @@ def _importable(key: str):
         del sys.modules["hf_olmo"]
 
 
-def build(key: str, seed: int = 0):
-    """The float32 eval-mode model of `key`: mlx-lm's classes for its config, random weights
-    (mx.random.seed(seed + SEEDS[key])), token embedding x EMBED_SCALE (default 4), TWEAKS."""
+def build(key: str, seed: int = 0, config: Optional[dict] = None):
+    """The float32 eval-mode model of `key`: mlx-lm's classes for its config (`config`: another one for
+    its module, e.g. reshaped), random weights (mx.random.seed(seed + SEEDS[key])), token embedding x
+    EMBED_SCALE (default 4), TWEAKS."""
     from mlx_lm.utils import _get_classes
 
     if key in archs.ALL_ARCHS:
-        return archs.build(key, seed)
-    cfg = copy.deepcopy(ARCHITECTURES[key])
+        return archs.build(key, seed) if config is None else archs.build_config(key, config, seed)
+    cfg = copy.deepcopy(ARCHITECTURES[key] if config is None else config)
     with _importable(key):
         model_class, args_class = _get_classes(cfg)
     base = key.split("/")[0]  # an option variant (more_archs.OPTION_VARIANTS) takes its architecture's knobs

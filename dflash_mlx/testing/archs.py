@@ -366,8 +366,12 @@ def build(key: str, seed: int = 0, **overrides):
     """The float32 eval-mode model of FAMILY_ARCHS/MORE_ARCHS[key], weights from
     mx.random.seed(SEEDS.get(key, 0) + seed), token embedding x EMBED_SCALE.get(key, 4.0)."""
 
-    module_name, cfg = config(key, **overrides)
-    module = importlib.import_module(f"mlx_lm.models.{module_name}")
+    return build_config(key, config(key, **overrides)[1], seed)
+
+
+def build_config(key: str, cfg: dict, seed: int = 0):
+    """`build` from `cfg`, a config of `key`'s module (its own, reshaped: `benchmarks/kv_bits_sweep.py`)."""
+    module = importlib.import_module(f"mlx_lm.models.{ALL_ARCHS[key][0]}")
     mx.random.seed(SEEDS.get(key, 0) + seed)
     model = module.Model(module.ModelArgs.from_dict(cfg))
     return finish(model, EMBED_SCALE.get(key, 4.0), TWEAKS.get(key, {}), _EMBED_SUFFIXES)
