@@ -40,3 +40,8 @@ class IdentityMap:
 
     def __len__(self):
         return len(self._items)
+
+
+def pair(model, draft) -> tuple:
+    """The keys of a target/draft pair's entries: (model,) with no draft (None), else (model, draft)."""
+    return (model,) if draft is None else (model, draft)

@@ -26,7 +26,7 @@ plain steps (width 1: the plan made once a step is read is another plain step; `
 import threading
 from typing import Dict, Optional
 
-from dflash_mlx.identity import IdentityMap
+from dflash_mlx.identity import IdentityMap, pair
 
 
 class LookAhead:
@@ -86,7 +86,7 @@ _LOCK = threading.Lock()
 def lookahead_for(model, draft) -> LookAhead:
     """The process's `LookAhead` for this target/draft pair (made on first use; `draft` None: the
     target without one)."""
-    key = (model,) if draft is None else (model, draft)
+    key = pair(model, draft)
     with _LOCK:
         policy = _LOOKAHEADS.get(key)
         if policy is None:
@@ -99,7 +99,7 @@ def adopt_lookahead(model, draft, policy: LookAhead) -> bool:
     """Make `policy` (what an earlier process learned, `policy.memory`) the pair's, unless the pair
     has one already. True when adopted."""
     with _LOCK:
-        return _LOOKAHEADS.put_new((model,) if draft is None else (model, draft), policy)
+        return _LOOKAHEADS.put_new(pair(model, draft), policy)
 
 
 def forget_lookaheads():

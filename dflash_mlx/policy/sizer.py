@@ -29,7 +29,7 @@ drafted cycle, so a change of subject is followed as before).
 import threading
 from typing import Callable, Dict, List, Optional
 
-from dflash_mlx.identity import IdentityMap
+from dflash_mlx.identity import IdentityMap, pair
 from dflash_mlx.policy.acceptance import DraftAcceptance
 from dflash_mlx.policy.cost import CycleCosts, interpolate
 from dflash_mlx.policy.per_context import PerContext
@@ -291,7 +291,7 @@ _SIZERS_LOCK = threading.Lock()
 def sizer_for(model, draft) -> BlockSizer:
     """The process's `BlockSizer` for this target/draft pair (made on first use). With no
     draft (None) a sizer of width 1: plain steps, the rival copies are priced against."""
-    key = (model,) if draft is None else (model, draft)
+    key = pair(model, draft)
     with _SIZERS_LOCK:
         sizer = _SIZERS.get(key)
         if sizer is None:
@@ -303,14 +303,14 @@ def sizer_for(model, draft) -> BlockSizer:
 def has_sizer(model, draft) -> bool:
     """Whether this process has a `BlockSizer` for the pair yet."""
     with _SIZERS_LOCK:
-        return _SIZERS.get((model,) if draft is None else (model, draft)) is not None
+        return _SIZERS.get(pair(model, draft)) is not None
 
 
 def adopt_sizer(model, draft, sizer: BlockSizer) -> bool:
     """Make `sizer` (what an earlier process learned, `policy.memory`) the pair's, unless the pair
     has one already. True when adopted."""
     with _SIZERS_LOCK:
-        return _SIZERS.put_new((model,) if draft is None else (model, draft), sizer)
+        return _SIZERS.put_new(pair(model, draft), sizer)
 
 
 def forget_sizers():
