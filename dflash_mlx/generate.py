@@ -22,6 +22,7 @@ from dflash_mlx.engine.rows import BatchRequest
 from dflash_mlx.models.target.adapter import target_for
 from dflash_mlx.models.target.kv_quantization import DEFAULT_START as DEFAULT_QUANTIZED_KV_START
 from dflash_mlx.models.target.kv_quantization import make_kv_quantization
+from dflash_mlx.models.target.kv_window import checked_max_kv_size
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.speculation.accept import make_acceptor
 from dflash_mlx.speculation.suffix_index import SuffixIndex, make_suffix_index  # noqa: F401 (public path)
@@ -88,6 +89,7 @@ def stream_generate(
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
+    max_kv_size: Optional[int] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -128,6 +130,11 @@ def stream_generate(
     caches quantized in place once they hold `quantized_kv_start` tokens, where mlx-lm's `generate_step` does
     it, so greedy output is mlx-lm's under the same arguments (`dflash_mlx.models.target.kv_quantization`);
     chains and copies only, no token trees; refused, in one line, where mlx-lm cannot quantize the caches.
+    `max_kv_size` (None: unbounded): mlx-lm's bounded KV cache, the first 4 tokens and the last ones of a
+    window of `max_kv_size` (on a model that makes no caches of its own, as mlx-lm's `make_prompt_cache`), each
+    verify row masked as its own plain-decoding step is, so greedy output is mlx-lm's `generate_step(max_kv_size=)`
+    (`dflash_mlx.models.target.kv_window`); chains and copies only, no token trees; with `prompt_cache`, the
+    cache's own bound (`make_prompt_cache(model, draft, max_kv_size=)`).
     """
     tokenizer = wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -145,14 +152,18 @@ def stream_generate(
     if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) < 0):
         raise ValueError(f"logprobs must be None (off) or a whole number >= 0 of alternatives, got {logprobs!r}")
     kv_quantization = make_kv_quantization(kv_bits, kv_group_size, quantized_kv_start)  # ValueError for bad ones
+    max_kv_size = checked_max_kv_size(max_kv_size)
     if suffix_index is not None and not suffix_index.made_for(model):
         raise ValueError("suffix_index was made for another model; make one with make_suffix_index(model)")
 
     state = prompt_cache
     if state is None:
-        state = make_prompt_cache(model, draft if use_draft else None)
+        state = make_prompt_cache(model, draft if use_draft else None, max_kv_size=max_kv_size)
     elif state.model is not model or (use_draft and state.draft is not draft):
         raise ValueError("prompt_cache was made for another model/draft; make a new one")
+    elif max_kv_size is not None and state.max_kv_size != max_kv_size:
+        raise ValueError(f"prompt_cache was made with max_kv_size={state.max_kv_size}, not {max_kv_size}: make one "
+                         f"with make_prompt_cache(model, draft, max_kv_size={max_kv_size})")
     elif not use_draft and state.draft is not None:
         raise ValueError("prompt_cache holds a draft context; use it with the same draft")
     # (a prompt past the context window is refused by `engine.add`)

@@ -246,7 +246,7 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: Optional[mx.
     before fed, not read yet (its successor queued before its read, on the guess that all are kept)."""
     plan = make_plan(ctx, budget, 0 if unread is None else unread.shape[0])
     state = ctx.state
-    if (plan.tree is not None or (plan.width == 1 and not plan.copy_length and ctx.target.rotating)
+    if (plan.tree is not None or (plan.width == 1 and not plan.copy_length and rotating(ctx))
             or syncs_midway(ctx, plan)):
         # (a one-token update of a full sliding window overwrites the entry a discard would need back)
         state.ahead = plan
@@ -254,7 +254,7 @@ def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: Optional[mx.
     # (only a cycle launched ahead can be discarded: its windows as they were, before its forward writes them.
     # Not in deterministic mode: there the verify's one-token updates write into the very arrays a snapshot
     # would hold, and its rollback of every row already puts each window back from copies, `exact_rows`)
-    windows = snapshot_windows(state.target_cache) if ctx.target.rotating and not ctx.target.deterministic else None
+    windows = snapshot_windows(state.target_cache) if rotating(ctx) and not ctx.target.deterministic else None
     launched = launch(ctx, plan, last, timer, unread=unread)
     launched.windows = windows
     launched.queued = time.perf_counter()
@@ -289,7 +289,7 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
     successor is queued on the guess that the chain is accepted whole, where that pays (greedy rows,
     the guess checked once read, `cycle.cycle`). Not where the next forward would start past the line
     of a quantized KV cache not converted yet (`models.target.kv_quantization`)."""
-    if not (budget > launched.width and not launched.copy_length and not ctx.target.rotating
+    if not (budget > launched.width and not launched.copy_length and not rotating(ctx)
             and may_launch(ctx, timer, logprobs)
             and (BEFORE_READING_ON_CPU or mx.default_device() != mx.cpu)
             and not kv_quantization.due(ctx.state.target_cache, ctx.state.kv_quantization)):
@@ -302,6 +302,12 @@ def before_reading(ctx: Context, launched: Launched, budget: int, timer, logprob
                 == launched.width and (ctx.copies is None or not ctx.copies_pay) and guess.pays(launched.width))
     return ctx.trees is None and (ctx.copies is None or (ctx.drafter.draft is None and not ctx.copies_pay
                                                          and guess is not None and guess.pays(1)))
+
+
+def rotating(ctx: Context) -> bool:
+    """Whether the row's target caches hold sliding windows: the model's own, or a bounded cache's
+    (`max_kv_size`, `models.target.kv_window`)."""
+    return ctx.target.rotating or ctx.state.windowed
 
 
 def guesses_roll_back(target) -> bool:

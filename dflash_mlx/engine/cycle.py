@@ -21,6 +21,7 @@ from dflash_mlx.engine.responses import Step, committed_span, token_logprobs
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.models.target.kv_quantization import convert_due
+from dflash_mlx.models.target.kv_window import chunk_rows
 from dflash_mlx.models.target.tree_attention import compact_cache
 from dflash_mlx.speculation.copies import CopyMatch
 from dflash_mlx.speculation.processors import process_first
@@ -64,8 +65,9 @@ class HeadRows:
 
 def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool = False) -> List[Tuple[int, int]]:
     """(start, stop) of each prefill forward over `num_tokens` new prompt tokens: all but the last
-    in chunks of `step_size` (mlx-lm's own in deterministic mode, and with a quantized KV cache,
-    whose conversion falls after one of them, `models.target.kv_quantization`), then the last token alone, as
+    in chunks of `step_size` (mlx-lm's own in deterministic mode, with a quantized KV cache, whose conversion
+    falls after one of them, `models.target.kv_quantization`, and with a bounded one, whose chunks' masks are
+    mlx-lm's prefill's, `models.target.kv_window`), then the last token alone, as
     mlx-lm's `generate_step` runs it. The first token's logits and the last prompt token's cache
     entry are then a one-row forward's, as in plain decoding: a row of a wider forward rounds
     differently (on a GPU by much, on this CPU by ~1e-6 in float32), and a near-tie there would
@@ -88,13 +90,15 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
-    bounds = prefill_bounds(len(new_ids), step_size, target.deterministic or state.kv_quantization is not None)
+    bounds = prefill_bounds(len(new_ids), step_size,
+                            target.deterministic or state.kv_quantization is not None or state.windowed)
     for start, stop in bounds:
         with mx.stream(generation_stream):
             if start == 0:
                 drafter.absorb(None)
             chunk = mx.array(new_ids[start:stop])[None]
-            h, feats, _ = target.forward(chunk, cache, drafter.layer_ids, fuse=drafter.fuse)
+            with chunk_rows(cache):  # (a bounded cache masks them as mlx-lm's prefill does)
+                h, feats, _ = target.forward(chunk, cache, drafter.layer_ids, fuse=drafter.fuse)
             drafter.absorb(feats)
             mx.eval([c.state for c in cache], h)
             convert_due(cache, state.kv_quantization)

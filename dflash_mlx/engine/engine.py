@@ -39,7 +39,7 @@ from dflash_mlx.engine.distributed import share_seconds
 from dflash_mlx.engine.responses import DFlashResponse
 from dflash_mlx.engine.rows import BatchRequest, Row
 from dflash_mlx.engine.timing import NoTimer, PhaseTimer
-from dflash_mlx.models.target import kv_quantization
+from dflash_mlx.models.target import kv_quantization, kv_window
 from dflash_mlx.models.target.adapter import Target, target_for
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.options import AUTO, fixed_width
@@ -160,6 +160,14 @@ class BatchEngine:
             if request.kv_quantization is not None:
                 kv_quantization.check(self.target, request.kv_quantization)
             kv_quantization.row_limit(self.target, cache, request.kv_quantization)  # (probed now, not mid-cycle)
+        if request.prompt_cache is not None and request.prompt_cache.windowed:
+            if self.max_batch > 1:  # (mlx-lm's batch windows keep no front tokens)
+                raise UnsupportedTargetError(f"max_kv_size: {self.target.name}: a bounded KV cache runs one sequence "
+                                             "at a time (an engine of max_batch=1)")
+            if request.kv_quantization is not None:
+                raise UnsupportedTargetError(f"max_kv_size: {self.target.name}: a bounded KV cache cannot be quantized "
+                                             "(mlx-lm's kv_bits raises on its RotatingKVCache too): drop one of the two")
+            kv_window.check(self.target)
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

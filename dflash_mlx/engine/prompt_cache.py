@@ -20,6 +20,7 @@ from mlx_lm.models.cache import CacheList, ChunkedKVCache, can_trim_prompt_cache
 
 from dflash_mlx.speculation.copies import ContextIndex
 from dflash_mlx.models.target.adapter import target_for
+from dflash_mlx.models.target.kv_window import checked_max_kv_size, make_window_cache, windowed
 
 
 @dataclass
@@ -83,6 +84,13 @@ class PromptCache:
     ahead: Any = None
     # the call's quantized KV cache setting (`models.target.kv_quantization`), None: full precision
     kv_quantization: Any = None
+    # mlx-lm's max_kv_size: the target caches are bounded windows (`models.target.kv_window`); None: not
+    max_kv_size: Optional[int] = None
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the target caches are bounded windows (`max_kv_size`, on a model without caches of its own)."""
+        return self.max_kv_size is not None and windowed(self.target_cache)
 
     def context_index(self, last: int) -> ContextIndex:
         """The index of `tokens` + [last] for copy proposals: the one kept from earlier calls
@@ -149,7 +157,7 @@ class PromptCache:
         else:
             if self.valid and self.tokens and self.max_snapshots > 0:
                 self._keep(live)
-            self.target_cache = target.make_cache()
+            self.target_cache = make_window_cache(target, self.max_kv_size)
             self.draft_cache = draft.make_cache() if draft is not None else None
             self.pending = None
             self.tokens = []
@@ -256,11 +264,15 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def make_prompt_cache(model, draft=None, max_snapshots: int = 0, max_bytes: Optional[int] = None) -> PromptCache:
+def make_prompt_cache(model, draft=None, max_snapshots: int = 0, max_bytes: Optional[int] = None,
+                      max_kv_size: Optional[int] = None) -> PromptCache:
+    """`max_kv_size`: mlx-lm's bound on the target's KV cache (`models.target.kv_window`; None: unbounded)."""
     target = target_for(model, draft)
+    max_kv_size = checked_max_kv_size(max_kv_size)
     return PromptCache(
         model=model,
-        target_cache=target.make_cache(),
+        target_cache=make_window_cache(target, max_kv_size),
+        max_kv_size=max_kv_size,
         draft=draft,
         draft_cache=draft.make_cache() if draft is not None else None,
         max_snapshots=max_snapshots,

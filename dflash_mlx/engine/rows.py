@@ -63,9 +63,9 @@ class Row:
         self.state = request.prompt_cache or make_prompt_cache(engine.model, engine.draft,
                                                                max_snapshots=1 if engine.target.recurrent else 0)
         self.state.kv_quantization = request.kv_quantization
-        # (a token tree's verify writes rows it then moves: full-precision attention caches only)
+        # (a token tree's verify writes rows it then moves: full-precision attention caches only, not windows)
         trees_on = (engine.token_trees and request.kv_quantization is None
-                    and not holds_quantized(self.state.target_cache))
+                    and not holds_quantized(self.state.target_cache) and not self.state.windowed)
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
                                       draft_sampling=opts.draft_sampling)

@@ -31,9 +31,15 @@ Snapshot = List[Tuple[Any, dict]]
 def snapshot_windows(caches: List) -> Optional[Snapshot]:
     """The state of every sliding-window cache in `caches` (a target's or a batch's), before a
     cycle whose verify writes two tokens or more into them; None where there is none."""
-    held = [(c, {f: _held(f, getattr(c, f)) for f in _FIELDS[type(c)]})
-            for cache in caches for c in sub_caches(cache) if type(c) in _FIELDS]
+    held = [(c, {f: _held(f, getattr(c, f)) for f in fields})
+            for cache in caches for c in sub_caches(cache) for fields in [_fields(c)] if fields]
     return held or None
+
+
+def _fields(c) -> tuple:
+    """The fields that make a window's state (a bounded cache, `kv_window.StepsWindowCache`, is a
+    `RotatingKVCache`); () for any other cache."""
+    return next((f for kind, f in _FIELDS.items() if isinstance(c, kind)), ())
 
 
 def _held(field: str, value):
