@@ -34,6 +34,10 @@ def check(key: str, size: int) -> dict:
     from dflash_mlx.testing import arch_check
     from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, byte_tokenizer, greedy_reference
 
+    from dflash_mlx.testing.more_archs import NOT_RUN
+
+    if key in NOT_RUN:
+        return dict(status="not run", reason=NOT_RUN[key])
     try:
         model = arch_check.build(key)
     except Exception as e:

@@ -195,6 +195,8 @@ def test_non_utf8_stdin(capsys, monkeypatch):
     (["--block-size", "big"], "block size takes 'auto' (default), 'draft'"),
     (["--draft-sampling", "beam"], "--draft-sampling: invalid choice"),
     (["--kv-bits", "7"], "--kv-bits: invalid choice"),
+    (["--max-kv-size", "4"], "max_kv_size must be a whole number > 4"),
+    (["--max-kv-size", "lots"], "--max-kv-size: invalid int value"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])
 def test_bad_options_one_line(capsys, argv, words):
@@ -297,6 +299,35 @@ def test_kv_bits_is_mlx_lm_s_quantized_kv_cache(capsys, monkeypatch, tiny):
                            quantized_kv_start=len(prompt_ids) + 4)
     assert ref != greedy_reference(model, prompt_ids, 24)  # (4 bits change this answer from its 6th token)
     assert json.loads(out)["tokens"] == ref[: len(json.loads(out)["tokens"])] and len(ref) >= 12
+
+
+def test_max_kv_size_is_mlx_lm_s_bounded_cache(capsys, monkeypatch):
+    """`--max-kv-size`: a model that makes no caches of its own (Qwen3) answers mlx-lm's greedy decode on the
+    same bounded cache; the default model (Llama: its own caches) says in one line that the bound is ignored,
+    as mlx-lm ignores it, and answers as without it."""
+    import dflash_mlx.models.loading as loading
+    from dflash_mlx.engine.responses import wrap_tokenizer
+    from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.testing.targets import greedy_reference, tiny_target
+
+    model, tokenizer = load_packaged("smollm2-135m")
+    monkeypatch.setattr(loading, "load", lambda name, **kw: (model, tokenizer))
+    code, out, err = cli(capsys, "--max-tokens", "8", "--json", "--max-kv-size", "16", "Name three colours.")
+    assert code == 0, err
+    assert "--max-kv-size: llama models make their own caches; mlx-lm ignores the bound" in err
+    ids = encode_prompt(wrap_tokenizer(tokenizer), loading.apply_chat_template(tokenizer, "Name three colours."))
+    assert json.loads(out)["tokens"] == greedy_reference(model, ids, 8)
+    model, tokenizer = tiny_target("qwen3", head_dim=32, tie_word_embeddings=False)
+    monkeypatch.setattr(loading, "load", lambda name, **kw: (model, tokenizer))
+    question = "abcdefghijklmnopqrstuvwxyz"
+    code, out, err = cli(capsys, "--model", "tests/tiny-qwen3", "--max-tokens", "32", "--json", "--no-chat-template",
+                         "--max-kv-size", "8", question)
+    assert code == 0, err
+    assert "--max-kv-size" not in err
+    ids = encode_prompt(wrap_tokenizer(tokenizer), question)
+    ref = greedy_reference(model, ids, 32, max_kv_size=8)
+    assert ref != greedy_reference(model, ids, 32)
+    assert json.loads(out)["tokens"] == ref[: len(json.loads(out)["tokens"])] and len(json.loads(out)["tokens"]) >= 8
 
 
 def test_default_model_without_its_package_names_the_fix(monkeypatch, capsys):

@@ -160,3 +160,27 @@ def test_refusals_name_what_is_wrong():
     engine = BatchEngine(model, None, tok, max_batch=2)
     with pytest.raises(UnsupportedTargetError, match="one sequence at a time"):
         engine.add(BatchRequest([1, 2, 3], GenerationOptions(max_tokens=4), prompt_cache=cache))
+
+
+def test_the_server_serves_a_bounded_kv_cache_one_request_at_a_time():
+    """`dflash-mlx serve --max-kv-size`: every request decodes on mlx-lm's bounded cache, one at a time (a
+    batch's windows keep no front tokens), and answers mlx-lm's greedy decode on it; a model with caches of its
+    own keeps batching (the bound is ignored there, as mlx-lm ignores it); a quantized cache beside a bounded
+    one is refused when the server starts."""
+    from dflash_mlx.serve.worker import Worker
+    from test_server import serving
+
+    model, tok = _target()
+    with serving(model, random_draft(model, block_size=8), tok, max_batch=4, kv_cache=dict(max_kv_size=8)) as s:
+        assert s.worker.max_batch == 1 and "one request at a time" in s.worker.scheduling
+        prompt = "tell me something new"
+        ids = s.worker.encode_text(prompt)
+        ref = greedy_reference(model, ids, 24, max_kv_size=8)
+        assert ref != greedy_reference(model, ids, 24) and EOS_ID not in ref
+        for _ in range(2):  # (the second on the cached conversation's snapshot)
+            r = s.client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0.0)
+            assert r.usage.completion_tokens == 24 and r.choices[0].text == tok.decode(ref)
+    with pytest.raises(UnsupportedTargetError, match="bounded KV cache cannot be quantized"):
+        Worker(model, None, tok, model_name="tiny", kv_cache=dict(max_kv_size=8, kv_bits=4, kv_group_size=32))
+    model, tok = tiny_target("llama")
+    assert Worker(model, None, tok, model_name="tiny", max_batch=4, kv_cache=dict(max_kv_size=8)).max_batch == 4

@@ -706,3 +706,34 @@ def test_chat_with_a_quantized_kv_cache():
     args = build_parser().parse_args(["--kv-bits", "4", "--quantized-kv-start", "-1"])
     with pytest.raises(CLIError, match="quantized_kv_start must be"):
         kv_cache_kwargs(args)
+
+
+def test_chat_with_a_bounded_kv_cache():
+    """`dflash-mlx chat --max-kv-size`: the conversation's prompt cache is bounded from its first turn, the
+    first answer is mlx-lm's greedy decode on the same bounded cache, and every answer and baseline run gets
+    the bound; a bad bound is a usage error before the app starts."""
+    from dflash_mlx.cli.common import CLIError, kv_cache_kwargs
+
+    model, tok = targets.tiny_target("qwen3", head_dim=32, tie_word_embeddings=False)
+    kv = dict(max_kv_size=8)
+    calls = []
+
+    def stream_fn(*args, **kwargs):
+        calls.append({k: kwargs.get(k) for k in kv})
+        return stream_generate(*args, **kwargs)
+
+    s = ChatSession(model, tok, random_draft(model, num_layers=1, block_size=4),
+                    Settings(max_tokens=24, system="Be brief."), stream_fn=stream_fn, kv_cache=kv)
+    first = s.turn("hello there", lambda turn, new: None, lambda: False)
+    assert s.cache.windowed and s.cache.max_kv_size == 8
+    ref = targets.greedy_reference(model, first.prompt_ids, 24, **kv)
+    assert first.tokens == ref[: len(first.tokens)] and len(first.tokens) >= 4
+    assert ref != targets.greedy_reference(model, first.prompt_ids, 24)  # (the bound changes this answer)
+    s.baseline(first, lambda: False)
+    assert first.stats.baseline_same is True
+    second = s.turn("and again", lambda turn, new: None, lambda: False)
+    s.baseline(second, lambda: False)
+    assert second.reused_cache and second.stats.baseline_same is None
+    assert calls == [kv] * 4
+    with pytest.raises(CLIError, match="max_kv_size must be a whole number > 4"):
+        kv_cache_kwargs(build_parser().parse_args(["--max-kv-size", "3"]))

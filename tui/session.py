@@ -108,7 +108,7 @@ class ChatSession:
         turn.cycles = CycleText(self.tokenizer, stop_ids(self.tokenizer))
         self.last = turn
         if self.cache is None:
-            self.cache = make_prompt_cache(self.model, self.draft)
+            self.cache = make_prompt_cache(self.model, self.draft, max_kv_size=self.kv_cache.get("max_kv_size"))
             memory.restore(self.model, self.draft)  # what `auto` learned in earlier runs on this machine
         turn.reused_cache = bool(self.cache.tokens)
         kwargs = s.generate_kwargs()  # the answer stops where the model's context window does
@@ -161,6 +161,7 @@ class ChatSession:
         turn.stats.baseline_tps = stats.tps
         # Greedy DFlash must give the target's own tokens; with sampling they differ anyway, and so they may
         # with a quantized KV cache that earlier turns converted where this fresh one is not (as mlx-lm's would)
+        # (a bounded cache, too: the earlier turns' tokens it dropped are not dropped from a fresh one's prompt)
         comparable = s.temperature == 0 and not (self.kv_cache and turn.reused_cache)
         turn.stats.baseline_same = tokens == turn.tokens if comparable else None
         return turn

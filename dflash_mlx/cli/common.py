@@ -7,6 +7,7 @@ status; nothing here dispatches, so front ends import this module, never `cli`.
 """
 
 import argparse
+from typing import Optional
 
 EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 
@@ -143,8 +144,9 @@ def add_draft_bits_arg(parser) -> None:
 
 
 def add_kv_cache_args(parser) -> None:
-    """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`), in every front end that
-    runs one sequence at a time (the one-shot CLI, the chat; the server then serves one request at a time)."""
+    """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`) and a bounded one
+    (`models.target.kv_window`), in every front end that runs one sequence at a time (the one-shot CLI, the
+    chat; the server then serves one request at a time)."""
     from dflash_mlx.models.target.kv_quantization import BITS, DEFAULT_START, GROUP_SIZES
 
     parser.add_argument("--kv-bits", type=int, default=None, choices=BITS,
@@ -153,19 +155,40 @@ def add_kv_cache_args(parser) -> None:
     parser.add_argument("--kv-group-size", type=int, default=64, choices=GROUP_SIZES, help="default: 64")
     parser.add_argument("--quantized-kv-start", type=int, default=DEFAULT_START,
                         help=f"tokens in the cache before it is quantized (default: {DEFAULT_START})")
+    parser.add_argument("--max-kv-size", type=int, default=None,
+                        help="keep at most this many tokens in the KV cache, the first 4 and the latest, as "
+                             "mlx-lm's --max-kv-size (greedy output stays mlx-lm's under it; a model that makes "
+                             "its own caches ignores it, as under mlx-lm; default: unbounded)")
 
 
 def kv_cache_kwargs(args) -> dict:
-    """`stream_generate`'s quantized KV cache arguments from `add_kv_cache_args`' flags (empty when off)."""
+    """`stream_generate`'s KV cache arguments (quantized, bounded) from `add_kv_cache_args`' flags (empty when off)."""
     from dflash_mlx.models.target.kv_quantization import KVQuantization
 
-    if args.kv_bits is None:
-        return {}
+    from dflash_mlx.models.target.kv_window import checked_max_kv_size
+
+    kwargs = {}
     try:
-        KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+        if args.kv_bits is not None:
+            KVQuantization(args.kv_bits, args.kv_group_size, args.quantized_kv_start)
+            kwargs.update(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+                          quantized_kv_start=args.quantized_kv_start)
+        if args.max_kv_size is not None:
+            kwargs.update(max_kv_size=checked_max_kv_size(args.max_kv_size))
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None
-    return dict(kv_bits=args.kv_bits, kv_group_size=args.kv_group_size, quantized_kv_start=args.quantized_kv_start)
+    return kwargs
+
+
+def max_kv_size_note(args, model) -> Optional[str]:
+    """A line for a `--max-kv-size` the model ignores (it makes its own caches, as mlx-lm's Llama, Gemma 3
+    and Qwen3.5 do: mlx-lm ignores the bound there too), else None."""
+    from dflash_mlx.models.target.kv_window import bounds
+
+    if getattr(args, "max_kv_size", None) is None or bounds(model):
+        return None
+    return (f"--max-kv-size: {type(model).__module__.split('.')[-1]} models make their own caches; mlx-lm ignores "
+            "the bound for them, and so does dflash-mlx (the cache is unbounded)")
 
 
 def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,

@@ -9,7 +9,7 @@ import sys
 
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
                                    add_draft_bits_arg, add_kv_cache_args, checked_options, kv_cache_kwargs, launched,
-                                   load_model_and_draft, no_draft_note, remembers)
+                                   load_model_and_draft, max_kv_size_note, no_draft_note, remembers)
 from dflash_mlx.options import add_generation_args
 
 
@@ -77,6 +77,7 @@ def _read_prompt(args) -> str:
 
 def run(args) -> int:
     options = checked_options(args)
+    kv_cache = kv_cache_kwargs(args)  # (a bad setting is a usage error before anything loads)
     speaks = launched(args.distributed)
     prompt = _read_prompt(args) if speaks else None
     if args.distributed is not None:
@@ -88,6 +89,8 @@ def run(args) -> int:
         draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
+    if max_kv_size_note(args, model) and speaks:
+        print(f"dflash-mlx: {max_kv_size_note(args, model)}", file=sys.stderr)
 
     from dflash_mlx import stream_generate
     from dflash_mlx.engine.responses import wrap_tokenizer
@@ -111,7 +114,7 @@ def run(args) -> int:
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
-                                 deterministic=args.deterministic or None, **kv_cache_kwargs(args), **kwargs):
+                                 deterministic=args.deterministic or None, **kv_cache, **kwargs):
             pieces.append(r.text)
             tokens.extend(r.tokens)
             last = r

@@ -164,10 +164,7 @@ class BatchEngine:
             if self.max_batch > 1:  # (mlx-lm's batch windows keep no front tokens)
                 raise UnsupportedTargetError(f"max_kv_size: {self.target.name}: a bounded KV cache runs one sequence "
                                              "at a time (an engine of max_batch=1)")
-            if request.kv_quantization is not None:
-                raise UnsupportedTargetError(f"max_kv_size: {self.target.name}: a bounded KV cache cannot be quantized "
-                                             "(mlx-lm's kv_bits raises on its RotatingKVCache too): drop one of the two")
-            kv_window.check(self.target)
+            kv_window.check(self.target, quantized=request.kv_quantization is not None)
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)

@@ -15,8 +15,8 @@ import threading
 import uvicorn
 
 from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
-                                   checked_options, kv_cache_kwargs, launched, load_model_and_draft, no_draft_note,
-                                   remembers)
+                                   checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
+                                   no_draft_note, remembers)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -118,6 +118,8 @@ def load_worker(args, speaks: bool = True) -> Worker:
                                                                distributed=getattr(args, "distributed", None))
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
+    if max_kv_size_note(args, model) and speaks:
+        print(f"dflash-mlx serve: {max_kv_size_note(args, model)}", file=sys.stderr)
     if remembers(args):  # before the engine makes the pair's policies
         memory.restore(model, draft)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,

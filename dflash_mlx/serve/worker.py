@@ -36,7 +36,7 @@ from dflash_mlx.generate import encode_prompt, stream_generate, tokens_to_window
 from dflash_mlx.models.loading import apply_chat_template
 from dflash_mlx.options import GenerationOptions
 from dflash_mlx.engine.prompt_cache import make_prompt_cache
-from dflash_mlx.models.target import kv_quantization
+from dflash_mlx.models.target import kv_quantization, kv_window
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.tree_attention import tree_support
 from dflash_mlx.serve.cache_pool import DEFAULT_PROMPT_CACHE_BYTES, CachePool
@@ -77,7 +77,8 @@ class Worker:
         time (a batch's rows are not plain decoding's shapes). `kv_cache`: mlx-lm's quantized KV cache
         (`stream_generate`'s `kv_bits`, `kv_group_size`, `quantized_kv_start`) for every request, one at a
         time, as mlx-lm's server serves it (its batch caches have no quantized kind); a target whose caches
-        cannot be quantized so is refused here, in one line."""
+        cannot be quantized so is refused here, in one line; its `max_kv_size`, mlx-lm's bounded cache, also one
+        request at a time (its batch windows keep no front tokens)."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
@@ -106,8 +107,13 @@ class Worker:
             target.deterministic = True  # refuses, in one line, a target it cannot run so
             max_batch = 1
         self.kv_cache = dict(kv_cache or {})
-        if self.kv_cache:
-            kv_quantization.check(target, kv_quantization.make_kv_quantization(**self.kv_cache))
+        quantized = {k: v for k, v in self.kv_cache.items() if k != "max_kv_size"}
+        self.max_kv_size = kv_window.checked_max_kv_size(self.kv_cache.get("max_kv_size"))
+        if quantized:
+            kv_quantization.check(target, kv_quantization.make_kv_quantization(**quantized))
+            max_batch = 1
+        if self.max_kv_size is not None and kv_window.bounds(model):
+            kv_window.check(target, quantized=bool(quantized))
             max_batch = 1
         self.context_window = target.max_context
         self.recurrent = target.recurrent
@@ -129,7 +135,8 @@ class Worker:
         if self.batch_refused is None or self.ranks.size > 1:
             self.engine = self._new_engine()
         # cached conversations: one PromptCache (with snapshots) one at a time; batched, a pool
-        self.cache = (make_prompt_cache(model, self.draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes)
+        self.cache = (make_prompt_cache(model, self.draft, max_snapshots=max_snapshots, max_bytes=prompt_cache_bytes,
+                                        max_kv_size=self.max_kv_size)
                       if self.engine is None else None)
         self.pool = CachePool(max_snapshots, prompt_cache_bytes)
         self.shared_keys: List[int] = []  # the pool's keys the other ranks last heard of (`steps`)

@@ -68,10 +68,16 @@ def checked_max_kv_size(max_kv_size: Optional[int]) -> Optional[int]:
     return max_kv_size
 
 
+def bounds(model) -> bool:
+    """Whether `max_kv_size` bounds `model`'s caches: mlx-lm's `make_prompt_cache` ignores it for a model
+    that makes its own."""
+    return not hasattr(model, "make_cache")
+
+
 def make_window_cache(target, max_kv_size: Optional[int]) -> List[Any]:
     """The target's caches for `max_kv_size` as mlx-lm's `make_prompt_cache` makes them: a model that
     makes its own keeps them (mlx-lm ignores the bound there), any other a window a layer."""
-    if max_kv_size is None or hasattr(target.model, "make_cache"):
+    if max_kv_size is None or not bounds(target.model):
         return target.make_cache()
     return [StepsWindowCache(max_kv_size, keep=KEEP) for _ in target.model.layers]
 
@@ -94,9 +100,14 @@ def chunk_rows(cache: List[Any]):
             w.chunk_rows = False
 
 
-def check(target):
+def check(target, quantized: bool = False):
     """Raises `UnsupportedTargetError` in one line where `target` cannot decode on a bounded cache
-    exactly; checked once per model."""
+    exactly (`quantized`: with mlx-lm's quantized KV cache beside it); the probe runs once per model."""
+    if not bounds(target.model):
+        return  # (its own caches, as under mlx-lm: the bound changes nothing)
+    if quantized:
+        raise UnsupportedTargetError(f"max_kv_size: {target.name}: a bounded KV cache cannot be quantized (mlx-lm's "
+                                     "kv_bits raises on its RotatingKVCache too): drop one of the two")
     found = _CHECKED.get((target.model,))
     if found is None:
         found = [_refusal(target)]
@@ -108,8 +119,6 @@ def check(target):
 def _refusal(target) -> Optional[str]:
     if target.sharding is not None:
         return "a bounded KV cache is not supported on a target split over processes"
-    if hasattr(target.model, "make_cache"):
-        return None  # (its own caches, as under mlx-lm: nothing changes)
     # 12 tokens through a window of 8 (the kept 4 and 4 more): the last 4 as one verify under this
     # module's mask and under mlx-lm's, and as 4 steps. The first must be nearer the steps than the
     # second is (not equal: a verify's rows round differently, by much in bfloat16), and must differ
