@@ -56,6 +56,8 @@ def check(key: str, size: int) -> dict:
             if EOS_ID not in ref:
                 break
         changed = changed or ref != greedy_reference(model, prompt, MAX_TOKENS)
+        if EOS_ID in ref:  # (no case without one: the engine stops there, as mlx-lm's stream_generate does)
+            ref = ref[: ref.index(EOS_ID) + 1]
 
         def decode(draft, width, **extra):
             out = []

@@ -83,7 +83,7 @@ def test_mlx_lm_s_own_mask_on_a_verify_gives_other_tokens(monkeypatch):
     fresh, tok = _target()
     with pytest.raises(UnsupportedTargetError, match="does not take its cache's masks"):
         _decode(fresh, None, tok, prompt, 4, max_kv_size=8)
-    monkeypatch.setattr(kv_window, "check", lambda target: None)
+    monkeypatch.setattr(kv_window, "check", lambda target, quantized=False: None)
     draft = ScriptedDraft(Target(fresh), prompt + ref, lambda c: 10**9, block_size=16)
     assert _decode(fresh, draft, tok, prompt, 48, 16, max_kv_size=8)[0] != ref
 

@@ -1,6 +1,6 @@
 """Random engine options on random architectures, each case checked against mlx-lm's own greedy
 decode: what no hand-written test combines (a width with a prefill chunk, a stop, a second turn
-on the prompt cache, deterministic mode, a prompt whose answer crosses the KV cache's growth step;
+on the prompt cache, deterministic mode, mlx-lm's bounded KV cache, a prompt whose answer crosses the KV cache's growth step;
 in the batch engine, rows joining a lone row after its rollbacks, second turns joining together,
 the index of earlier answers).
 
@@ -112,6 +112,10 @@ def stream_case(seed: int, guess: bool = False) -> dict:
     if row["dtype"] == "bfloat16":
         row["options"]["deterministic"] = True
     row["options"].update(_penalties(random.Random(f"penalties {seed}")))
+    window = random.Random(f"window {seed}")  # mlx-lm's bounded KV cache (`max_kv_size`), in a case in five
+    if window.random() < 0.2:
+        # (no second turn: a fresh decode of the whole conversation fills the window in other chunks)
+        row["options"]["max_kv_size"], row["turns"] = window.choice([5, 6, 8, 13, 32]), False
     row["foreign"] = foreign_case(seed, row["key"])  # mlx-lm's forwards on another thread meanwhile
     if guess:
         row["options"].update(block_size=extra.choice([2, 3, 4, 5, 8]), split_head=False, logprobs=None, profile=False)
@@ -214,20 +218,21 @@ def _stream(row: dict, rng: random.Random):
         row["status"] = "no split"
         return
     opts, max_tokens = row["options"], row["max_tokens"]
-    # deterministic mode prefills in mlx-lm's own chunks, whatever `prefill_step_size` says
-    step = MLX_LM_PREFILL_STEP if opts.get("deterministic") else opts["prefill_step_size"]
+    # deterministic mode and a bounded cache prefill in mlx-lm's own chunks, whatever `prefill_step_size` says
+    bound = {"max_kv_size": opts["max_kv_size"]} if opts.get("max_kv_size") else {}
+    step = MLX_LM_PREFILL_STEP if opts.get("deterministic") or bound else opts["prefill_step_size"]
     prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
     processors = _processors(opts)
     try:
         whole = greedy_reference(model, prompt, max_tokens, make_cache=make_cache, prefill_step_size=step,
-                                 logits_processors=processors)
+                                 logits_processors=processors, **bound)
     except Exception as e:  # mlx-lm's own decode fails (MLX's CPU GatherMM takes float32 only)
         row.update(status="not run", reason=f"mlx-lm: {error_line(e)}")
         return
     stops = [rng.choice(whole)] if whole and rng.random() < 0.4 else []
     row["stops"] = stops
     stops += [EOS_ID]
-    ref = greedy_reference(model, prompt, max_tokens, set(stops), make_cache, step, processors)
+    ref = greedy_reference(model, prompt, max_tokens, set(stops), make_cache, step, processors, **bound)
     draft = _draft(row["draft"], model, prompt + whole, rng)
     forget_sizers()
     cache = make_prompt_cache(model, draft) if row["turns"] else None
