@@ -23,6 +23,7 @@ from dflash_mlx.models.target.adapter import target_for
 from dflash_mlx.models.target.kv_quantization import DEFAULT_START as DEFAULT_QUANTIZED_KV_START
 from dflash_mlx.models.target.kv_quantization import make_kv_quantization
 from dflash_mlx.models.target.kv_window import checked_max_kv_size
+from dflash_mlx.speculation.xtc import make_xtc
 from dflash_mlx.options import AUTO, GenerationOptions, fixed_width
 from dflash_mlx.speculation.accept import make_acceptor
 from dflash_mlx.speculation.suffix_index import SuffixIndex, make_suffix_index  # noqa: F401 (public path)
@@ -85,6 +86,9 @@ def stream_generate(
     frequency_penalty: Optional[float] = None,
     frequency_context_size: int = 20,
     logit_bias: Optional[Dict[int, float]] = None,
+    xtc_probability: float = 0.0,
+    xtc_threshold: float = 0.1,
+    xtc_special_tokens: Optional[Sequence[int]] = None,
     logits_processors: Optional[Sequence[Callable]] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
@@ -130,6 +134,10 @@ def stream_generate(
     caches quantized in place once they hold `quantized_kv_start` tokens, where mlx-lm's `generate_step` does
     it, so greedy output is mlx-lm's under the same arguments (`dflash_mlx.models.target.kv_quantization`);
     chains and copies only, no token trees; refused, in one line, where mlx-lm cannot quantize the caches.
+    `xtc_probability`, `xtc_threshold`, `xtc_special_tokens` (at temperature > 0): mlx-lm's XTC sampling filter
+    (`make_sampler`'s arguments; special tokens None: a newline and the end tokens, as mlx-lm's generate CLI and
+    server keep them), each verify row with its own coin, so sampling keeps the XTC distribution
+    (`dflash_mlx.speculation.xtc`).
     `max_kv_size` (None: unbounded): mlx-lm's bounded KV cache, the first 4 tokens and the last ones of a
     window of `max_kv_size` (on a model that makes no caches of its own, as mlx-lm's `make_prompt_cache`), each
     verify row masked as its own plain-decoding step is, so greedy output is mlx-lm's `generate_step(max_kv_size=)`
@@ -146,7 +154,8 @@ def stream_generate(
         deterministic = os.environ.get(DETERMINISTIC_ENV, "").strip() in ("1", "true", "on")
     target.deterministic = deterministic  # refuses a target it cannot run exactly, in one line
     fixed_width(block_size, draft.block_size if use_draft else 1)  # ValueError for a bad one
-    make_acceptor(temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling)  # checks
+    make_acceptor(temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling,
+                  xtc=make_xtc(xtc_probability, xtc_threshold, xtc_special_tokens))  # checks
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     if logprobs is not None and (isinstance(logprobs, bool) or int(logprobs) < 0):
@@ -179,7 +188,9 @@ def stream_generate(
                                 repetition_penalty=repetition_penalty, repetition_context_size=repetition_context_size,
                                 presence_penalty=presence_penalty, presence_context_size=presence_context_size,
                                 frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
-                                logit_bias=logit_bias).check_penalties()
+                                logit_bias=logit_bias, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
+                                xtc_special_tokens=None if xtc_special_tokens is None else tuple(xtc_special_tokens)
+                                ).check_penalties()
     # mlx-lm's set-up: its generation stream, and (on Apple GPUs) the model's
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):

@@ -10,7 +10,7 @@ argument guards for library callers.
 
 import argparse
 from dataclasses import dataclass, fields
-from typing import Dict, Optional, Union
+from typing import Dict, Optional, Tuple, Union
 
 # The verify width's spellings, the same in the library, every flag, the chat dialog and
 # the server: AUTO (the default) picks each cycle's width from measured acceptance and
@@ -79,6 +79,12 @@ class GenerationOptions:
     frequency_penalty: Optional[float] = None  # subtracted once for each time it occurs there (OpenAI's)
     frequency_context_size: int = 20
     logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit at every step
+    # mlx-lm's XTC at temperature > 0: in that share of steps, every token above the threshold but the least
+    # likely of them is dropped (never the special tokens; None: a newline and the end tokens, as mlx-lm's
+    # front ends keep)
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    xtc_special_tokens: Optional[Tuple[int, ...]] = None
 
     def penalties(self) -> dict:
         """The penalty and logit bias fields set (for a front end that hands them on, the benchmark's
@@ -108,6 +114,10 @@ class GenerationOptions:
             raise ValueError(f"top-k must be a whole number >= 0 (0: off), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min-p must be in [0, 1] (0: off), got {self.min_p!r}")
+        if not _is_number(self.xtc_probability) or not 0 <= self.xtc_probability <= 1:
+            raise ValueError(f"xtc probability must be in [0, 1] (0: off), got {self.xtc_probability!r}")
+        if not _is_number(self.xtc_threshold) or not 0 <= self.xtc_threshold <= 0.5:
+            raise ValueError(f"xtc threshold must be in [0, 0.5], got {self.xtc_threshold!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be a whole number, got {self.seed!r}")
         self.check_penalties()
@@ -189,6 +199,9 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
         "top_p": dict(type=float, help="nucleus sampling, in (0, 1] (default: 1, off)"),
         "top_k": dict(type=int, help="keep the k likeliest tokens (default: 0, off)"),
         "min_p": dict(type=float, help="drop tokens below min-p x the top probability (default: 0, off)"),
+        "xtc_probability": dict(type=float, help="mlx-lm's XTC: the share of steps that drop every token above "
+                                "--xtc-threshold but the least likely of them (default: 0, off)"),
+        "xtc_threshold": dict(type=float, help=f"in [0, 0.5] (default: {d.xtc_threshold})"),
         "seed": dict(type=int, help=f"sampling seed (default: {'none' if d.seed is None else d.seed})"),
         "draft_sampling": dict(
             choices=DRAFT_SAMPLING_MODES,

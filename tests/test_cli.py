@@ -196,6 +196,8 @@ def test_non_utf8_stdin(capsys, monkeypatch):
     (["--draft-sampling", "beam"], "--draft-sampling: invalid choice"),
     (["--kv-bits", "7"], "--kv-bits: invalid choice"),
     (["--max-kv-size", "4"], "max_kv_size must be a whole number > 4"),
+    (["--xtc-threshold", "0.7"], "xtc threshold must be in [0, 0.5]"),
+    (["--temperature", "1", "--xtc-probability", "2"], "xtc probability must be in [0, 1]"),
     (["--max-kv-size", "lots"], "--max-kv-size: invalid int value"),
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
 ])

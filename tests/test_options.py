@@ -69,14 +69,16 @@ def test_flags_round_trip_into_options():
                          "--top-p", "0.9", "--top-k", "3", "--min-p", "0.1", "--seed", "4",
                          "--draft-sampling", "sample", "--repetition-penalty", "1.1",
                          "--repetition-context-size", "32", "--presence-penalty", "0.5", "--frequency-penalty",
-                         "-0.25", "--presence-context-size", "8", "--frequency-context-size", "9"])
+                         "-0.25", "--presence-context-size", "8", "--frequency-context-size", "9",
+                         "--xtc-probability", "0.25", "--xtc-threshold", "0.2"])
     o = GenerationOptions.from_args(args).check()
     penalties = dict(repetition_penalty=1.1, repetition_context_size=32, presence_penalty=0.5,
                      presence_context_size=8, frequency_penalty=-0.25, frequency_context_size=9)
-    assert o == GenerationOptions(7, "auto", 0.5, 0.9, 3, 0.1, 4, "sample", **penalties)
+    xtc = dict(xtc_probability=0.25, xtc_threshold=0.2)
+    assert o == GenerationOptions(7, "auto", 0.5, 0.9, 3, 0.1, 4, "sample", **penalties, **xtc)
     assert o.generate_kwargs() == dict(max_tokens=7, block_size="auto", temperature=0.5, top_p=0.9,
                                        top_k=3, min_p=0.1, seed=4, draft_sampling="sample", logit_bias=None,
-                                       **penalties)
+                                       xtc_special_tokens=None, **penalties, **xtc)
     assert len(o.processors()) == 3 and GenerationOptions().processors() == []
 
 

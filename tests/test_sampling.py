@@ -23,14 +23,17 @@ from dflash_mlx.speculation import accept
 from dflash_mlx.speculation.accept import (GreedyAcceptor, Proposal, SamplingAcceptor, accept_in_pieces, make_acceptor,
                                sampling_logprobs)
 from dflash_mlx.models.draft.checkpoints import random_draft
+from dflash_mlx.speculation.xtc import XTC
 from dflash_mlx.testing.targets import greedy_reference, tiny_target
 
 # -- reference distribution (independent of dflash_mlx.speculation.accept) -----------------
 
 
-def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0):
+def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0, xtc=None):
     """mlx-lm's sampling distribution, in numpy: filters on the untempered
-    log-probs (nucleus, min-p, top-k), then temperature over what is left."""
+    log-probs (nucleus, min-p, XTC, top-k), then temperature over what is left.
+    `xtc` (probability, threshold, special tokens): the mixture of the step that
+    drops the top choices and the step that does not, by the coin's odds."""
     logits = np.asarray(logits, dtype=np.float64)
     lp = logits - logits.max(-1, keepdims=True)
     lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
@@ -43,10 +46,23 @@ def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0):
         keep &= np.take_along_axis(mass_before < top_p, rank, -1)
     if min_p > 0:
         keep &= lp >= lp.max(-1, keepdims=True) + math.log(min_p)
-    if top_k > 0:
-        keep &= rank < top_k
-    w = np.where(keep, np.exp((lp - lp.max(-1, keepdims=True)) / temperature), 0.0)
-    return w / w.sum(-1, keepdims=True)
+
+    def tempered(kept):
+        if top_k > 0:  # the k likeliest of what is left
+            kept_rank = np.argsort(np.argsort(-np.where(kept, lp, -np.inf), axis=-1), axis=-1)
+            kept = kept & (kept_rank < top_k)
+        w = np.where(kept, np.exp((lp - lp.max(-1, keepdims=True)) / temperature), 0.0)
+        return w / w.sum(-1, keepdims=True)
+
+    if xtc is None:
+        return tempered(keep)
+    probability, threshold, special = xtc
+    p = np.where(keep, np.exp(lp), 0.0)
+    p = p / p.sum(-1, keepdims=True)
+    least_above = np.where(p > threshold, p, np.inf).min(-1, keepdims=True)
+    drop = p > least_above
+    drop[..., list(special)] = False
+    return (1 - probability) * tempered(keep) + probability * tempered(keep & ~drop)
 
 
 def chi_square(samples, probs):
@@ -152,12 +168,22 @@ N_ROWS = 25_000
 FILTERS = {
     "plain": dict(temperature=1.0),
     "filtered": dict(temperature=0.7, top_p=0.9, top_k=4, min_p=0.05),
+    # (token 2 special: never dropped)
+    "xtc": dict(temperature=0.9, top_p=0.97, top_k=4, xtc=(0.6, 0.15, (2,))),
 }
+
+
+def acceptor_filters(filters: dict) -> dict:
+    """A FILTERS entry as `SamplingAcceptor` takes it."""
+    f = dict(filters)
+    if "xtc" in f:
+        f["xtc"] = XTC(*f["xtc"])
+    return f
 
 
 def check(mode, filters, reduced=False, seed=0, first_rows=None):
     mx.random.seed(seed)
-    acc = SamplingAcceptor(draft_sampling=mode, **FILTERS[filters])
+    acc = SamplingAcceptor(draft_sampling=mode, **acceptor_filters(FILTERS[filters]))
     out, accepts = markov_generate(acc, N_ROWS, reduced=reduced, first_rows=first_rows)
     stat, pval = chi_square(encode(out, V), exact_joint(**FILTERS[filters]))
     return stat, pval, accepts
@@ -171,6 +197,8 @@ def check(mode, filters, reduced=False, seed=0, first_rows=None):
         ("argmax", "filtered", False),
         ("sample", "filtered", False),
         ("sample", "filtered", True),
+        ("argmax", "xtc", False),
+        ("sample", "xtc", True),
     ],
 )
 def test_first_tokens_follow_target_distribution(mode, filters, reduced):
@@ -207,6 +235,32 @@ def skip_one_draft(acceptor, proposal, row_logits, first_rows, draft=None):
     accept_length = mx.where(go_on, first_rows + tail_length, head_length)
     seam = mx.concatenate([head[:, :checked], proposal.tokens[:, checked:first_rows], tail], axis=1)
     return accept_length, mx.where(go_on[:, None], seam, mx.pad(head, [(0, 0), (0, rows - first_rows)]))
+
+
+def test_xtc_changes_the_distribution_and_one_coin_a_verify_fails():
+    """Guards the XTC cases: their exact joint is not the one without XTC (the test could tell them apart),
+    and a verify whose rows share one coin (mlx-lm's scalar draw, made once for all rows) fails the test."""
+    from mlx_lm.sample_utils import apply_xtc
+
+    logprobs = mx.log(mx.softmax(mx.array(W), axis=-1))
+    for threshold, special in ((0.15, [2]), (0.05, []), (0.5, [0, 1])):  # the filter is mlx-lm's, coin up
+        assert mx.array_equal(XTC(1.0, threshold, tuple(special)).apply(logprobs),
+                              apply_xtc(logprobs, 1.0, threshold, special)).item()
+    without = dict(FILTERS["xtc"], xtc=None)
+    assert np.abs(exact_joint(**FILTERS["xtc"]) - exact_joint(**without)).max() > 1e-2
+    real_apply = XTC.apply
+
+    def one_coin(self, logprobs):
+        coin = mx.random.uniform() <= self.probability
+        dropped = real_apply(XTC(1.0, self.threshold, self.special_tokens), logprobs)
+        return mx.where(coin, dropped, logprobs)
+
+    XTC.apply = one_coin
+    try:
+        stat, pval, _ = check("argmax", "xtc", seed=5)
+    finally:
+        XTC.apply = real_apply
+    assert pval < 1e-12, (stat, pval)
 
 
 def test_head_in_pieces_off_by_one_fails_the_same_test(monkeypatch):
@@ -315,6 +369,10 @@ def test_sampling_logprobs_match_reference():
         dict(temperature=1.0, top_k=400),  # above the vocabulary (small draft vocabularies)
     ]:
         got = np.exp(np.array(sampling_logprobs(logits, **f)))
+        np.testing.assert_allclose(got, ref_probs(np.array(logits), **f), atol=1e-5, err_msg=str(f))
+    # XTC: with its coin always up, the filter alone (the mixture's other half is the plain filters)
+    for f in [dict(temperature=1.0, xtc=(1.0, 0.1, ())), dict(temperature=0.6, top_p=0.9, top_k=3, xtc=(1.0, 0.05, (7,)))]:
+        got = np.exp(np.array(sampling_logprobs(logits, **acceptor_filters(f))))
         np.testing.assert_allclose(got, ref_probs(np.array(logits), **f), atol=1e-5, err_msg=str(f))
 
 
@@ -475,10 +533,18 @@ def exact_first_tokens(model, prompt, k, **filters):
 
 
 E2E_FILTERS = dict(temperature=0.3)
+
+
+def engine_filters(filters: dict) -> dict:
+    """A filters dict as `stream_generate` takes it (XTC as its three arguments)."""
+    f = dict(filters)
+    if f.get("xtc"):
+        f["xtc_probability"], f["xtc_threshold"], f["xtc_special_tokens"] = f.pop("xtc")
+    return f
 E2E_PROMPT = [1, 2, 3, 0]
 
 
-def engine_first_tokens(mode, n_runs=100, target=None):
+def engine_first_tokens(mode, n_runs=100, target=None, filters=E2E_FILTERS):
     """First three tokens of `n_runs` seeded `stream_generate` calls on a tiny
     transformer (vocabulary 4; `target`: another (model, tokenizer)) with a random
     DFlash draft over a reduced vocabulary, plus the exact joint and all accept lengths."""
@@ -488,12 +554,12 @@ def engine_first_tokens(mode, n_runs=100, target=None):
     outs, accepts = [], []
     for seed in range(n_runs):
         rs = list(stream_generate(model, draft, tok, E2E_PROMPT, max_tokens=3, seed=seed, block_size="draft",
-                                  draft_sampling=mode, stop_token_ids=[], **E2E_FILTERS))
+                                  draft_sampling=mode, stop_token_ids=[], **engine_filters(filters)))
         outs.append([t for r in rs for t in r.tokens])
         accepts += rs[-1].accept_lengths
-    exact = exact_first_tokens(model, E2E_PROMPT, 3, **E2E_FILTERS)
+    exact = exact_first_tokens(model, E2E_PROMPT, 3, **filters)
     again = tokens_of(model, draft, tok, E2E_PROMPT, max_tokens=3, seed=7, draft_sampling=mode,
-                      stop_token_ids=[], **E2E_FILTERS)
+                      stop_token_ids=[], **engine_filters(filters))
     return np.array(outs), exact, accepts, again
 
 
@@ -507,6 +573,20 @@ def test_stream_generate_first_tokens_follow_target(mode):
     _, pval = chi_square(encode(out, 4), exact)
     assert pval > 1e-3
     assert again == out[7].tolist()
+
+
+def test_stream_generate_with_xtc_follows_target():
+    """mlx-lm's XTC through the engine (each verify row with its own coin): the first three tokens over many
+    seeds follow the target's own XTC distribution, which is not its distribution without XTC."""
+    filters = dict(temperature=0.8, xtc=(0.7, 0.2, (3,)))
+    out, exact, accepts, _ = engine_first_tokens("argmax", n_runs=150, filters=filters)
+    assert 0 < sum(accepts) < 2 * len(accepts)
+    _, pval = chi_square(encode(out, 4), exact)
+    assert pval > 1e-3
+    model, _ = tiny("llama", vocab_size=4)
+    without = exact_first_tokens(model, E2E_PROMPT, 3, temperature=0.8)
+    _, pval_without = chi_square(encode(out, 4), without)
+    assert pval_without < 1e-3  # (the sample tells the two apart)
 
 
 def test_stream_generate_first_tokens_follow_an_moe_target():

@@ -168,12 +168,28 @@ def test_raw_stream_ends_with_done_and_usage_before_it(attn):
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 5
 
 
-def test_sampling_request_reaches_the_engine(attn):
+def test_sampling_request_reaches_the_engine(attn, monkeypatch):
     # Seeds do not make sampled text repeat under block size "auto": the verify
     # widths follow measured times, and each width draws a different number of randoms.
+    import dflash_mlx.engine.rows as rows
+
+    made = []
+
+    def recording(temperature, **sampling):
+        made.append(dict(sampling, temperature=temperature))
+        return real(temperature, **sampling)
+
+    real = rows.make_acceptor
+    monkeypatch.setattr(rows, "make_acceptor", recording)
     r = attn.client.completions.create(model=MODEL, prompt="dice", max_tokens=12, temperature=0.9, top_p=0.95, seed=11,
-                                       extra_body={"top_k": 20, "min_p": 0.05})
+                                       extra_body={"top_k": 20, "min_p": 0.05, "xtc_probability": 0.5,
+                                                   "xtc_threshold": 0.2})
     assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
+    xtc = made[-1].pop("xtc")
+    assert made[-1] == dict(temperature=0.9, top_p=0.95, top_k=20, min_p=0.05, draft_sampling="argmax")
+    tok = attn.worker.tokenizer  # (a newline and the end tokens kept out of XTC, as mlx-lm's server keeps them)
+    assert (xtc.probability, xtc.threshold) == (0.5, 0.2)
+    assert xtc.special_tokens == tuple(tok.encode("\n")) + tuple(tok.eos_token_ids)
 
 
 def test_a_vanishing_temperature_or_top_p_is_greedy(attn):
@@ -486,6 +502,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": HI, "temperature": "hot"}, 400, "temperature", "number"),
     ("/v1/chat/completions", {"messages": HI, "top_p": 2}, 400, "top_p", "less than or equal to 1"),
     ("/v1/chat/completions", {"messages": HI, "top_k": -1}, 400, "top_k", "greater than or equal to 0"),
+    ("/v1/chat/completions", {"messages": HI, "xtc_threshold": 0.7}, 400, "xtc_threshold", "less than or equal to 0.5"),
+    ("/v1/chat/completions", {"messages": HI, "xtc_probability": -1}, 400, "xtc_probability",
+     "greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": HI, "seed": 1.5}, 400, "seed", "integer"),
     ("/v1/chat/completions", {"messages": HI, "seed": -5}, 400, "seed", "greater than or equal to 0"),
     ("/v1/chat/completions", {"messages": HI, "seed": 2**70}, 400, "seed", "less than 18446744073709551616"),

@@ -20,6 +20,7 @@ from dflash_mlx.engine.cycle import HeadRows, cycle, prefill_chunks
 from dflash_mlx.engine.distributed import shared_seed
 from dflash_mlx.engine.drafter import DraftContext, PlainDecoding
 from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache
+from dflash_mlx.speculation.xtc import front_end_special_tokens, make_xtc
 from dflash_mlx.engine.responses import (Answer, DFlashResponse, Step, committed_span, first_step, stop_ids,
                                          token_logprobs)
 from dflash_mlx.models.target.kv_quantization import KVQuantization, holds_quantized
@@ -67,8 +68,11 @@ class Row:
         trees_on = (engine.token_trees and request.kv_quantization is None
                     and not holds_quantized(self.state.target_cache) and not self.state.windowed)
         self.drafter = DraftContext(engine.draft, self.state) if engine.draft is not None else PlainDecoding()
+        special = (opts.xtc_special_tokens if opts.xtc_special_tokens is not None
+                   else front_end_special_tokens(engine.tokenizer) if opts.xtc_probability > 0 else ())
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
-                                      draft_sampling=opts.draft_sampling)
+                                      draft_sampling=opts.draft_sampling,
+                                      xtc=make_xtc(opts.xtc_probability, opts.xtc_threshold, special))
         self.lookahead = lookahead_for(engine.model, engine.draft) if engine.guesses_roll_back else None
         self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike
         # copies and trees ride on the pair's own sizer (bucket 1), as in every single-sequence

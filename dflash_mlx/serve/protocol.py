@@ -133,6 +133,10 @@ class Sampling(Body):
     top_p: Optional[float] = Field(None, gt=0, le=1, description="below 1e-6: greedy (its limit)")
     top_k: Optional[int] = Field(None, ge=0, description="mlx-lm's extension; 0: off")
     min_p: Optional[float] = Field(None, ge=0, le=1, description="mlx-lm's extension; 0: off")
+    xtc_probability: Optional[float] = Field(None, ge=0, le=1, description="mlx-lm's extension (XTC): the share "
+                                             "of steps that drop every token above xtc_threshold but the least "
+                                             "likely of them (not a newline or an end token); 0: off")
+    xtc_threshold: Optional[float] = Field(None, ge=0, le=0.5, description="mlx-lm's extension (default 0.1)")
     seed: Optional[int] = Field(None, ge=0, lt=2**64)
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False

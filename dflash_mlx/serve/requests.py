@@ -145,7 +145,8 @@ def anthropic_tools(tools: Optional[List[PA.AnthropicTool]]) -> Optional[List[di
 
 
 def sampling_options(worker: "Worker", body, max_tokens: Optional[int]) -> GenerationOptions:
-    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed") + PENALTY_FIELDS
+    sampling = {k: getattr(body, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed", "xtc_probability",
+                                              "xtc_threshold") + PENALTY_FIELDS
                 if getattr(body, k, None) is not None}
     if getattr(body, "logit_bias", None):  # (protocol checked the ids are digits)
         sampling["logit_bias"] = {int(token): bias for token, bias in body.logit_bias.items()}

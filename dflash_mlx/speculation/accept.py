@@ -17,7 +17,7 @@ Two acceptors with one interface (`propose`, `first_token`, `accept`):
                     token comes from normalize(max(p - q, 0)); when the whole
                     block is accepted the bonus comes from the last target row.
                     p and q are the *sampling* distributions (temperature,
-                    top-p, top-k, min-p), both from `sampling_logprobs`.
+                    top-p, top-k, min-p, XTC), both from `sampling_logprobs`.
 
 Proposals are deterministic (q one-hot on the proposed token) unless sampled:
   "argmax"  the draft's argmax, or the draft's own `select_tokens(draft_logits)`
@@ -41,6 +41,7 @@ import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from dflash_mlx.kernels import argmax
+from dflash_mlx.speculation.xtc import XTC
 
 DRAFT_SAMPLING_MODES = ("argmax", "sample")
 
@@ -75,12 +76,14 @@ def sampling_logprobs(
     top_p: float = 1.0,
     top_k: int = 0,
     min_p: float = 0.0,
+    xtc: Optional[XTC] = None,
 ) -> mx.array:
     """Log-probabilities of the distribution a token is sampled from ([..., V] -> [..., V]).
 
     mlx-lm's order (`make_sampler`): the filters act on the untempered
-    log-probabilities, then the temperature scales what is left. Removed tokens
-    get -inf. This is the one function that makes both p (target) and q (draft).
+    log-probabilities (top-p, min-p, XTC, top-k), then the temperature scales what
+    is left. Removed tokens get -inf. This is the one function that makes both p
+    (target) and q (draft).
     """
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
@@ -88,6 +91,8 @@ def sampling_logprobs(
         logprobs = apply_top_p(logprobs, top_p)
     if min_p > 0.0:
         logprobs = apply_min_p(logprobs, min_p)
+    if xtc is not None:
+        logprobs = xtc.apply(logprobs)
     # A top-k at or above the vocabulary (a reduced draft vocabulary can be
     # small) keeps everything; mlx-lm would reject it.
     if 0 < top_k < logprobs.shape[-1]:
@@ -186,6 +191,7 @@ class SamplingAcceptor:
         top_k: int = 0,
         min_p: float = 0.0,
         draft_sampling: str = "argmax",
+        xtc: Optional[XTC] = None,
     ):
         if not temperature > 0:
             raise ValueError(f"SamplingAcceptor needs temperature > 0, got {temperature}")
@@ -204,9 +210,11 @@ class SamplingAcceptor:
         self.top_k = int(top_k)
         self.min_p = float(min_p)
         self.draft_sampling = draft_sampling
+        self.xtc = xtc
 
     def logprobs(self, logits: mx.array) -> mx.array:
-        return sampling_logprobs(logits, self.temperature, self.top_p, self.top_k, self.min_p)
+        """The target's sampling distribution (each row's XTC coin drawn here)."""
+        return sampling_logprobs(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.xtc)
 
     def exact(self) -> "SamplingAcceptor":
         return self
@@ -220,7 +228,8 @@ class SamplingAcceptor:
         # positions independently from its logits would bypass the selector.
         if self.draft_sampling == "argmax" or hasattr(draft, "select_tokens"):
             return deterministic_proposal(draft, draft_logits)
-        logq = self.logprobs(draft_logits)
+        # (q may be any distribution the proposal was drawn from: no XTC, whose special tokens are target ids)
+        logq = sampling_logprobs(draft_logits, self.temperature, self.top_p, self.top_k, self.min_p)
         ids = mx.random.categorical(logq)
         return Proposal(draft.to_target_ids(ids).astype(mx.int32), logq, ids)
 
