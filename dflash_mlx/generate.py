@@ -94,6 +94,7 @@ def stream_generate(
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
     max_kv_size: Optional[int] = None,
+    prompt_progress_callback: Optional[Callable[[int, int], None]] = None,
 ) -> Iterator[DFlashResponse]:
     """Generate with DFlash speculative decoding, one response per cycle.
 
@@ -143,6 +144,8 @@ def stream_generate(
     verify row masked as its own plain-decoding step is, so greedy output is mlx-lm's `generate_step(max_kv_size=)`
     (`dflash_mlx.models.target.kv_window`); chains and copies only, no token trees; with `prompt_cache`, the
     cache's own bound (`make_prompt_cache(model, draft, max_kv_size=)`).
+    `prompt_progress_callback(done, total)`: mlx-lm's, over the prompt tokens a reused `prompt_cache` does
+    not hold: (0, total) first, then after each prefill forward, (total, total) last.
     """
     tokenizer = wrap_tokenizer(tokenizer)
     prompt_ids = encode_prompt(tokenizer, prompt)
@@ -195,7 +198,8 @@ def stream_generate(
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):
         engine.add(BatchRequest(prompt_ids, options, stop_token_ids or (), logprobs, state,
-                                logits_processors=tuple(logits_processors or ()), kv_quantization=kv_quantization))
+                                logits_processors=tuple(logits_processors or ()), kv_quantization=kv_quantization,
+                                prompt_progress=prompt_progress_callback))
         while not engine.idle:  # the first token goes out before the first cycle runs
             for _, response in engine.prefill_step():
                 yield response

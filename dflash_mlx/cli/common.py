@@ -7,6 +7,7 @@ status; nothing here dispatches, so front ends import this module, never `cli`.
 """
 
 import argparse
+import sys
 from typing import Optional
 
 EXIT_FAIL, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
@@ -178,6 +179,30 @@ def kv_cache_kwargs(args) -> dict:
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None
     return kwargs
+
+
+def prompt_progress(stream=None, at_least: int = 4096):
+    """A `prompt_progress_callback` that shows a long prompt's prefill (at least `at_least` tokens to run) on a
+    terminal's `stream` (stderr), with rate and ETA, and clears its line when done; None off a terminal."""
+    from dflash_mlx.progress import Progress
+
+    stream = stream or sys.stderr
+    if not stream.isatty():
+        return None
+    shown = []
+
+    def update(done: int, total: int):
+        if total < at_least:
+            return
+        if not shown:
+            shown.append(Progress(total, "prompt", "tokens", every=0.5, stream=stream))
+        shown[0].update(done, force=done == total)
+        if done == total:
+            stream.write("\r\033[K")  # (the stats line follows the answer, not this one)
+            stream.flush()
+            shown.clear()
+
+    return update
 
 
 def max_kv_size_note(args, model) -> Optional[str]:

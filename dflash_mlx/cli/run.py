@@ -9,7 +9,8 @@ import sys
 
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
                                    add_draft_bits_arg, add_kv_cache_args, checked_options, kv_cache_kwargs, launched,
-                                   load_model_and_draft, max_kv_size_note, no_draft_note, remembers)
+                                   load_model_and_draft, max_kv_size_note, no_draft_note, prompt_progress,
+                                   remembers)
 from dflash_mlx.options import add_generation_args
 
 
@@ -114,7 +115,8 @@ def run(args) -> int:
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
-                                 deterministic=args.deterministic or None, **kv_cache, **kwargs):
+                                 deterministic=args.deterministic or None, **kv_cache, **kwargs,
+                                 prompt_progress_callback=prompt_progress() if speaks else None):
             pieces.append(r.text)
             tokens.extend(r.tokens)
             last = r

@@ -8,7 +8,7 @@ row that decodes alone, which is every `stream_generate` call, and its own batch
 """
 
 import time
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.generate import generation_stream
@@ -80,18 +80,23 @@ def prefill_bounds(num_tokens: int, step_size: int, deterministic: bool = False)
 
 
 def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt_ids: List[int],
-                   step_size: int, logits_out: Optional[list] = None, processors=()):
+                   step_size: int, logits_out: Optional[list] = None, processors=(),
+                   progress: Optional[Callable[[int, int], None]] = None):
     """Run the prompt tokens the cache does not hold, `step_size` at a time: a generator that
     yields the tokens run after each chunk but the last and returns (first token [1], tokens
     run) (the engine runs a few chunks of joining requests per step, so running rows keep
     flowing). `logits_out`: a list that gets the last prompt position's logits [1, V], after the
-    row's logits `processors` (`speculation.processors`), as the first token is chosen from them."""
+    row's logits `processors` (`speculation.processors`), as the first token is chosen from them.
+    `progress(done, total)`: mlx-lm's `prompt_progress_callback`, over the tokens the cache does not hold
+    (0 first, then after each forward; `total` last)."""
     discard(target, state)  # a cycle an earlier call launched and never landed
     new_ids = state.reuse(prompt_ids, target, drafter.draft)
     state.valid = False  # until the caches and `tokens` agree again
     cache = state.target_cache
     bounds = prefill_bounds(len(new_ids), step_size,
                             target.deterministic or state.kv_quantization is not None or state.windowed)
+    if progress is not None:
+        progress(0, len(new_ids))
     for start, stop in bounds:
         with mx.stream(generation_stream):
             if start == 0:
@@ -104,6 +109,8 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
             convert_due(cache, state.kv_quantization)
             if state.draft_cache:
                 mx.eval([kv for c in state.draft_cache for kv in c.fetch() if kv is not None])
+        if progress is not None:
+            progress(stop, len(new_ids))
         if stop < len(new_ids):
             yield chunk.shape[1]
     with mx.stream(generation_stream):

@@ -11,7 +11,7 @@ is in (`begin_answer`), a lone cycle (`cycle_alone`), its part of a batched veri
 
 import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -49,6 +49,8 @@ class BatchRequest:
     logits_processors: Sequence = ()
     # mlx-lm's kv_bits, kv_group_size and quantized_kv_start (`models.target.kv_quantization`); None: off
     kv_quantization: Optional[KVQuantization] = None
+    # mlx-lm's prompt_progress_callback: (tokens run, tokens to run) as the prompt's chunks run
+    prompt_progress: Optional[Callable[[int, int], None]] = None
 
 
 class Row:
@@ -95,7 +97,8 @@ class Row:
         self.first_logits: Optional[list] = [] if request.logprobs is not None else None
         self.processors = tuple(option_processors(opts)) + tuple(request.logits_processors or ())
         self.prefill = prefill_chunks(engine.target, self.drafter, self.acceptor, self.state, request.prompt_ids,
-                                      engine.prefill_chunk, self.first_logits, self.processors)
+                                      engine.prefill_chunk, self.first_logits, self.processors,
+                                      request.prompt_progress)
         self.queued_at = time.perf_counter()
         self.started: Optional[float] = None
         self.last: Optional[mx.array] = None  # [1] the last committed token
