@@ -371,7 +371,8 @@ def test_sampling_logprobs_match_reference():
         got = np.exp(np.array(sampling_logprobs(logits, **f)))
         np.testing.assert_allclose(got, ref_probs(np.array(logits), **f), atol=1e-5, err_msg=str(f))
     # XTC: with its coin always up, the filter alone (the mixture's other half is the plain filters)
-    for f in [dict(temperature=1.0, xtc=(1.0, 0.1, ())), dict(temperature=0.6, top_p=0.9, top_k=3, xtc=(1.0, 0.05, (7,)))]:
+    for f in [dict(temperature=1.0, xtc=(1.0, 0.1, ())),
+              dict(temperature=0.6, top_p=0.9, top_k=3, xtc=(1.0, 0.05, (7,)))]:
         got = np.exp(np.array(sampling_logprobs(logits, **acceptor_filters(f))))
         np.testing.assert_allclose(got, ref_probs(np.array(logits), **f), atol=1e-5, err_msg=str(f))
 

@@ -152,19 +152,7 @@ class BatchEngine:
         if outside:  # (an index past the logits: garbage, no error)
             raise ValueError(f"logit_bias names token id {outside[0]}, outside {self.target.name}'s vocabulary of "
                              f"{self.target.vocab_size} tokens")
-        cache = request.prompt_cache.target_cache if request.prompt_cache is not None else []
-        if request.kv_quantization is not None or kv_quantization.holds_quantized(cache):
-            if self.max_batch > 1:  # (mlx-lm's batch caches have no quantized kind)
-                raise UnsupportedTargetError(f"kv_bits: {self.target.name}: a quantized KV cache runs one sequence "
-                                             "at a time (an engine of max_batch=1)")
-            if request.kv_quantization is not None:
-                kv_quantization.check(self.target, request.kv_quantization)
-            kv_quantization.row_limit(self.target, cache, request.kv_quantization)  # (probed now, not mid-cycle)
-        if request.prompt_cache is not None and request.prompt_cache.windowed:
-            if self.max_batch > 1:  # (mlx-lm's batch windows keep no front tokens)
-                raise UnsupportedTargetError(f"max_kv_size: {self.target.name}: a bounded KV cache runs one sequence "
-                                             "at a time (an engine of max_batch=1)")
-            kv_window.check(self.target, quantized=request.kv_quantization is not None)
+        check_cache_settings(self.target, self.max_batch, request)
         self._uid += 1
         row = Row(self._uid, request, self)
         self.joining.append(row)
@@ -345,3 +333,21 @@ class BatchEngine:
             "width_key": self.widths.key if self.widths is not None else None,
             "batched_ahead": dict(self.ahead_counts),
         }
+
+
+def check_cache_settings(target, max_batch: int, request: BatchRequest):
+    """Refuse, in one line, a quantized KV cache (`kv_bits`, or a prompt cache an earlier call quantized)
+    or a bounded one (`max_kv_size`) the engine cannot run exactly: both one sequence at a time (mlx-lm's
+    batch caches have no quantized kind, and its batch windows keep no front tokens)."""
+    cache = request.prompt_cache.target_cache if request.prompt_cache is not None else []
+    alone = "runs one sequence at a time (an engine of max_batch=1)"
+    if request.kv_quantization is not None or kv_quantization.holds_quantized(cache):
+        if max_batch > 1:
+            raise UnsupportedTargetError(f"kv_bits: {target.name}: a quantized KV cache {alone}")
+        if request.kv_quantization is not None:
+            kv_quantization.check(target, request.kv_quantization)
+        kv_quantization.row_limit(target, cache, request.kv_quantization)  # (probed now, not mid-cycle)
+    if request.prompt_cache is not None and request.prompt_cache.windowed:
+        if max_batch > 1:
+            raise UnsupportedTargetError(f"max_kv_size: {target.name}: a bounded KV cache {alone}")
+        kv_window.check(target, quantized=request.kv_quantization is not None)

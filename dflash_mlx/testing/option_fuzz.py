@@ -1,8 +1,8 @@
 """Random engine options on random architectures, each case checked against mlx-lm's own greedy
-decode: what no hand-written test combines (a width with a prefill chunk, a stop, a second turn
-on the prompt cache, deterministic mode, mlx-lm's bounded KV cache, a prompt whose answer crosses the KV cache's growth step;
-in the batch engine, rows joining a lone row after its rollbacks, second turns joining together,
-the index of earlier answers).
+decode: what no hand-written test combines (a width with a prefill chunk, a stop, a second turn on the
+prompt cache, deterministic mode, mlx-lm's bounded KV cache, a prompt whose answer crosses the KV cache's
+growth step; in the batch engine, rows joining a lone row after its rollbacks, second turns joining
+together, the index of earlier answers).
 
 A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`, `batch_case(seed)`
 serves 2-5 requests through one `BatchEngine`, `split_case(seed, families)` decodes on a model
@@ -112,9 +112,7 @@ def stream_case(seed: int, guess: bool = False) -> dict:
     if row["dtype"] == "bfloat16":
         row["options"]["deterministic"] = True
     row["options"].update(_penalties(random.Random(f"penalties {seed}")))
-    window = random.Random(f"window {seed}")  # mlx-lm's bounded KV cache (`max_kv_size`), in a case in five
-    if window.random() < 0.2:
-        # (no second turn: a fresh decode of the whole conversation fills the window in other chunks)
+    if (window := random.Random(f"window {seed}")).random() < 0.2:  # mlx-lm's bounded KV cache, a case in five
         row["options"]["max_kv_size"], row["turns"] = window.choice([5, 6, 8, 13, 32]), False
     row["foreign"] = foreign_case(seed, row["key"])  # mlx-lm's forwards on another thread meanwhile
     if guess:
@@ -218,8 +216,8 @@ def _stream(row: dict, rng: random.Random):
         row["status"] = "no split"
         return
     opts, max_tokens = row["options"], row["max_tokens"]
-    # deterministic mode and a bounded cache prefill in mlx-lm's own chunks, whatever `prefill_step_size` says
     bound = {"max_kv_size": opts["max_kv_size"]} if opts.get("max_kv_size") else {}
+    # deterministic mode and a bounded cache prefill in mlx-lm's own chunks, whatever `prefill_step_size` says
     step = MLX_LM_PREFILL_STEP if opts.get("deterministic") or bound else opts["prefill_step_size"]
     prompt = [rng.randrange(3, arch_check.VOCAB) for _ in range(row["prompt_len"])]
     processors = _processors(opts)
@@ -249,9 +247,9 @@ def _stream(row: dict, rng: random.Random):
         row.update(status="mismatch", reason=_parted(out, ref) if out != ref else foreign.fault())
         return
     row["status"] = "exact"
-    # a second turn that extends the first's prompt and answer, on its caches, against a fresh decode
-    # of the whole: in float32 only, where the reused entries (computed in the first turn's shapes)
-    # round as a fresh prefill's do to the last bits or so (docs/targets.md, deterministic mode)
+    # a second turn extending the first's prompt and answer, on its caches, against a fresh decode of the whole:
+    # float32 only, where the reused entries round as a fresh prefill's do to the last bits or so (docs/targets.md);
+    # never with a bounded cache (turns off when drawn), whose window a fresh decode fills in other chunks
     if row["turns"] and row.get("dtype", "float32") == "float32":
         extra = [rng.randrange(3, arch_check.VOCAB) for _ in range(rng.choice([1, 4, 9]))]
         if isinstance(draft, ScriptedDraft):  # (scripted for the first turn only)

@@ -125,20 +125,19 @@ def _refusal(target) -> Optional[str]:
     # from it, or the model does not read its cache's mask at all.
     ids = mx.array([[(7 * i + 3) % target.vocab_size for i in range(12)]])
     try:
-        rows, steps = [StepsWindowCache(8, keep=KEEP) for _ in target.model.layers], []
-        for i in range(8):
-            target.forward(ids[:, i : i + 1], rows)
-        theirs = copy.deepcopy(rows)
+        stepped, steps = [StepsWindowCache(8, keep=KEEP) for _ in target.model.layers], []
+        for i in range(12):
+            if i == 8:  # (the window full: the verifies start from here)
+                rows, theirs = copy.deepcopy(stepped), copy.deepcopy(stepped)
+            steps.append(target.forward(ids[:, i : i + 1], stepped)[0])
+        steps = target.logits(mx.concatenate(steps[8:], axis=1))
         ours = target.logits(target.forward(ids[:, 8:], rows)[0])
         with chunk_rows(theirs):
             mlx_lm_mask = target.logits(target.forward(ids[:, 8:], theirs)[0])
-        stepped = [StepsWindowCache(8, keep=KEEP) for _ in target.model.layers]
-        for i in range(12):
-            steps.append(target.forward(ids[:, i : i + 1], stepped)[0])
-        steps = target.logits(mx.concatenate(steps[8:], axis=1))
         gap, their_gap = (mx.abs(x - steps).max().item() for x in (ours, mlx_lm_mask))
     except Exception as e:
-        return f"its attention does not run on a bounded KV cache ({type(e).__name__}: {' '.join(str(e).split())[:160]})"
+        line = " ".join(str(e).split())[:160]
+        return f"its attention does not run on a bounded KV cache ({type(e).__name__}: {line})"
     if not gap < their_gap / 4:
         return ("its attention does not take its cache's masks (a verify past the window does not give plain "
                 "decoding's steps): run it without max_kv_size")
