@@ -14,10 +14,8 @@ Writes README.md and results.json.
 
 import argparse
 import datetime
-import json
 import random
 import sys
-import time
 from pathlib import Path
 
 import dflash_mlx  # noqa: F401  (before mlx.core)
@@ -91,8 +89,8 @@ def check(key: str, size: int) -> dict:
 
 
 def main(argv=None):
-    from dflash_mlx.progress import Progress
     from dflash_mlx.testing import arch_check
+    from dflash_mlx.testing.arch_sweep import exact_and_changed, sweep, write_report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=8)
@@ -100,38 +98,16 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     keys = args.keys.split(",") if args.keys else list(arch_check.ARCHITECTURES)
-    results, t0 = {}, time.perf_counter()
-    progress = Progress(len(keys), "architectures")
-    for i, key in enumerate(keys):
-        try:
-            results[key] = check(key, args.size)
-        except Exception as e:  # a crash is a finding, not the end of the sweep
-            results[key] = dict(status="error", reason=f"{type(e).__name__}: {e}"[:300])
-        progress.update(i + 1, f"{key}: {results[key]['status']}", force=True)
-    progress.close()
-    counts = {}
-    for r in results.values():
-        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    results, counts, seconds = sweep(keys, lambda key: check(key, args.size))
+    command = (f"`python benchmarks/kv_window_sweep.py --size {args.size}`: {len(keys)} architectures, max_kv_size "
+               f"{args.size}, prompts of {' and '.join(map(str, PROMPT_LENGTHS))} tokens, {MAX_TOKENS} tokens, "
+               f"float32, MLX {mx.__version__} ({mx.default_device()}); {seconds:.0f} s.")
+    changed = (f"Exact on a bounded cache where the bound changed mlx-lm's answer: {exact_and_changed(results)} of "
+               f"{counts.get('exact', 0)}. \"own caches\": the model makes its own (mlx-lm ignores `max_kv_size`; "
+               "so does the engine), checked all the same.")
     out = Path(args.out or HERE / "results" / f"{datetime.date.today():%Y%m%d}-kv-window-sweep")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(dict(size=args.size, results=results), indent=1))
-    changed = sum(1 for r in results.values() if r["status"] == "exact" and r.get("changed"))
-    lines = [f"# A bounded KV cache on every architecture ({datetime.date.today()})", "",
-             f"`python benchmarks/kv_window_sweep.py --size {args.size}`: {len(keys)} architectures, max_kv_size "
-             f"{args.size}, prompts of {' and '.join(map(str, PROMPT_LENGTHS))} tokens, {MAX_TOKENS} tokens, "
-             f"float32, MLX {mx.__version__} ({mx.default_device()}); {time.perf_counter() - t0:.0f} s.", "",
-             "| outcome | architectures |", "|---|---:|"]
-    lines += [f"| {k} | {v} |" for k, v in sorted(counts.items())]
-    lines += ["", f"Exact on a bounded cache where the bound changed mlx-lm's answer: {changed} of "
-              f"{counts.get('exact', 0)}. \"own caches\": the model makes its own (mlx-lm ignores `max_kv_size`; "
-              "so does the engine), checked all the same.",
-              "", "| architecture | outcome | changed | reason |", "|---|---|---|---|"]
-    for key, r in results.items():
-        reason = r.get("reason", "").replace("|", "/").replace("\n", " ")
-        lines.append(f"| {key} | {r['status']} | {'yes' if r.get('changed') else ''} | {reason} |")
-    (out / "README.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[:12]))
-    return 0 if not counts.get("mismatch") and not counts.get("error") else 1
+    return write_report(out, f"A bounded KV cache on every architecture ({datetime.date.today()})", command,
+                        results, counts, changed, dict(size=args.size))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.kv_quantization import KVQuantization
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.options import GenerationOptions
-from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, greedy_reference, tiny_target
+from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, decoded, greedy_reference, tiny_target
 
 # head dimensions the group size 32 divides (the tiny configs' own are 16)
 TARGETS = {
@@ -37,15 +37,6 @@ def _target(name):
 
 def _kv(bits, start):
     return dict(kv_bits=bits, kv_group_size=GROUP, quantized_kv_start=start)
-
-
-def _decode(model, draft, tok, prompt, max_tokens, width="auto", **kwargs):
-    out, kinds = [], []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, block_size=width, stop_token_ids=[],
-                             **kwargs):
-        out += r.tokens
-        kinds.append(r.proposal)
-    return out, kinds
 
 
 def _case(model, length, max_tokens, seed, **kv):
@@ -75,13 +66,13 @@ def test_greedy_is_mlx_lm_greedy_with_a_quantized_kv_cache(name, bits):
         right = [rng.randrange(0, 10) for _ in range(200)]
         for width in (1, 4, 16, "auto"):
             draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=16)
-            out, _ = _decode(model, draft, tok, prompt, max_tokens, width, **_kv(bits, start))
+            out, _ = decoded(model, draft, tok, prompt, max_tokens, width, **_kv(bits, start))
             assert out == ref, (name, bits, start, width)
         # no draft (copies where they pay), plain decoding, a random draft
-        assert _decode(model, None, tok, prompt, max_tokens, **_kv(bits, start))[0] == ref, (name, start)
-        assert _decode(model, None, tok, prompt, max_tokens, baseline=True, **_kv(bits, start))[0] == ref
+        assert decoded(model, None, tok, prompt, max_tokens, **_kv(bits, start))[0] == ref, (name, start)
+        assert decoded(model, None, tok, prompt, max_tokens, baseline=True, **_kv(bits, start))[0] == ref
         draft = random_draft(model, block_size=8, num_layers=1)
-        assert _decode(model, draft, tok, prompt, max_tokens, **_kv(bits, start))[0] == ref, (name, start)
+        assert decoded(model, draft, tok, prompt, max_tokens, **_kv(bits, start))[0] == ref, (name, start)
 
 
 def test_the_conversion_changes_the_answer_and_is_where_mlx_lm_makes_it():
@@ -94,7 +85,7 @@ def test_the_conversion_changes_the_answer_and_is_where_mlx_lm_makes_it():
     assert ref != greedy_reference(model, prompt, 40, **_kv(2, 27))
     target = Target(model)
     draft = ScriptedDraft(target, prompt + ref, lambda c: 10**9, block_size=16)  # every block accepted
-    out, _ = _decode(model, draft, tok, prompt, 40, 16, **_kv(2, 26))
+    out, _ = decoded(model, draft, tok, prompt, 40, 16, **_kv(2, 26))
     assert out == ref
 
 
@@ -108,7 +99,7 @@ def test_a_long_prompt_converts_after_mlx_lm_s_chunk():
     assert ref != greedy_reference(model, prompt, 24, **_kv(2, start), prefill_step_size=512)
     target = Target(model)
     draft = ScriptedDraft(target, prompt + ref, lambda c: c % 5, block_size=8)
-    out, _ = _decode(model, draft, tok, prompt, 24, prefill_step_size=512, **_kv(2, start))
+    out, _ = decoded(model, draft, tok, prompt, 24, prefill_step_size=512, **_kv(2, start))
     assert out == ref
 
 
@@ -117,7 +108,7 @@ def test_deterministic_mode_with_a_quantized_kv_cache():
     prompt, ref = _case(model, 20, 40, seed=5, **_kv(4, 27))
     target = Target(model)
     draft = ScriptedDraft(target, prompt + ref, lambda c: c % 7, block_size=8)
-    out, _ = _decode(model, draft, tok, prompt, 40, 8, deterministic=True, **_kv(4, 27))
+    out, _ = decoded(model, draft, tok, prompt, 40, 8, deterministic=True, **_kv(4, 27))
     assert out == ref
 
 
@@ -130,7 +121,7 @@ def test_copies_and_no_token_trees_with_a_quantized_kv_cache(always_copy):
     prompt = text + text + text[:5]
     ref = greedy_reference(model, prompt, 40, **_kv(4, 70))
     draft = random_draft(model, block_size=8, num_layers=1)
-    out, kinds = _decode(model, draft, tok, prompt, len(ref), **_kv(4, 70))
+    out, kinds = decoded(model, draft, tok, prompt, len(ref), **_kv(4, 70))
     assert out == ref
     assert "tree" not in kinds and "copy_tree" not in kinds
 
@@ -139,10 +130,10 @@ def test_the_caches_are_quantized_past_the_start():
     model, tok = _target("qwen3")
     cache = make_prompt_cache(model)
     prompt = list(range(40, 60))
-    _decode(model, None, tok, prompt, 8, baseline=True, prompt_cache=cache, **_kv(4, 10_000))
+    decoded(model, None, tok, prompt, 8, baseline=True, prompt_cache=cache, **_kv(4, 10_000))
     assert all(type(c) is KVCache for c in cache.target_cache)
     cache = make_prompt_cache(model)
-    _decode(model, None, tok, prompt, 8, baseline=True, prompt_cache=cache, **_kv(4, 24))
+    decoded(model, None, tok, prompt, 8, baseline=True, prompt_cache=cache, **_kv(4, 24))
     assert all(type(c) is QuantizedKVCache and c.bits == 4 and c.group_size == GROUP for c in cache.target_cache)
     assert cache.target_cache[0].offset == len(prompt) + 7
 
@@ -150,16 +141,16 @@ def test_the_caches_are_quantized_past_the_start():
 def test_refusals_name_what_is_wrong():
     model, tok = tiny_target("gemma3_text")  # sliding windows: mlx-lm cannot quantize them either
     with pytest.raises(UnsupportedTargetError, match="RotatingKVCache caches cannot be quantized"):
-        _decode(model, None, tok, [1, 2, 3], 4, kv_bits=4, kv_group_size=32)
+        decoded(model, None, tok, [1, 2, 3], 4, kv_bits=4, kv_group_size=32)
     model, tok = tiny_target("qwen3")  # head dimension 16: groups of 64 do not fit
     with pytest.raises(UnsupportedTargetError, match="cannot be quantized to 4 bits in groups of 64"):
-        _decode(model, None, tok, [1, 2, 3], 4, kv_bits=4)
+        decoded(model, None, tok, [1, 2, 3], 4, kv_bits=4)
     with pytest.raises(ValueError, match="kv_bits takes one of"):
-        _decode(model, None, tok, [1, 2, 3], 4, kv_bits=7)
+        decoded(model, None, tok, [1, 2, 3], 4, kv_bits=7)
     with pytest.raises(ValueError, match="kv_group_size takes one of"):
-        _decode(model, None, tok, [1, 2, 3], 4, kv_bits=4, kv_group_size=48)
+        decoded(model, None, tok, [1, 2, 3], 4, kv_bits=4, kv_group_size=48)
     with pytest.raises(ValueError, match="quantized_kv_start must be"):
-        _decode(model, None, tok, [1, 2, 3], 4, kv_bits=4, quantized_kv_start=-1)
+        decoded(model, None, tok, [1, 2, 3], 4, kv_bits=4, quantized_kv_start=-1)
     engine = BatchEngine(model, None, tok, max_batch=2)
     with pytest.raises(UnsupportedTargetError, match="one sequence at a time"):
         engine.add(BatchRequest([1, 2, 3], GenerationOptions(max_tokens=4), kv_quantization=KVQuantization(4, 32)))
@@ -207,10 +198,10 @@ def test_a_prompt_cache_quantized_before_stays_exact_without_kv_bits():
     draft = random_draft(model, block_size=8, num_layers=1)
     prompt, _ = _case(model, 20, 8, seed=4, **_kv(2, 22))
     cache = make_prompt_cache(model, draft)
-    first, _ = _decode(model, draft, tok, prompt, 8, prompt_cache=cache, **_kv(2, 22))
+    first, _ = decoded(model, draft, tok, prompt, 8, prompt_cache=cache, **_kv(2, 22))
     assert all(type(c) is QuantizedKVCache for c in cache.target_cache)
     follow = prompt + first + [65, 66, 67]
-    second, kinds = _decode(model, draft, tok, follow, 24, prompt_cache=cache)
+    second, kinds = decoded(model, draft, tok, follow, 24, prompt_cache=cache)
     assert "tree" not in kinds and "copy_tree" not in kinds
     # mlx-lm: its own caches after the first call (the prompt and the answer but its last token), then the rest
     ref_cache = make_prompt_cache(model).target_cache
@@ -244,7 +235,7 @@ def test_no_cycle_is_queued_on_a_guess_across_the_line(monkeypatch):
         right = [rng.choice([1, 2, 10**9]) for _ in range(200)]  # often whole, often not
         draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=4)
         # (3 rows: the most that round as one-row steps do on this CPU, `row_invariant_width`)
-        out, _ = _decode(model, draft, tok, prompt, 40, 3, **_kv(2, start))
+        out, _ = decoded(model, draft, tok, prompt, 40, 3, **_kv(2, start))
         assert out == ref, start
 
 

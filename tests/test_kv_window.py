@@ -21,21 +21,12 @@ from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.kv_window import StepsWindowCache
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.options import GenerationOptions
-from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, greedy_reference, tiny_target
+from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, decoded, greedy_reference, tiny_target
 
 
 def _target():
     # (untied: the tiny tied qwen3's greedy answers repeat one token, whatever the window)
     return tiny_target("qwen3", head_dim=32, tie_word_embeddings=False)
-
-
-def _decode(model, draft, tok, prompt, max_tokens, width="auto", **kwargs):
-    out, kinds = [], []
-    for r in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, block_size=width, stop_token_ids=[],
-                             **kwargs):
-        out += r.tokens
-        kinds.append(r.proposal)
-    return out, kinds
 
 
 def _case(model, length, max_tokens, seed, size):
@@ -61,13 +52,13 @@ def test_greedy_is_mlx_lm_greedy_on_a_bounded_kv_cache(size, length):
     right = [rng.randrange(0, 10) for _ in range(200)]
     for width in (1, 4, 16, "auto"):
         draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=16)
-        assert _decode(model, draft, tok, prompt, 48, width, max_kv_size=size)[0] == ref, (size, length, width)
-    assert _decode(model, None, tok, prompt, 48, max_kv_size=size)[0] == ref
-    assert _decode(model, None, tok, prompt, 48, baseline=True, max_kv_size=size)[0] == ref
+        assert decoded(model, draft, tok, prompt, 48, width, max_kv_size=size)[0] == ref, (size, length, width)
+    assert decoded(model, None, tok, prompt, 48, max_kv_size=size)[0] == ref
+    assert decoded(model, None, tok, prompt, 48, baseline=True, max_kv_size=size)[0] == ref
     draft = random_draft(model, block_size=8, num_layers=1)
-    assert _decode(model, draft, tok, prompt, 48, max_kv_size=size)[0] == ref
+    assert decoded(model, draft, tok, prompt, 48, max_kv_size=size)[0] == ref
     draft = ScriptedDraft(target, prompt + ref, lambda c: right[c], block_size=8)
-    assert _decode(model, draft, tok, prompt, 48, 8, max_kv_size=size, deterministic=True)[0] == ref
+    assert decoded(model, draft, tok, prompt, 48, 8, max_kv_size=size, deterministic=True)[0] == ref
 
 
 def test_mlx_lm_s_own_mask_on_a_verify_gives_other_tokens(monkeypatch):
@@ -78,14 +69,14 @@ def test_mlx_lm_s_own_mask_on_a_verify_gives_other_tokens(monkeypatch):
     prompt, ref = _case(model, 20, 48, seed=1, size=8)
     target = Target(model)
     draft = ScriptedDraft(target, prompt + ref, lambda c: 10**9, block_size=16)  # every block accepted
-    assert _decode(model, draft, tok, prompt, 48, 16, max_kv_size=8)[0] == ref
+    assert decoded(model, draft, tok, prompt, 48, 16, max_kv_size=8)[0] == ref
     monkeypatch.setattr(StepsWindowCache, "make_mask", RotatingKVCache.make_mask)  # (mlx-lm's, for every forward)
     fresh, tok = _target()
     with pytest.raises(UnsupportedTargetError, match="does not take its cache's masks"):
-        _decode(fresh, None, tok, prompt, 4, max_kv_size=8)
+        decoded(fresh, None, tok, prompt, 4, max_kv_size=8)
     monkeypatch.setattr(kv_window, "check", lambda target, quantized=False: None)
     draft = ScriptedDraft(Target(fresh), prompt + ref, lambda c: 10**9, block_size=16)
-    assert _decode(fresh, draft, tok, prompt, 48, 16, max_kv_size=8)[0] != ref
+    assert decoded(fresh, draft, tok, prompt, 48, 16, max_kv_size=8)[0] != ref
 
 
 def test_a_long_prompt_runs_in_mlx_lm_s_chunks():
@@ -102,7 +93,7 @@ def test_a_long_prompt_runs_in_mlx_lm_s_chunks():
     else:
         raise AssertionError("no case whose answer depends on the chunking")
     draft = ScriptedDraft(Target(model), prompt + ref, lambda c: c % 5, block_size=8)
-    assert _decode(model, draft, tok, prompt, 24, prefill_step_size=500, max_kv_size=size)[0] == ref
+    assert decoded(model, draft, tok, prompt, 24, prefill_step_size=500, max_kv_size=size)[0] == ref
 
 
 def test_a_second_turn_on_the_same_prompt_cache(always_copy):
@@ -120,7 +111,7 @@ def test_a_second_turn_on_the_same_prompt_cache(always_copy):
         if len(first) >= 12:
             break  # (a cycle may be launched ahead: closed here, it is discarded)
     follow = prompt + first + text[:6]
-    second, kinds = _decode(model, draft, tok, follow, 30, prompt_cache=cache)
+    second, kinds = decoded(model, draft, tok, follow, 30, prompt_cache=cache)
     assert "tree" not in kinds and "copy_tree" not in kinds
     # mlx-lm on its own bounded cache: the first answer but its last token, then the rest
     ref_cache = mlx_lm_cache(model, max_kv_size=16)
@@ -144,19 +135,19 @@ def test_a_model_with_caches_of_its_own_keeps_them():
     draft = random_draft(model, block_size=8)
     cache = make_prompt_cache(model, draft, max_kv_size=8)
     assert not cache.windowed
-    assert _decode(model, draft, tok, prompt, 24, max_kv_size=8, prompt_cache=cache)[0] == ref
+    assert decoded(model, draft, tok, prompt, 24, max_kv_size=8, prompt_cache=cache)[0] == ref
 
 
 def test_refusals_name_what_is_wrong():
     model, tok = _target()
     for bad in (4, 0, -1, 2.5, True, "8"):
         with pytest.raises(ValueError, match="max_kv_size must be a whole number > 4"):
-            _decode(model, None, tok, [1, 2, 3], 4, max_kv_size=bad)
+            decoded(model, None, tok, [1, 2, 3], 4, max_kv_size=bad)
     with pytest.raises(UnsupportedTargetError, match="bounded KV cache cannot be quantized"):
-        _decode(model, None, tok, [1, 2, 3], 4, max_kv_size=8, kv_bits=4, kv_group_size=32)
+        decoded(model, None, tok, [1, 2, 3], 4, max_kv_size=8, kv_bits=4, kv_group_size=32)
     cache = make_prompt_cache(model, max_kv_size=8)
     with pytest.raises(ValueError, match="prompt_cache was made with max_kv_size=8, not 16"):
-        _decode(model, None, tok, [1, 2, 3], 4, max_kv_size=16, prompt_cache=cache)
+        decoded(model, None, tok, [1, 2, 3], 4, max_kv_size=16, prompt_cache=cache)
     engine = BatchEngine(model, None, tok, max_batch=2)
     with pytest.raises(UnsupportedTargetError, match="one sequence at a time"):
         engine.add(BatchRequest([1, 2, 3], GenerationOptions(max_tokens=4), prompt_cache=cache))

@@ -676,15 +676,25 @@ def test_stats_panel_under_auto():
     assert "block 4  temp 0  max 32" in panel_lines(stats, "m", "d", 4, 0.0, 32, False, "ready")
 
 
-def test_chat_with_a_quantized_kv_cache():
-    """`dflash-mlx chat --kv-bits`: every answer and baseline run gets mlx-lm's quantized KV cache; the first
-    answer is mlx-lm's greedy decode under it, and a later turn's baseline (a fresh cache, converted where the
-    conversation's was not) is not called a mismatch. A bad setting is a usage error before the app starts."""
+KV_CACHE_SETTINGS = {  # (model, its chat's kv_cache, bad flags, their usage error)
+    "kv_bits": (("llama", dict(hidden_size=128, layer_types=["full_attention"] * 4, sliding_window=None)),
+                dict(kv_bits=2, kv_group_size=32, quantized_kv_start=30),
+                ["--kv-bits", "4", "--quantized-kv-start", "-1"], "quantized_kv_start must be"),
+    "max_kv_size": (("qwen3", dict(head_dim=32, tie_word_embeddings=False)), dict(max_kv_size=8),
+                    ["--max-kv-size", "3"], "max_kv_size must be a whole number > 4"),
+}
+
+
+@pytest.mark.parametrize("setting", list(KV_CACHE_SETTINGS))
+def test_chat_with_mlx_lm_s_kv_cache_settings(setting):
+    """`dflash-mlx chat --kv-bits` / `--max-kv-size`: every answer and baseline run gets mlx-lm's quantized or
+    bounded KV cache (the conversation's prompt cache bounded from its first turn); the first answer is
+    mlx-lm's greedy decode under it, and a later turn's baseline (a fresh cache, converted or filled where
+    the conversation's was not) is not called a mismatch. A bad setting is a usage error before the app starts."""
     from dflash_mlx.cli.common import CLIError, kv_cache_kwargs
 
-    model, tok = targets.tiny_target("llama", hidden_size=128, layer_types=["full_attention"] * 4,
-                                     sliding_window=None)
-    kv = dict(kv_bits=2, kv_group_size=32, quantized_kv_start=30)
+    (arch, overrides), kv, bad_flags, error = KV_CACHE_SETTINGS[setting]
+    model, tok = targets.tiny_target(arch, **overrides)
     calls = []
 
     def stream_fn(*args, **kwargs):
@@ -694,46 +704,15 @@ def test_chat_with_a_quantized_kv_cache():
     s = ChatSession(model, tok, random_draft(model, num_layers=1, block_size=4),
                     Settings(max_tokens=24, system="Be brief."), stream_fn=stream_fn, kv_cache=kv)
     first = s.turn("hello there", lambda turn, new: None, lambda: False)
+    assert s.cache.windowed == (setting == "max_kv_size") and s.cache.max_kv_size == kv.get("max_kv_size")
     ref = targets.greedy_reference(model, first.prompt_ids, 24, **kv)
-    assert first.tokens == ref[: len(first.tokens)] and not first.reused_cache
-    assert ref != targets.greedy_reference(model, first.prompt_ids, 24)  # (the 2-bit cache changes this answer)
+    assert first.tokens == ref[: len(first.tokens)] and len(first.tokens) >= 4 and not first.reused_cache
+    assert ref != targets.greedy_reference(model, first.prompt_ids, 24)  # (the setting changes this answer)
     s.baseline(first, lambda: False)
     assert first.stats.baseline_same is True
     second = s.turn("and again", lambda turn, new: None, lambda: False)
     s.baseline(second, lambda: False)
     assert second.reused_cache and second.stats.baseline_same is None
     assert calls == [kv] * 4
-    args = build_parser().parse_args(["--kv-bits", "4", "--quantized-kv-start", "-1"])
-    with pytest.raises(CLIError, match="quantized_kv_start must be"):
-        kv_cache_kwargs(args)
-
-
-def test_chat_with_a_bounded_kv_cache():
-    """`dflash-mlx chat --max-kv-size`: the conversation's prompt cache is bounded from its first turn, the
-    first answer is mlx-lm's greedy decode on the same bounded cache, and every answer and baseline run gets
-    the bound; a bad bound is a usage error before the app starts."""
-    from dflash_mlx.cli.common import CLIError, kv_cache_kwargs
-
-    model, tok = targets.tiny_target("qwen3", head_dim=32, tie_word_embeddings=False)
-    kv = dict(max_kv_size=8)
-    calls = []
-
-    def stream_fn(*args, **kwargs):
-        calls.append({k: kwargs.get(k) for k in kv})
-        return stream_generate(*args, **kwargs)
-
-    s = ChatSession(model, tok, random_draft(model, num_layers=1, block_size=4),
-                    Settings(max_tokens=24, system="Be brief."), stream_fn=stream_fn, kv_cache=kv)
-    first = s.turn("hello there", lambda turn, new: None, lambda: False)
-    assert s.cache.windowed and s.cache.max_kv_size == 8
-    ref = targets.greedy_reference(model, first.prompt_ids, 24, **kv)
-    assert first.tokens == ref[: len(first.tokens)] and len(first.tokens) >= 4
-    assert ref != targets.greedy_reference(model, first.prompt_ids, 24)  # (the bound changes this answer)
-    s.baseline(first, lambda: False)
-    assert first.stats.baseline_same is True
-    second = s.turn("and again", lambda turn, new: None, lambda: False)
-    s.baseline(second, lambda: False)
-    assert second.reused_cache and second.stats.baseline_same is None
-    assert calls == [kv] * 4
-    with pytest.raises(CLIError, match="max_kv_size must be a whole number > 4"):
-        kv_cache_kwargs(build_parser().parse_args(["--max-kv-size", "3"]))
+    with pytest.raises(CLIError, match=error):
+        kv_cache_kwargs(build_parser().parse_args(bad_flags))

@@ -109,6 +109,19 @@ def greedy_reference(model, prompt_ids: Sequence[int], max_tokens: int, stop_ids
     return out
 
 
+def decoded(model, draft, tokenizer, prompt_ids: Sequence[int], max_tokens: int, width="auto", **kwargs):
+    """(DFlash's greedy tokens for `prompt_ids`, each response's `proposal`), `stream_generate`'s `kwargs`
+    on top, at `width`, stopping at EOS only (as mlx-lm's decode does)."""
+    from dflash_mlx import stream_generate
+
+    out, proposals = [], []
+    for r in stream_generate(model, draft, tokenizer, prompt_ids, max_tokens=max_tokens, block_size=width,
+                             stop_token_ids=[], **kwargs):
+        out += r.tokens
+        proposals.append(r.proposal)
+    return out, proposals
+
+
 def clean_case(model, length: int, max_tokens: int, seed: int, make_cache=None):
     """(prompt, greedy reference) for a random byte prompt whose greedy continuation has no
     EOS (the engine stops on EOS, as mlx-lm does), so every case runs to its full length."""
