@@ -371,11 +371,15 @@ def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
         penalty = app.screen.query_one("#repetition_penalty")
         bad_penalty = (await try_values(app, pilot, penalty, ("-1",)))["-1"]
         penalty.value = "1.1"
+        threshold = app.screen.query_one("#xtc_threshold")
+        bad_threshold = (await try_values(app, pilot, threshold, ("0.7",)))["0.7"]
+        threshold.value = "0.2"
+        app.screen.query_one("#xtc_probability").value = "0.5"
         await pilot.press("enter")
         await pilot.pause(0.05)
-        return shown, refused, bad_proposals, bad_penalty, isinstance(app.screen, SettingsScreen)
+        return shown, refused, bad_proposals, (bad_penalty, bad_threshold), isinstance(app.screen, SettingsScreen)
 
-    shown, refused, bad_proposals, bad_penalty, still_open = run(app, script)
+    shown, refused, bad_proposals, (bad_penalty, bad_threshold), still_open = run(app, script)
     assert shown == "1"
     for text, (was_open, notes) in refused.items():
         assert was_open, text
@@ -387,6 +391,8 @@ def test_settings_dialog_rejects_a_bad_top_p_and_saves_a_good_one(tiny):
     assert bad_penalty[0] and "repetition penalty must be >= 0" in bad_penalty[1][0][0]
     assert (s.top_p, s.temperature, s.seed, s.max_tokens, s.draft_sampling) == (0.9, 0.7, 5, MAX, "sample")
     assert s.repetition_penalty == 1.1 and len(s.processors()) == 1
+    assert bad_threshold[0] and "xtc threshold must be in [0, 0.5]" in bad_threshold[1][0][0]
+    assert (s.xtc_probability, s.xtc_threshold) == (0.5, 0.2)
 
 
 def test_engine_error_shows_a_notification_and_the_app_goes_on(tiny):

@@ -142,6 +142,8 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         ("top_p", "top-p", float),
         ("top_k", "top-k", int),
         ("min_p", "min-p", float),
+        ("xtc_probability", "xtc", float),
+        ("xtc_threshold", "xtc threshold", float),
         ("seed", "seed", int),
         ("draft_sampling", "proposals", str),
         ("repetition_penalty", "repetition", float),
@@ -157,7 +159,7 @@ class SettingsScreen(ModalScreen[Optional[Settings]]):
         s = self.settings
         placeholders = {"block_size": f"auto (empty), draft ({self.draft_block_size}) or a number",
                         "seed": "empty: none", "draft_sampling": "argmax or sample",
-                        "repetition_penalty": "empty: off (e.g. 1.1)"}
+                        "repetition_penalty": "empty: off (e.g. 1.1)", "xtc_probability": "0: off (e.g. 0.5)"}
         with Grid():
             for name, label, _ in self.FIELDS:
                 value = getattr(s, name)
