@@ -14,7 +14,7 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     try:
         import check
 
-        check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,host,batch,exactness,shapes"])
+        check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,host,batch,exactness,kvcache,shapes"])
     finally:
         sys.path.remove(str(GPU))
     results = json.loads((tmp_path / "results.json").read_text())
@@ -24,6 +24,10 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     rows = parts["exactness"]["rows"]
     assert {r["deterministic"] for r in rows} == {True, False}
     assert all(r["diverged"] == 0 for r in rows if r["deterministic"])
+    kv = parts["kvcache"]["rows"]  # (a width probed for each of 8 and 4 bits; every answer mlx-lm's)
+    assert all(1 <= r["row_invariant_width"] <= 16 for r in kv if "row_invariant_width" in r)
+    assert {r["setting"] for r in kv if "tokens" in r} == {"kv_bits 8", "max_kv_size 8"}
+    assert all(r["diverged_at"] is None for r in kv if "tokens" in r) and len(kv) == 6
     for label, shape in parts["shapes"].items():
         assert shape["verify_ms"] and all(r["measured_tau"] >= 0.75 * r["tau"] for r in shape["speedups"]), label
         # mlx-lm's tokens with the graph queued a layer at a time, whole and every 4 layers

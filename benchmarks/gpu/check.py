@@ -8,6 +8,8 @@ and runs this. Parts (`parts.py`), each under its own time box, results written 
   ops        which products round differently with more rows (linear, 4/8-bit, attention)
   exactness  (a) first divergences from mlx-lm's greedy per 1,000 tokens: bf16, fp16, 4-bit, 8-bit,
              widths 1, 4, 16, auto; then deterministic mode
+  kvcache    (a) mlx-lm's KV cache options: the verify rows that round as one-row steps on a quantized
+             cache, and DFlash against mlx-lm's greedy under kv_bits 8 and max_kv_size (`kv_part.py`)
   shapes     (c) Qwen3-8B-shaped 4-bit and Qwen3-30B-A3B-shaped 4-bit MoE, random weights: t(k)/t(1)
              at 128, 2k and 8k tokens of context, speed-up at scripted tau 2/4/6/8, the ideal, their ratio
   host       (d) time per cycle where the target's compute is nil (the oracle probe)
@@ -40,7 +42,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU run CI makes")
     ap.add_argument("--minutes", type=float, default=7.5, help="whole-run budget")
-    ap.add_argument("--parts", default="ops,host,batch,exactness,smollm2,gemma3,shapes")
+    ap.add_argument("--parts", default="ops,host,batch,exactness,kvcache,smollm2,gemma3,shapes")
     ap.add_argument("--dtypes", default="bfloat16,float16,4-bit,8-bit", help="the exactness part's target dtypes")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -66,7 +68,8 @@ def main(argv=None):
     log(f"machine: {results['machine']}")
     wanted = args.parts.split(",")
     # each part's share of what is left, in order
-    shares = {"ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "smollm2": 0.35, "gemma3": 0.25, "shapes": 1.0}
+    shares = {"ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "kvcache": 0.08, "smollm2": 0.35,
+              "gemma3": 0.25, "shapes": 1.0}
     for name in wanted:
         left = end - time.perf_counter()
         if left < 10:
@@ -118,6 +121,15 @@ def run_part(name, smoke, deadline, log, dtypes=("bfloat16",), progress=None):
         return {"rows": parts.exactness(models, widths=(1, 4) if smoke else (1, 4, 16, "auto"),
                                         prompts=1 if smoke else 3, tokens=16 if smoke else 192,
                                         deadline=deadline, log=log)}
+    if name == "kvcache":
+        import kv_part
+
+        cfg = dict(parts.TINY, head_dim=64) if smoke else parts.MID  # (heads of 64: groups of 64)
+        models = {f"{'tiny' if smoke else 'mid'} {label}": (parts.build(cfg, mx.bfloat16, bits),
+                                                            parts.tokenizer_for(cfg["vocab_size"]))
+                  for label, bits in (("bfloat16", None), ("4-bit", 4))[: 1 if smoke else 2]}
+        return {"rows": kv_part.run(models, tokens=16 if smoke else 128, window=8 if smoke else 64,
+                                    deadline=deadline, log=log)}
     if name == "shapes":
         res = {}
         for label, cfg in (("qwen3-8b-shaped 4-bit", parts.QWEN3_8B), ("qwen3-30b-a3b-shaped 4-bit", parts.QWEN3_30B_A3B)):

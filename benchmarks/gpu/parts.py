@@ -132,11 +132,12 @@ def best_call_seconds(fn, iters: int, reps: int, warm: int = 0) -> float:
     return best
 
 
-def decode(model, draft, tok, prompt, max_tokens, width, deterministic=False, baseline=False):
-    """(tokens, seconds from the first token to the last, accept lengths) of one greedy answer."""
+def decode(model, draft, tok, prompt, max_tokens, width, deterministic=False, baseline=False, **kwargs):
+    """(tokens, seconds from the first token to the last, accept lengths) of one greedy answer
+    (`kwargs`: more of `stream_generate`'s)."""
     out, first_at, last = [], None, None
     for last in stream_generate(model, draft, tok, prompt, max_tokens=max_tokens, block_size=width,
-                                stop_token_ids=[], deterministic=deterministic, baseline=baseline):
+                                stop_token_ids=[], deterministic=deterministic, baseline=baseline, **kwargs):
         out += last.tokens
         if first_at is None:
             first_at = time.perf_counter()

@@ -43,6 +43,23 @@ def write_report(results: dict, out: Path):
                 lines.append(f"| {r['model']} | {r['width']} | {r['deterministic']} | {r['diverged']}/{r['answers']} "
                              f"| {r['tokens']} | {r['per_1000']} |")
         lines.append("")
+    if "kvcache" in p and "rows" in p["kvcache"]:
+        lines += ["## (a) mlx-lm's KV cache options", "",
+                  "'row-invariant width': the most verify rows that equal as many one-row steps bit for bit on a "
+                  "quantized cache (a verify holds at most that many while one is or will be quantized); then "
+                  "DFlash at `auto` against mlx-lm's greedy decode under the same option.", "",
+                  "| model | option | row-invariant width | deterministic | first token parted (of) | tau |",
+                  "|---|---|---|---|---|---:|"]
+        for r in p["kvcache"]["rows"]:
+            if "row_invariant_width" in r:
+                lines.append(f"| {r['model']} | {r['setting']} | {r['row_invariant_width']} | | | |")
+            elif "error" in r:
+                lines.append(f"| {r['model']} | {r['setting']} | | {r['deterministic']} | refused: {r['error']} | |")
+            else:
+                parted = "none" if r["diverged_at"] is None else r["diverged_at"]
+                lines.append(f"| {r['model']} | {r['setting']} | | {r['deterministic']} | {parted} ({r['tokens']}) "
+                             f"| {r['tau']} |")
+        lines.append("")
     for part, title in (("smollm2", "SmolLM2-135M + shipped draft"), ("gemma3", "Gemma 3 270M, no draft")):
         if part in p and "configs" in p[part]:
             s = p[part]
