@@ -51,7 +51,8 @@ def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0, xtc=None):
         if top_k > 0:  # the k likeliest of what is left
             kept_rank = np.argsort(np.argsort(-np.where(kept, lp, -np.inf), axis=-1), axis=-1)
             kept = kept & (kept_rank < top_k)
-        w = np.where(kept, np.exp((lp - lp.max(-1, keepdims=True)) / temperature), 0.0)
+        top = np.where(kept, lp, -np.inf).max(-1, keepdims=True)  # (the likeliest kept: a vanishing T)
+        w = np.exp(np.where(kept, lp - top, -np.inf) / temperature)
         return w / w.sum(-1, keepdims=True)
 
     if xtc is None:
@@ -680,3 +681,20 @@ def token_tree_target(model):
     from dflash_mlx.models.target.adapter import Target
 
     return Target(model)
+
+
+@pytest.mark.parametrize("limit", [dict(temperature=1e-30), dict(temperature=1e-300), dict(temperature=0.8, top_k=1)])
+def test_xtc_in_the_greedy_limits_is_not_greedy(limit):
+    """A vanishing temperature and top-k 1 are greedy on their own (GreedyAcceptor), but under XTC they take
+    the likeliest token XTC leaves: a mixture of the argmax and the argmax of the survivors, which the
+    engine keeps (the Markov joint by the chi-square test) and greedy decoding would not."""
+    filters = dict(limit, xtc=(0.5, 0.15, (2,)))
+    acc = make_acceptor(**acceptor_filters(filters))
+    assert isinstance(acc, SamplingAcceptor) and isinstance(make_acceptor(**limit), GreedyAcceptor)
+    assert isinstance(make_acceptor(**acceptor_filters(dict(filters, temperature=0.0))), GreedyAcceptor)
+    mx.random.seed(2)
+    out, _ = markov_generate(acc, 4_000)
+    exact = exact_joint(**filters)
+    assert (exact > 0).sum() > 1  # (not one sequence: the coin matters)
+    _, pval = chi_square(encode(out, V), exact)
+    assert pval > 1e-3

@@ -70,6 +70,11 @@ def deterministic_proposal(draft, draft_logits: mx.array) -> Proposal:
     return Proposal(draft.to_target_ids(ids).astype(mx.int32))
 
 
+# 1/T past this overflows float32 (inf, then NaN): a vanishing temperature (under XTC, which keeps it
+# from being greedy) scales by this instead, which is its limit to the last bit of float32 log-probs
+MAX_INVERSE_TEMPERATURE = 1e30
+
+
 def sampling_logprobs(
     logits: mx.array,
     temperature: float,
@@ -97,7 +102,7 @@ def sampling_logprobs(
     # small) keeps everything; mlx-lm would reject it.
     if 0 < top_k < logprobs.shape[-1]:
         logprobs = apply_top_k(logprobs, top_k)
-    scaled = logprobs * (1.0 / temperature)
+    scaled = logprobs * min(1.0 / temperature, MAX_INVERSE_TEMPERATURE)
     return scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
 
 
@@ -362,9 +367,13 @@ GREEDY_BELOW_TOP_P = 1e-6
 
 def make_acceptor(temperature: float = 0.0, **sampling):
     """GreedyAcceptor at temperature 0 (or top_k 1, or a vanishing temperature or top-p: the
-    greedy limit), else SamplingAcceptor."""
+    greedy limit), else SamplingAcceptor. Under XTC (`sampling["xtc"]`) a vanishing temperature and
+    top_k 1 are not greedy (they take the likeliest token XTC leaves, which its coin may not be the
+    likeliest one): only temperature 0 (mlx-lm's greedy sampler, no XTC) and a vanishing top-p (it
+    leaves one token, which XTC keeps) are."""
     top_p = sampling.get("top_p")
-    if (temperature < GREEDY_BELOW_TEMPERATURE or sampling.get("top_k") == 1
-            or (top_p is not None and top_p < GREEDY_BELOW_TOP_P)):
+    if temperature == 0 or (top_p is not None and top_p < GREEDY_BELOW_TOP_P):
+        return GreedyAcceptor()
+    if sampling.get("xtc") is None and (temperature < GREEDY_BELOW_TEMPERATURE or sampling.get("top_k") == 1):
         return GreedyAcceptor()
     return SamplingAcceptor(temperature=temperature, **sampling)
