@@ -77,10 +77,12 @@ class ChatApp(App):
     def __init__(self, model=None, tokenizer=None, draft=None, *, model_name: Optional[str] = None,
                  draft_name: Optional[str] = None, settings: Optional[Settings] = None,
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
-                 draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None):
+                 draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
+                 template_kwargs: Optional[dict] = None):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
-        `kv_cache`: mlx-lm's quantized KV cache arguments (`ChatSession`)."""
+        `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
+        chat template (`ChatSession`)."""
         super().__init__()
         self.settings = (settings or Settings()).check()
         self.template = template
@@ -91,6 +93,7 @@ class ChatApp(App):
         self.draft_name = draft_name or ("none" if draft is None and model is not None else "")
         self.draft_bits = draft_bits
         self.kv_cache = kv_cache
+        self.template_kwargs = template_kwargs
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -123,7 +126,8 @@ class ChatApp(App):
 
     def _new_session(self, model, tokenizer, draft) -> ChatSession:
         kwargs = {} if self.stream_fn is None else {"stream_fn": self.stream_fn}
-        return ChatSession(model, tokenizer, draft, self.settings, self.template, kv_cache=self.kv_cache, **kwargs)
+        return ChatSession(model, tokenizer, draft, self.settings, self.template, kv_cache=self.kv_cache,
+                           template_kwargs=self.template_kwargs, **kwargs)
 
     # -- the engine thread -----------------------------------------------------------
     @work(thread=True, group="engine", exit_on_error=False)
@@ -330,7 +334,7 @@ class ChatApp(App):
 
 
 def build_parser():
-    from dflash_mlx.cli.common import ArgumentParser, add_draft_bits_arg, add_kv_cache_args
+    from dflash_mlx.cli.common import ArgumentParser, add_draft_bits_arg, add_kv_cache_args, template_kwargs_arg
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
     p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
@@ -339,6 +343,9 @@ def build_parser():
     add_draft_bits_arg(p)
     add_generation_args(p, Settings())
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
+    p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
+                   help="more arguments for the chat template, as mlx-lm's: a JSON object such as "
+                        "'{\"enable_thinking\": false}'")
     add_kv_cache_args(p)
     return p
 
@@ -360,7 +367,7 @@ def main(argv=None) -> int:
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
-                  kv_cache=kv_cache_kwargs(args))
+                  kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

@@ -50,9 +50,12 @@ class Turn:
 
 class ChatSession:
     def __init__(self, model, tokenizer, draft, settings: Optional[Settings] = None,
-                 template: Optional[Template] = None, stream_fn=stream_generate, kv_cache: Optional[dict] = None):
+                 template: Optional[Template] = None, stream_fn=stream_generate, kv_cache: Optional[dict] = None,
+                 template_kwargs: Optional[dict] = None):
         """`kv_cache`: mlx-lm's quantized KV cache (`stream_generate`'s `kv_bits`, `kv_group_size`,
-        `quantized_kv_start`) for every answer and baseline run; None: full precision."""
+        `quantized_kv_start`) or its bounded one (`max_kv_size`) for every answer and baseline run; None:
+        full precision, unbounded. `template_kwargs`: more arguments for the chat template (mlx-lm's
+        `--chat-template-config`, e.g. {"enable_thinking": False})."""
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
@@ -60,6 +63,7 @@ class ChatSession:
         self.template = template
         self.stream_fn = stream_fn  # the engine; tests wrap it to pace or break it
         self.kv_cache = dict(kv_cache or {})
+        self.template_kwargs = template_kwargs
         self.messages: List[Dict[str, str]] = []  # user/assistant turns, system kept apart
         self.cache = None
         self.last: Optional[Turn] = None
@@ -92,7 +96,8 @@ class ChatSession:
         self.last = None
 
     def prompt_ids(self, messages) -> List[int]:
-        text = render_prompt(self.tokenizer, messages, self.settings.system or None, self.template)
+        text = render_prompt(self.tokenizer, messages, self.settings.system or None, self.template,
+                             self.template_kwargs)
         return encode_prompt(self.tokenizer, text)
 
     def turn(self, user: str, on_update: Callable[[Turn, List[Segment]], None],

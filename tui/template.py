@@ -26,11 +26,12 @@ def role_template(messages: Messages) -> str:
 
 
 def render_prompt(tokenizer, messages: Messages, system: Optional[str] = None,
-                  template: Optional[Template] = None) -> str:
+                  template: Optional[Template] = None, template_kwargs: Optional[dict] = None) -> str:
     """Prompt text for `messages` (user/assistant turns), ending with the assistant's turn.
 
     `template` wins; then the tokenizer's own chat template (via the library's
-    `apply_chat_template`, so the chat app and the CLI agree); else `role_template`.
+    `apply_chat_template`, so the chat app and the CLI agree; `template_kwargs`: more
+    arguments for it, mlx-lm's `--chat-template-config`); else `role_template`.
     """
     full = list(messages)
     if system:
@@ -40,5 +41,5 @@ def render_prompt(tokenizer, messages: Messages, system: Optional[str] = None,
     if getattr(tokenizer, "chat_template", None):
         from dflash_mlx.models.loading import apply_chat_template
 
-        return apply_chat_template(tokenizer, full)
+        return apply_chat_template(tokenizer, full, template_kwargs=template_kwargs)
     return role_template(full)

@@ -205,6 +205,21 @@ def prompt_progress(stream=None, at_least: int = 4096):
     return update
 
 
+def template_kwargs_arg(text: str) -> dict:
+    """A JSON object of keyword arguments for the chat template (mlx-lm's `--chat-template-config` /
+    `--chat-template-args`), as an argparse `type=`."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg} at character {e.pos}): give an object such as "
+                                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of the template's arguments, got {text!r}")
+    return value
+
+
 def max_kv_size_note(args, model) -> Optional[str]:
     """A line for a `--max-kv-size` the model ignores (it makes its own caches, as mlx-lm's Llama, Gemma 3
     and Qwen3.5 do: mlx-lm ignores the bound there too), else None."""

@@ -10,7 +10,7 @@ import sys
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
                                    add_draft_bits_arg, add_kv_cache_args, checked_options, kv_cache_kwargs, launched,
                                    load_model_and_draft, max_kv_size_note, no_draft_note, prompt_progress,
-                                   remembers)
+                                   remembers, template_kwargs_arg)
 from dflash_mlx.options import add_generation_args
 
 
@@ -42,6 +42,9 @@ def build_parser():
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
+                   help="more arguments for the chat template, as mlx-lm's: a JSON object such as "
+                        "'{\"enable_thinking\": false}'")
     p.add_argument("--baseline", action="store_true",
                    help="plain decoding with the target alone: no draft, no copies (for comparison)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -103,7 +106,7 @@ def run(args) -> int:
     if args.no_chat_template:
         text = f"{args.system}\n\n{prompt}" if args.system else prompt
     else:
-        text = apply_chat_template(tokenizer, prompt, system=args.system)
+        text = apply_chat_template(tokenizer, prompt, system=args.system, template_kwargs=args.chat_template_config)
 
     # The library decodes past the model's context window as mlx-lm does; the CLI stops there.
     prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)

@@ -251,13 +251,15 @@ def _load_hub(repo: str, dtype, dt):
     return _load_folder(hub_snapshot(repo, DEFAULT_ALLOW_PATTERNS), dtype, dt)
 
 
-def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None, tools=None) -> str:
+def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None, tools=None,
+                        template_kwargs: Optional[dict] = None) -> str:
     """The prompt string to generate from.
 
     With a chat template: the template applied to the messages (a plain string
     becomes one user message), ending with the assistant's turn. Without one
     (base models such as Gemma 3 270M): the text itself, after the system text.
-    `tools` (OpenAI's form) go to the template, as mlx-lm's server passes them.
+    `tools` (OpenAI's form) go to the template, as mlx-lm's server passes them;
+    `template_kwargs` too (mlx-lm's `--chat-template-config`, e.g. {"enable_thinking": False}).
     """
     if isinstance(messages_or_prompt, str):
         messages = [{"role": "user", "content": messages_or_prompt}]
@@ -266,6 +268,6 @@ def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = N
     if system and not (messages and messages[0].get("role") == "system"):
         messages.insert(0, {"role": "system", "content": system})
     if getattr(tokenizer, "chat_template", None):
-        extra = {"tools": tools} if tools else {}
+        extra = dict(template_kwargs or {}, **({"tools": tools} if tools else {}))
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     return "\n\n".join(str(m.get("content", "")) for m in messages)

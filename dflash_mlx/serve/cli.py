@@ -16,7 +16,7 @@ import uvicorn
 
 from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
                                    checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
-                                   no_draft_note, remembers)
+                                   no_draft_note, remembers, template_kwargs_arg)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -103,6 +103,9 @@ def build_parser():
     p.add_argument("--deterministic", action="store_true",
                    help="every target row in plain decoding's shapes: greedy answers are mlx-lm's token for token "
                         "on GPU kernels too; one request at a time")
+    p.add_argument("--chat-template-args", type=template_kwargs_arg, default=None, metavar="JSON",
+                   help="arguments for the chat template of every chat request, as mlx-lm's server's: a JSON "
+                        "object such as '{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
     add_kv_cache_args(p)
     p.add_argument("--no-global-copies", action="store_true",
                    help="no index of earlier requests: each request copies from its own conversation only "
@@ -126,6 +129,7 @@ def load_worker(args, speaks: bool = True) -> Worker:
                   options=options, queue_size=args.queue_size, max_snapshots=args.snapshots,
                   prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
                   deterministic=getattr(args, "deterministic", False), kv_cache=kv_cache_kwargs(args),
+                  chat_template_args=getattr(args, "chat_template_args", None),
                   global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
 
 

@@ -190,6 +190,9 @@ class ChatCompletionRequest(Sampling):
         None, description="deprecated by OpenAI: use 'tool_choice'")
     modalities: Optional[List[str]] = Field(None, description="only ['text']")
     audio: Optional[Dict[str, Any]] = Field(None, description="not supported")
+    chat_template_kwargs: Optional[Dict[str, Any]] = Field(
+        None, description="mlx-lm's and vLLM's extension: arguments for the model's chat template, e.g. "
+        "{'enable_thinking': false} (over the server's --chat-template-args)")
 
     def refusals(self):
         yield from self.common_refusals()

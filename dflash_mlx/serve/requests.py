@@ -184,14 +184,15 @@ def _check_window(worker: "Worker", prompt_ids: List[int], param: str):
 
 
 def chat_prompt(worker: "Worker", messages: List[dict], tools: Optional[List[dict]], tool_choice_none: bool,
-                param: str = "messages", check_window: bool = True):
-    """(prompt ids, tools to look for in the answer) of a chat."""
+                param: str = "messages", check_window: bool = True, template_kwargs: Optional[dict] = None):
+    """(prompt ids, tools to look for in the answer) of a chat (`template_kwargs`: the request's own
+    arguments for the chat template, over the server's)."""
     if tools and not worker.tokenizer.has_tool_calling:
         raise RequestError(
             f"the model's chat template has no tool support (mlx-lm finds no tool parser for {worker.model_name}): "
             "leave 'tools' out or serve a tool-capable model", param="tools")
     render_tools = None if tool_choice_none else tools
-    ids = worker.encode_chat(messages, tools=render_tools)
+    ids = worker.encode_chat(messages, tools=render_tools, template_kwargs=template_kwargs)
     if check_window:
         _check_window(worker, ids, param)
     return ids, render_tools
@@ -201,7 +202,8 @@ def openai_chat_request(worker: "Worker", body: P.ChatCompletionRequest) -> Gene
     _check_model(worker, body.model)
     _refuse(body)
     ids, tools = chat_prompt(worker, openai_chat_messages(body.messages), template_tools(
-        [t.model_dump(exclude_none=True) for t in body.tools or []]), body.tool_choice == "none")
+        [t.model_dump(exclude_none=True) for t in body.tools or []]), body.tool_choice == "none",
+        template_kwargs=body.chat_template_kwargs)
     return GenerationRequest(
         "chat", ids, sampling_options(worker, body, body.max_completion_tokens or body.max_tokens),
         stop=body.stop_strings(), logprobs=(body.top_logprobs or 0) if body.logprobs else None,

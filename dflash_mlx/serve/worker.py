@@ -64,7 +64,8 @@ class Worker:
                  options: Optional[GenerationOptions] = None, queue_size: int = 16, max_snapshots: int = 4,
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, max_batch: Optional[int] = None,
                  baseline: bool = False, global_copies_bytes: int = DEFAULT_SUFFIX_INDEX_BYTES,
-                 deterministic: bool = False, kv_cache: Optional[dict] = None):
+                 deterministic: bool = False, kv_cache: Optional[dict] = None,
+                 chat_template_args: Optional[dict] = None):
         """`options`: the server's block size and draft sampling, and the defaults of the
         request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
         the bounds of the cached conversations (by count and by bytes; batched, the rows'
@@ -78,7 +79,9 @@ class Worker:
         (`stream_generate`'s `kv_bits`, `kv_group_size`, `quantized_kv_start`) for every request, one at a
         time, as mlx-lm's server serves it (its batch caches have no quantized kind); a target whose caches
         cannot be quantized so is refused here, in one line; its `max_kv_size`, mlx-lm's bounded cache, also one
-        request at a time (its batch windows keep no front tokens)."""
+        request at a time (its batch windows keep no front tokens). `chat_template_args`: arguments for every
+        chat request's template (mlx-lm's server's `--chat-template-args`); a request's own
+        `chat_template_kwargs` override them."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
         if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
@@ -107,6 +110,7 @@ class Worker:
             target.deterministic = True  # refuses, in one line, a target it cannot run so
             max_batch = 1
         self.kv_cache = dict(kv_cache or {})
+        self.chat_template_args = dict(chat_template_args or {})
         quantized = {k: v for k, v in self.kv_cache.items() if k != "max_kv_size"}
         self.max_kv_size = kv_window.checked_max_kv_size(self.kv_cache.get("max_kv_size"))
         if quantized:
@@ -164,9 +168,10 @@ class Worker:
     def encode_text(self, text: str) -> List[int]:
         return encode_prompt(self.tokenizer, text)
 
-    def encode_chat(self, messages, tools=None) -> List[int]:
+    def encode_chat(self, messages, tools=None, template_kwargs: Optional[dict] = None) -> List[int]:
         try:
-            text = apply_chat_template(self.tokenizer, messages, tools=tools)
+            text = apply_chat_template(self.tokenizer, messages, tools=tools,
+                                       template_kwargs=dict(self.chat_template_args, **(template_kwargs or {})))
         except Exception as e:  # jinja's TemplateError, or the template's own raise_exception
             raise RequestError(f"the model's chat template refused the messages: {e}", param="messages") from None
         return self.encode_text(text)
