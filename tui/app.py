@@ -78,7 +78,7 @@ class ChatApp(App):
                  draft_name: Optional[str] = None, settings: Optional[Settings] = None,
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
                  draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
-                 template_kwargs: Optional[dict] = None):
+                 template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
         `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
@@ -94,6 +94,7 @@ class ChatApp(App):
         self.draft_bits = draft_bits
         self.kv_cache = kv_cache
         self.template_kwargs = template_kwargs
+        self.adapter_path = adapter_path  # (mlx-lm's fine-tuned adapters on the model it loads)
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -162,7 +163,8 @@ class ChatApp(App):
         from dflash_mlx.models.packaged import untrained_draft
 
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True,
-                                                              draft_bits=self.draft_bits, without_draft=True)
+                                                              draft_bits=self.draft_bits, without_draft=True,
+                                                              adapter_path=self.adapter_path)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
             "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
         if draft is None:
@@ -334,13 +336,15 @@ class ChatApp(App):
 
 
 def build_parser():
-    from dflash_mlx.cli.common import ArgumentParser, add_draft_bits_arg, add_kv_cache_args, template_kwargs_arg
+    from dflash_mlx.cli.common import (ArgumentParser, add_adapter_arg, add_draft_bits_arg, add_kv_cache_args,
+                                       template_kwargs_arg)
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
     p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
     add_draft_bits_arg(p)
+    add_adapter_arg(p)
     add_generation_args(p, Settings())
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
     p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
@@ -367,7 +371,8 @@ def main(argv=None) -> int:
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
-                  kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config)
+                  kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
+                  adapter_path=args.adapter_path)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

@@ -11,8 +11,9 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg,
-                                   checked_options, draft_for, launched, load_model_and_draft, usage_error)
+from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_adapter_arg, add_distributed_arg,
+                                   add_draft_bits_arg, checked_options, draft_for, launched, load_model_and_draft,
+                                   usage_error)
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 
@@ -60,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model)")
     add_draft_bits_arg(p)
+    add_adapter_arg(p)
     add_distributed_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")
@@ -144,7 +146,8 @@ def main(argv=None) -> int:
     log = runner._log if speaks else _quiet
     log(f"loading {args.model} and draft {draft_name}")
     model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
-                                                          draft_bits=args.draft_bits, distributed=args.distributed)
+                                                          draft_bits=args.draft_bits, distributed=args.distributed,
+                                                          adapter_path=args.adapter_path)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
@@ -212,7 +215,8 @@ def depth_main(args, argv) -> int:
     if speaks:
         print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
     model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
-                                                      draft_bits=args.draft_bits, distributed=args.distributed)
+                                                      draft_bits=args.draft_bits, distributed=args.distributed,
+                                                      adapter_path=args.adapter_path)
     from dflash_mlx import load_draft
     from dflash_mlx.models.sharded import share
 

@@ -144,6 +144,13 @@ def add_draft_bits_arg(parser) -> None:
                         "group size 64; default: as stored; a draft stored quantized loads quantized)")
 
 
+def add_adapter_arg(parser) -> None:
+    """mlx-lm's `--adapter-path`, in every front end that loads a model."""
+    parser.add_argument("--adapter-path", default=None, metavar="FOLDER",
+                        help="fine-tuned adapters for --model, as mlx_lm.lora writes them (adapter_config.json, "
+                             "adapters.safetensors); the draft made for the base model still fits")
+
+
 def add_kv_cache_args(parser) -> None:
     """mlx-lm's flags for a quantized KV cache (`models.target.kv_quantization`) and a bounded one
     (`models.target.kv_window`), in every front end that runs one sequence at a time (the one-shot CLI, the
@@ -232,16 +239,17 @@ def max_kv_size_note(args, model) -> Optional[str]:
 
 
 def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,
-                         without_draft: bool = False, distributed=None):
+                         without_draft: bool = False, distributed=None, adapter_path=None):
     """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags
-    (`distributed`: the target split over the processes of mlx.launch; the draft whole on each)."""
+    (`distributed`: the target split over the processes of mlx.launch; the draft whole on each;
+    `adapter_path`: mlx-lm's fine-tuned adapters on the target)."""
     from dflash_mlx import load, load_draft
     from dflash_mlx.models.draft.config import DraftMismatchError
     from dflash_mlx.models.draft.quantize import describe
     from dflash_mlx.models.packaged import draft_label
 
     draft_name = draft_for(model, draft, baseline, without_draft)
-    target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed)
+    target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed, adapter_path=adapter_path)
     if draft_name is None:
         return target, tokenizer, None, None
     try:

@@ -7,8 +7,9 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
-                                   add_draft_bits_arg, add_kv_cache_args, checked_options, kv_cache_kwargs, launched,
+from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_adapter_arg,
+                                   add_distributed_arg, add_draft_bits_arg, add_kv_cache_args, checked_options,
+                                   kv_cache_kwargs, launched,
                                    load_model_and_draft, max_kv_size_note, no_draft_note, prompt_progress,
                                    remembers, template_kwargs_arg)
 from dflash_mlx.options import add_generation_args
@@ -38,6 +39,7 @@ def build_parser():
         "packaged --model; with none, copies of the context alone)",
     )
     add_draft_bits_arg(p)
+    add_adapter_arg(p)
     add_distributed_arg(p)
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
@@ -90,7 +92,7 @@ def run(args) -> int:
         prompt = share(prompt)  # rank 0's, read once
     model, tokenizer, draft, draft_label = load_model_and_draft(
         args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json or not speaks,
-        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed)
+        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed, adapter_path=args.adapter_path)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
     if max_kv_size_note(args, model) and speaks:

@@ -122,15 +122,21 @@ def hub_snapshot(repo: str, allow_patterns, what: str = "model") -> Path:
         raise ModelLoadError(f"could not fetch {what} {repo!r} from the Hugging Face Hub: {e}") from None
 
 
-def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[str] = None):
+def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[str] = None,
+         adapter_path: Optional[str] = None):
     """`(model, tokenizer)`: packaged name | .gguf file | mlx-lm folder | hub id.
 
     `distributed` ("tensor" | "pipeline" | "auto", under `mlx.launch`): the model split over the
     launched processes (`models.sharded`); an mlx-lm folder or hub id is read by each rank in
-    its part only, another source is loaded whole and then split."""
+    its part only, another source is loaded whole and then split.
+    `adapter_path`: a folder of fine-tuned adapters from `mlx_lm.lora` (`adapter_config.json`,
+    `adapters.safetensors`: LoRA, DoRA or full), applied as mlx-lm's `load(adapter_path=)` applies them."""
     name = str(name_or_path).strip()
     kind, path = resolve_source(name)
     dt = resolve_dtype(dtype)
+    if adapter_path is not None and distributed is not None:
+        raise ModelLoadError("adapters (--adapter-path) are not supported on a model split over processes: fuse "
+                             "them into the model first (mlx_lm.fuse) and load the fused folder")
     if distributed is not None:
         model, tokenizer = _load_distributed(name, kind, path, dtype, dt, quiet, distributed)
     elif kind == "packaged":
@@ -145,11 +151,31 @@ def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[st
         model, tokenizer = _load_gguf(path, dt, quiet)
     else:
         model, tokenizer = _load_folder(path, dtype, dt)
+    if adapter_path is not None:
+        _apply_adapters(model, name, Path(adapter_path))
     model.name = name
     from dflash_mlx.models.layout import relayout_for_cpu
 
     relayout_for_cpu(model)  # the CPU's GEMM reads W.T faster when it is contiguous
     return model, tokenizer
+
+
+def _apply_adapters(model, name: str, folder: Path):
+    """mlx-lm's adapters from `folder` applied to `model` (its Linear layers become LoRA/DoRA layers, or its
+    weights are replaced: `fine_tune_type` "full"); ModelLoadError naming what is missing or does not fit."""
+    from mlx_lm.utils import load_adapters
+
+    missing = [f for f in ("adapter_config.json", "adapters.safetensors") if not (folder / f).is_file()]
+    if not folder.is_dir() or missing:
+        what = "no such folder" if not folder.is_dir() else f"no {' or '.join(missing)} in it"
+        raise ModelLoadError(f"adapters {str(folder)!r}: {what}; give the --adapter-path folder mlx_lm.lora wrote")
+    try:
+        load_adapters(model, str(folder))
+    except Exception as e:  # keys or shapes of another model, a config mlx-lm cannot read
+        line = " ".join(str(e).split())[:200]
+        raise ModelLoadError(f"adapters {str(folder)!r} do not fit model {name!r} ({type(e).__name__}: {line}): "
+                             "give the adapters trained for this model") from None
+    model.eval()
 
 
 def _load_distributed(name, kind, path, dtype, dt, quiet, mode):

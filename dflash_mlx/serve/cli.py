@@ -14,7 +14,8 @@ import threading
 
 import uvicorn
 
-from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
+from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_adapter_arg, add_distributed_arg, add_draft_bits_arg,
+                                   add_kv_cache_args,
                                    checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
                                    no_draft_note, remembers, template_kwargs_arg)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
@@ -76,6 +77,7 @@ def build_parser():
     p.add_argument("--draft", help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model; with none, copies of the context alone)")
     add_draft_bits_arg(p)
+    add_adapter_arg(p)
     add_distributed_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
@@ -118,7 +120,8 @@ def load_worker(args, speaks: bool = True) -> Worker:
     model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
                                                                dtype=args.dtype, draft_bits=args.draft_bits,
                                                                without_draft=True,
-                                                               distributed=getattr(args, "distributed", None))
+                                                               distributed=getattr(args, "distributed", None),
+                                                               adapter_path=args.adapter_path)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
     if max_kv_size_note(args, model) and speaks:
