@@ -610,3 +610,38 @@ def test_default_model_without_its_package_loads_the_hub_copy(tiny, monkeypatch,
     ids = mx.array([gguf_tok.encode("the cat")])
     assert tok.encode("the cat") == gguf_tok.encode("the cat")
     assert mx.array_equal(model(ids), gguf_model(ids)).item()
+
+
+def test_extra_eos_tokens_end_the_answer_and_prefill_chunks_change_nothing(capsys, monkeypatch):
+    """`--extra-eos-token` (mlx-lm's): the answer ends at the first such token, as at the tokenizer's own end
+    token, given as text or as an id; a text the tokenizer does not have is a usage error. `--prefill-step-size`
+    runs the prompt in smaller forwards and the answer is the same."""
+    import dflash_mlx.models.loading as loading
+    from dflash_mlx.engine.responses import wrap_tokenizer
+    from dflash_mlx.generate import encode_prompt
+    from dflash_mlx.testing.targets import greedy_reference, tiny_target
+
+    model, _ = tiny_target("qwen3", head_dim=32, tie_word_embeddings=False)
+    question = "abcdefghijklmnopqrstuvwxyz"
+
+    def run(*flags):
+        from dflash_mlx.testing.targets import byte_tokenizer
+
+        tok = byte_tokenizer()
+        monkeypatch.setattr(loading, "load", lambda name, **kw: (model, tok))
+        code, out, err = cli(capsys, "--model", "tests/tiny-qwen3", "--max-tokens", "24", "--json",
+                             "--no-chat-template", *flags, question)
+        return code, (json.loads(out)["tokens"] if code == 0 else None), err, tok
+
+    code, whole, err, tok = run()
+    assert code == 0, err
+    ref = greedy_reference(model, encode_prompt(wrap_tokenizer(tok), question), 24)
+    assert whole == ref[: len(whole)] and len(whole) >= 8
+    stop = whole[5]
+    cut = whole[: whole.index(stop) + 1]
+    assert run("--extra-eos-token", str(stop))[1] == cut
+    assert run("--extra-eos-token", tok.convert_ids_to_tokens(stop))[1] == cut
+    code, _, err, _ = run("--extra-eos-token", "<no such token>")
+    assert code == 2 and err.count("\n") == 1 and "is not a token of this model's tokenizer" in err
+    assert run("--prefill-step-size", "5")[1] == whole
+    assert run("--prefill-step-size", "0")[0] == 2

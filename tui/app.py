@@ -78,7 +78,7 @@ class ChatApp(App):
                  draft_name: Optional[str] = None, settings: Optional[Settings] = None,
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
                  draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
-                 template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None):
+                 template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None, extra_eos_tokens=()):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
         `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
@@ -95,6 +95,7 @@ class ChatApp(App):
         self.kv_cache = kv_cache
         self.template_kwargs = template_kwargs
         self.adapter_path = adapter_path  # (mlx-lm's fine-tuned adapters on the model it loads)
+        self.extra_eos_tokens = tuple(extra_eos_tokens)  # (more tokens that end an answer)
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -164,7 +165,8 @@ class ChatApp(App):
 
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True,
                                                               draft_bits=self.draft_bits, without_draft=True,
-                                                              adapter_path=self.adapter_path)
+                                                              adapter_path=self.adapter_path,
+                                                              extra_eos_tokens=self.extra_eos_tokens)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
             "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
         if draft is None:
@@ -372,7 +374,7 @@ def main(argv=None) -> int:
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
                   kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
-                  adapter_path=args.adapter_path)
+                  adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

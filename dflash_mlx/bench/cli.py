@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     log(f"loading {args.model} and draft {draft_name}")
     model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
                                                           draft_bits=args.draft_bits, distributed=args.distributed,
-                                                          adapter_path=args.adapter_path)
+                                                          adapter_path=args.adapter_path,
+                                                          extra_eos_tokens=args.extra_eos_token)
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
@@ -216,7 +217,8 @@ def depth_main(args, argv) -> int:
         print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
     model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
                                                       draft_bits=args.draft_bits, distributed=args.distributed,
-                                                      adapter_path=args.adapter_path)
+                                                      adapter_path=args.adapter_path,
+                                                      extra_eos_tokens=args.extra_eos_token)
     from dflash_mlx import load_draft
     from dflash_mlx.models.sharded import share
 

@@ -145,10 +145,27 @@ def add_draft_bits_arg(parser) -> None:
 
 
 def add_adapter_arg(parser) -> None:
-    """mlx-lm's `--adapter-path`, in every front end that loads a model."""
+    """mlx-lm's `--adapter-path` and `--extra-eos-token`, in every front end that loads a model."""
     parser.add_argument("--adapter-path", default=None, metavar="FOLDER",
                         help="fine-tuned adapters for --model, as mlx_lm.lora writes them (adapter_config.json, "
                              "adapters.safetensors); the draft made for the base model still fits")
+    parser.add_argument("--extra-eos-token", action="append", default=[], metavar="TOKEN",
+                        help="one more token that ends an answer, as mlx-lm's flag: a token's text (e.g. "
+                             "'<|im_end|>') or its id; repeat it for more (one a flag, so a prompt can follow)")
+
+
+def add_eos_tokens(tokenizer, tokens) -> None:
+    """mlx-lm's `add_eos_token` for each of `tokens` (a token's text or id); CLIError naming one that the
+    tokenizer does not have (mlx-lm would take an unknown text as the unknown token's id)."""
+    for token in tokens or ():
+        text = str(token)
+        token_id = int(text) if text.isdigit() else tokenizer.convert_tokens_to_ids(text)
+        unknown = getattr(tokenizer, "unk_token_id", None)
+        if token_id is None or (token_id == unknown and text != getattr(tokenizer, "unk_token", None)) \
+                or not 0 <= token_id < len(tokenizer.get_vocab()):
+            raise CLIError(f"--extra-eos-token: {text!r} is not a token of this model's tokenizer: give a token's "
+                           "text as the tokenizer spells it, or its id", EXIT_USAGE)
+        tokenizer.add_eos_token(str(token_id))
 
 
 def add_kv_cache_args(parser) -> None:
@@ -239,10 +256,11 @@ def max_kv_size_note(args, model) -> Optional[str]:
 
 
 def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,
-                         without_draft: bool = False, distributed=None, adapter_path=None):
+                         without_draft: bool = False, distributed=None, adapter_path=None, extra_eos_tokens=()):
     """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags
     (`distributed`: the target split over the processes of mlx.launch; the draft whole on each;
-    `adapter_path`: mlx-lm's fine-tuned adapters on the target)."""
+    `adapter_path`: mlx-lm's fine-tuned adapters on the target; `extra_eos_tokens`: more tokens that end
+    an answer)."""
     from dflash_mlx import load, load_draft
     from dflash_mlx.models.draft.config import DraftMismatchError
     from dflash_mlx.models.draft.quantize import describe
@@ -250,6 +268,7 @@ def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quie
 
     draft_name = draft_for(model, draft, baseline, without_draft)
     target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed, adapter_path=adapter_path)
+    add_eos_tokens(tokenizer, extra_eos_tokens)
     if draft_name is None:
         return target, tokenizer, None, None
     try:

@@ -44,6 +44,8 @@ def build_parser():
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
     p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
                    help="more arguments for the chat template, as mlx-lm's: a JSON object such as "
                         "'{\"enable_thinking\": false}'")
@@ -84,6 +86,8 @@ def _read_prompt(args) -> str:
 def run(args) -> int:
     options = checked_options(args)
     kv_cache = kv_cache_kwargs(args)  # (a bad setting is a usage error before anything loads)
+    if args.prefill_step_size < 1:
+        raise CLIError(f"--prefill-step-size must be a whole number >= 1, got {args.prefill_step_size}", EXIT_USAGE)
     speaks = launched(args.distributed)
     prompt = _read_prompt(args) if speaks else None
     if args.distributed is not None:
@@ -92,7 +96,8 @@ def run(args) -> int:
         prompt = share(prompt)  # rank 0's, read once
     model, tokenizer, draft, draft_label = load_model_and_draft(
         args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json or not speaks,
-        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed, adapter_path=args.adapter_path)
+        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed, adapter_path=args.adapter_path,
+        extra_eos_tokens=args.extra_eos_token)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
     if max_kv_size_note(args, model) and speaks:
@@ -121,6 +126,7 @@ def run(args) -> int:
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
                                  deterministic=args.deterministic or None, **kv_cache, **kwargs,
+                                 prefill_step_size=args.prefill_step_size,
                                  prompt_progress_callback=prompt_progress() if speaks else None):
             pieces.append(r.text)
             tokens.extend(r.tokens)

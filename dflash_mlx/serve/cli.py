@@ -121,7 +121,8 @@ def load_worker(args, speaks: bool = True) -> Worker:
                                                                dtype=args.dtype, draft_bits=args.draft_bits,
                                                                without_draft=True,
                                                                distributed=getattr(args, "distributed", None),
-                                                               adapter_path=args.adapter_path)
+                                                               adapter_path=args.adapter_path,
+                                                               extra_eos_tokens=args.extra_eos_token)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
     if max_kv_size_note(args, model) and speaks:
