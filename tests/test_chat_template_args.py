@@ -99,3 +99,28 @@ def test_a_chat_request_s_chat_template_kwargs_reach_the_template():
         bad = s.client.with_options(max_retries=0).chat.completions
         with pytest.raises(Exception, match="chat_template_kwargs"):
             bad.create(model=MODEL, messages=hi, max_tokens=1, extra_body={"chat_template_kwargs": [1]})
+
+
+def test_a_prefill_response_is_continued(capsys, monkeypatch):
+    """mlx-lm's `--prefill-response`: the answer's start is the template's last assistant message, continued
+    (`continue_final_message`), and the answer is the model's greedy continuation of that prompt."""
+    import json
+
+    import dflash_mlx.models.loading as loading
+    from dflash_mlx.cli.main import main
+    from dflash_mlx.engine.responses import wrap_tokenizer
+    from dflash_mlx.generate import encode_prompt
+    from gguf_helpers import load_packaged
+    from dflash_mlx.testing.targets import greedy_reference
+
+    tok = _tokenizer()
+    assert apply_chat_template(tok, "hi", prefill_response="Sure") == "<user>hi<assistant>Sure"
+    model, smol = load_packaged("smollm2-135m")
+    text = apply_chat_template(smol, "Name a colour.", prefill_response="My favourite colour is")
+    assert text.endswith("<|im_start|>assistant\nMy favourite colour is")
+    monkeypatch.setattr(loading, "load", lambda name, **kw: (model, smol))
+    code = main(["--max-tokens", "6", "--json", "--prefill-response", "My favourite colour is", "Name a colour."])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    ref = greedy_reference(model, encode_prompt(wrap_tokenizer(smol), text), 6)
+    assert json.loads(out)["tokens"] == ref[: len(json.loads(out)["tokens"])] and json.loads(out)["tokens"]

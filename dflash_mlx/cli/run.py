@@ -44,6 +44,8 @@ def build_parser():
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    p.add_argument("--prefill-response", default=None, metavar="TEXT",
+                   help="the start of the answer, which the model continues (as mlx-lm's; not printed)")
     p.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
     p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
@@ -111,9 +113,10 @@ def run(args) -> int:
     from dflash_mlx.policy import memory
 
     if args.no_chat_template:
-        text = f"{args.system}\n\n{prompt}" if args.system else prompt
+        text = (f"{args.system}\n\n{prompt}" if args.system else prompt) + (args.prefill_response or "")
     else:
-        text = apply_chat_template(tokenizer, prompt, system=args.system, template_kwargs=args.chat_template_config)
+        text = apply_chat_template(tokenizer, prompt, system=args.system, template_kwargs=args.chat_template_config,
+                                   prefill_response=args.prefill_response)
 
     # The library decodes past the model's context window as mlx-lm does; the CLI stops there.
     prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)

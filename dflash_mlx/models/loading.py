@@ -278,7 +278,7 @@ def _load_hub(repo: str, dtype, dt):
 
 
 def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None, tools=None,
-                        template_kwargs: Optional[dict] = None) -> str:
+                        template_kwargs: Optional[dict] = None, prefill_response: Optional[str] = None) -> str:
     """The prompt string to generate from.
 
     With a chat template: the template applied to the messages (a plain string
@@ -286,6 +286,8 @@ def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = N
     (base models such as Gemma 3 270M): the text itself, after the system text.
     `tools` (OpenAI's form) go to the template, as mlx-lm's server passes them;
     `template_kwargs` too (mlx-lm's `--chat-template-config`, e.g. {"enable_thinking": False}).
+    `prefill_response`: the start of the assistant's answer, which the model continues (mlx-lm's
+    `--prefill-response`: the template's `continue_final_message`).
     """
     if isinstance(messages_or_prompt, str):
         messages = [{"role": "user", "content": messages_or_prompt}]
@@ -295,5 +297,8 @@ def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = N
         messages.insert(0, {"role": "system", "content": system})
     if getattr(tokenizer, "chat_template", None):
         extra = dict(template_kwargs or {}, **({"tools": tools} if tools else {}))
+        if prefill_response is not None:
+            messages.append({"role": "assistant", "content": prefill_response})
+            return tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True, **extra)
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-    return "\n\n".join(str(m.get("content", "")) for m in messages)
+    return "\n\n".join(str(m.get("content", "")) for m in messages) + (prefill_response or "")
