@@ -338,7 +338,7 @@ class ChatApp(App):
 
 
 def build_parser():
-    from dflash_mlx.cli.common import (ArgumentParser, add_adapter_arg, add_draft_bits_arg, add_kv_cache_args,
+    from dflash_mlx.cli.common import (ArgumentParser, add_draft_bits_arg, add_kv_cache_args, add_model_load_args,
                                        template_kwargs_arg)
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
@@ -346,7 +346,7 @@ def build_parser():
     p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
     p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
     add_draft_bits_arg(p)
-    add_adapter_arg(p)
+    add_model_load_args(p)
     add_generation_args(p, Settings())
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
     p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",

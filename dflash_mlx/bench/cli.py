@@ -11,8 +11,8 @@ from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_adapter_arg, add_distributed_arg,
-                                   add_draft_bits_arg, checked_options, draft_for, launched, load_model_and_draft,
+from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg,
+                                   add_model_load_args, checked_options, draft_for, launched, load_model_and_draft,
                                    usage_error)
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.models.packaged import DEFAULT_MODEL
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", default=None, help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model)")
     add_draft_bits_arg(p)
-    add_adapter_arg(p)
+    add_model_load_args(p)
     add_distributed_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weights dtype (default: the loader's, float32 on CPU)")

@@ -144,8 +144,9 @@ def add_draft_bits_arg(parser) -> None:
                         "group size 64; default: as stored; a draft stored quantized loads quantized)")
 
 
-def add_adapter_arg(parser) -> None:
-    """mlx-lm's `--adapter-path` and `--extra-eos-token`, in every front end that loads a model."""
+def add_model_load_args(parser) -> None:
+    """mlx-lm's flags for what is loaded beside the model (`--adapter-path`, `--extra-eos-token`), in every
+    front end that loads one."""
     parser.add_argument("--adapter-path", default=None, metavar="FOLDER",
                         help="fine-tuned adapters for --model, as mlx_lm.lora writes them (adapter_config.json, "
                              "adapters.safetensors); the draft made for the base model still fits")

@@ -7,11 +7,10 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_adapter_arg,
-                                   add_distributed_arg, add_draft_bits_arg, add_kv_cache_args, checked_options,
-                                   kv_cache_kwargs, launched,
-                                   load_model_and_draft, max_kv_size_note, no_draft_note, prompt_progress,
-                                   remembers, template_kwargs_arg)
+from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
+                                   add_draft_bits_arg, add_kv_cache_args, add_model_load_args, checked_options,
+                                   kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note, no_draft_note,
+                                   prompt_progress, remembers, template_kwargs_arg)
 from dflash_mlx.options import add_generation_args
 
 
@@ -39,7 +38,7 @@ def build_parser():
         "packaged --model; with none, copies of the context alone)",
     )
     add_draft_bits_arg(p)
-    add_adapter_arg(p)
+    add_model_load_args(p)
     add_distributed_arg(p)
     add_generation_args(p)
     p.add_argument("--system", default=None, help="system prompt")

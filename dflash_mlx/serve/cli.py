@@ -14,10 +14,10 @@ import threading
 
 import uvicorn
 
-from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_adapter_arg, add_distributed_arg, add_draft_bits_arg,
-                                   add_kv_cache_args,
-                                   checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
-                                   no_draft_note, remembers, template_kwargs_arg)
+from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
+                                   add_model_load_args, checked_options, kv_cache_kwargs, launched,
+                                   load_model_and_draft, max_kv_size_note, no_draft_note, remembers,
+                                   template_kwargs_arg)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -77,7 +77,7 @@ def build_parser():
     p.add_argument("--draft", help="DFlash draft: packaged name, folder or hub id "
                    "(default: the packaged draft of a packaged --model; with none, copies of the context alone)")
     add_draft_bits_arg(p)
-    add_adapter_arg(p)
+    add_model_load_args(p)
     add_distributed_arg(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to listen on (default: {DEFAULT_HOST})")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
