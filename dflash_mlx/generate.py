@@ -89,6 +89,7 @@ def stream_generate(
     xtc_probability: float = 0.0,
     xtc_threshold: float = 0.1,
     xtc_special_tokens: Optional[Sequence[int]] = None,
+    min_tokens_to_keep: int = 1,
     logits_processors: Optional[Sequence[Callable]] = None,
     kv_bits: Optional[int] = None,
     kv_group_size: int = 64,
@@ -135,6 +136,7 @@ def stream_generate(
     caches quantized in place once they hold `quantized_kv_start` tokens, where mlx-lm's `generate_step` does
     it, so greedy output is mlx-lm's under the same arguments (`dflash_mlx.models.target.kv_quantization`);
     chains and copies only, no token trees; refused, in one line, where mlx-lm cannot quantize the caches.
+    `min_tokens_to_keep`: the fewest tokens min-p leaves (mlx-lm's `make_sampler` argument).
     `xtc_probability`, `xtc_threshold`, `xtc_special_tokens` (at temperature > 0): mlx-lm's XTC sampling filter
     (`make_sampler`'s arguments; special tokens None: a newline and the end tokens, as mlx-lm's generate CLI and
     server keep them), each verify row with its own coin, so sampling keeps the XTC distribution
@@ -158,6 +160,7 @@ def stream_generate(
     target.deterministic = deterministic  # refuses a target it cannot run exactly, in one line
     fixed_width(block_size, draft.block_size if use_draft else 1)  # ValueError for a bad one
     make_acceptor(temperature, top_p=top_p, top_k=top_k, min_p=min_p, draft_sampling=draft_sampling,
+                  min_tokens_to_keep=min_tokens_to_keep,
                   xtc=make_xtc(xtc_probability, xtc_threshold, xtc_special_tokens))  # checks
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -192,8 +195,8 @@ def stream_generate(
                                 presence_penalty=presence_penalty, presence_context_size=presence_context_size,
                                 frequency_penalty=frequency_penalty, frequency_context_size=frequency_context_size,
                                 logit_bias=logit_bias, xtc_probability=xtc_probability, xtc_threshold=xtc_threshold,
-                                xtc_special_tokens=None if xtc_special_tokens is None else tuple(xtc_special_tokens)
-                                ).check_penalties()
+                                xtc_special_tokens=None if xtc_special_tokens is None else tuple(xtc_special_tokens),
+                                min_tokens_to_keep=min_tokens_to_keep).check_penalties()
     # mlx-lm's set-up: its generation stream, and (on Apple GPUs) the model's
     # weights wired in memory for the length of the generation.
     with wired_limit(model, [generation_stream]):

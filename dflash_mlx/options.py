@@ -85,6 +85,7 @@ class GenerationOptions:
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
     xtc_special_tokens: Optional[Tuple[int, ...]] = None
+    min_tokens_to_keep: int = 1  # the fewest tokens min-p leaves (mlx-lm's make_sampler's)
 
     def penalties(self) -> dict:
         """The penalty and logit bias fields set (for a front end that hands them on, the benchmark's
@@ -114,6 +115,8 @@ class GenerationOptions:
             raise ValueError(f"top-k must be a whole number >= 0 (0: off), got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min-p must be in [0, 1] (0: off), got {self.min_p!r}")
+        if not _is_int(self.min_tokens_to_keep) or self.min_tokens_to_keep < 1:
+            raise ValueError(f"min tokens to keep must be a whole number >= 1, got {self.min_tokens_to_keep!r}")
         if not _is_number(self.xtc_probability) or not 0 <= self.xtc_probability <= 1:
             raise ValueError(f"xtc probability must be in [0, 1] (0: off), got {self.xtc_probability!r}")
         if not _is_number(self.xtc_threshold) or not 0 <= self.xtc_threshold <= 0.5:
@@ -199,6 +202,7 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
         "top_p": dict(type=float, help="nucleus sampling, in (0, 1] (default: 1, off)"),
         "top_k": dict(type=int, help="keep the k likeliest tokens (default: 0, off)"),
         "min_p": dict(type=float, help="drop tokens below min-p x the top probability (default: 0, off)"),
+        "min_tokens_to_keep": dict(type=int, help="the fewest tokens min-p leaves, as mlx-lm's (default: 1)"),
         "xtc_probability": dict(type=float, help="mlx-lm's XTC: the share of steps that drop every token above "
                                 "--xtc-threshold but the least likely of them (default: 0, off)"),
         "xtc_threshold": dict(type=float, help=f"in [0, 0.5] (default: {d.xtc_threshold})"),

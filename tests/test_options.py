@@ -78,7 +78,7 @@ def test_flags_round_trip_into_options():
     assert o == GenerationOptions(7, "auto", 0.5, 0.9, 3, 0.1, 4, "sample", **penalties, **xtc)
     assert o.generate_kwargs() == dict(max_tokens=7, block_size="auto", temperature=0.5, top_p=0.9,
                                        top_k=3, min_p=0.1, seed=4, draft_sampling="sample", logit_bias=None,
-                                       xtc_special_tokens=None, **penalties, **xtc)
+                                       xtc_special_tokens=None, min_tokens_to_keep=1, **penalties, **xtc)
     assert len(o.processors()) == 3 and GenerationOptions().processors() == []
 
 

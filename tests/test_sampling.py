@@ -29,7 +29,7 @@ from dflash_mlx.testing.targets import greedy_reference, tiny_target
 # -- reference distribution (independent of dflash_mlx.speculation.accept) -----------------
 
 
-def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0, xtc=None):
+def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0, xtc=None, min_tokens_to_keep=1):
     """mlx-lm's sampling distribution, in numpy: filters on the untempered
     log-probs (nucleus, min-p, XTC, top-k), then temperature over what is left.
     `xtc` (probability, threshold, special tokens): the mixture of the step that
@@ -44,8 +44,8 @@ def ref_probs(logits, temperature, top_p=1.0, top_k=0, min_p=0.0, xtc=None):
         sorted_p = np.take_along_axis(np.exp(lp), order, -1)
         mass_before = np.cumsum(sorted_p, -1) - sorted_p
         keep &= np.take_along_axis(mass_before < top_p, rank, -1)
-    if min_p > 0:
-        keep &= lp >= lp.max(-1, keepdims=True) + math.log(min_p)
+    if min_p > 0:  # (and the `min_tokens_to_keep` likeliest whatever min-p says)
+        keep &= (lp >= lp.max(-1, keepdims=True) + math.log(min_p)) | (rank < min_tokens_to_keep)
 
     def tempered(kept):
         if top_k > 0:  # the k likeliest of what is left
@@ -171,6 +171,7 @@ FILTERS = {
     "filtered": dict(temperature=0.7, top_p=0.9, top_k=4, min_p=0.05),
     # (token 2 special: never dropped)
     "xtc": dict(temperature=0.9, top_p=0.97, top_k=4, xtc=(0.6, 0.15, (2,))),
+    "min_keep": dict(temperature=0.9, min_p=0.7, min_tokens_to_keep=3),
 }
 
 
@@ -200,6 +201,7 @@ def check(mode, filters, reduced=False, seed=0, first_rows=None):
         ("sample", "filtered", True),
         ("argmax", "xtc", False),
         ("sample", "xtc", True),
+        ("sample", "min_keep", False),
     ],
 )
 def test_first_tokens_follow_target_distribution(mode, filters, reduced):
@@ -236,6 +238,14 @@ def skip_one_draft(acceptor, proposal, row_logits, first_rows, draft=None):
     accept_length = mx.where(go_on, first_rows + tail_length, head_length)
     seam = mx.concatenate([head[:, :checked], proposal.tokens[:, checked:first_rows], tail], axis=1)
     return accept_length, mx.where(go_on[:, None], seam, mx.pad(head, [(0, 0), (0, rows - first_rows)]))
+
+
+def test_min_tokens_to_keep_changes_the_distribution():
+    """Guards the min_keep case: with min-p 0.7 alone fewer tokens survive than the 3 it keeps."""
+    assert np.abs(exact_joint(**FILTERS["min_keep"]) - exact_joint(**dict(FILTERS["min_keep"], min_tokens_to_keep=1))
+                  ).max() > 1e-2
+    with pytest.raises(ValueError, match="min_tokens_to_keep must be a whole number >= 1"):
+        SamplingAcceptor(1.0, min_tokens_to_keep=0)
 
 
 def test_xtc_changes_the_distribution_and_one_coin_a_verify_fails():
@@ -368,6 +378,7 @@ def test_sampling_logprobs_match_reference():
         dict(temperature=0.7, top_p=0.9, top_k=6, min_p=0.02),
         dict(temperature=1.0, top_k=40),  # top-k = vocabulary: keeps everything
         dict(temperature=1.0, top_k=400),  # above the vocabulary (small draft vocabularies)
+        dict(temperature=0.8, min_p=0.5, min_tokens_to_keep=4),
     ]:
         got = np.exp(np.array(sampling_logprobs(logits, **f)))
         np.testing.assert_allclose(got, ref_probs(np.array(logits), **f), atol=1e-5, err_msg=str(f))

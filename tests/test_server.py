@@ -186,7 +186,8 @@ def test_sampling_request_reaches_the_engine(attn, monkeypatch):
                                                    "xtc_threshold": 0.2})
     assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
     xtc = made[-1].pop("xtc")
-    assert made[-1] == dict(temperature=0.9, top_p=0.95, top_k=20, min_p=0.05, draft_sampling="argmax")
+    assert made[-1] == dict(temperature=0.9, top_p=0.95, top_k=20, min_p=0.05, draft_sampling="argmax",
+                            min_tokens_to_keep=1)
     tok = attn.worker.tokenizer  # (a newline and the end tokens kept out of XTC, as mlx-lm's server keeps them)
     assert (xtc.probability, xtc.threshold) == (0.5, 0.2)
     assert xtc.special_tokens == tuple(tok.encode("\n")) + tuple(tok.eos_token_ids)

@@ -73,7 +73,7 @@ class Row:
         special = (opts.xtc_special_tokens if opts.xtc_special_tokens is not None
                    else front_end_special_tokens(engine.tokenizer) if opts.xtc_probability > 0 else ())
         self.acceptor = make_acceptor(opts.temperature, top_p=opts.top_p, top_k=opts.top_k, min_p=opts.min_p,
-                                      draft_sampling=opts.draft_sampling,
+                                      draft_sampling=opts.draft_sampling, min_tokens_to_keep=opts.min_tokens_to_keep,
                                       xtc=make_xtc(opts.xtc_probability, opts.xtc_threshold, special))
         self.lookahead = lookahead_for(engine.model, engine.draft) if engine.guesses_roll_back else None
         self.seed = shared_seed(engine.target, opts.seed)  # every rank of a split target samples alike

@@ -82,6 +82,7 @@ def sampling_logprobs(
     top_k: int = 0,
     min_p: float = 0.0,
     xtc: Optional[XTC] = None,
+    min_tokens_to_keep: int = 1,
 ) -> mx.array:
     """Log-probabilities of the distribution a token is sampled from ([..., V] -> [..., V]).
 
@@ -95,7 +96,7 @@ def sampling_logprobs(
     if 0 < top_p < 1.0:
         logprobs = apply_top_p(logprobs, top_p)
     if min_p > 0.0:
-        logprobs = apply_min_p(logprobs, min_p)
+        logprobs = apply_min_p(logprobs, min_p, min_tokens_to_keep)
     if xtc is not None:
         logprobs = xtc.apply(logprobs)
     # A top-k at or above the vocabulary (a reduced draft vocabulary can be
@@ -197,6 +198,7 @@ class SamplingAcceptor:
         min_p: float = 0.0,
         draft_sampling: str = "argmax",
         xtc: Optional[XTC] = None,
+        min_tokens_to_keep: int = 1,
     ):
         if not temperature > 0:
             raise ValueError(f"SamplingAcceptor needs temperature > 0, got {temperature}")
@@ -206,6 +208,8 @@ class SamplingAcceptor:
             raise ValueError(f"top_k must be >= 0 (0: off), got {top_k}")
         if not 0 <= min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        if isinstance(min_tokens_to_keep, bool) or not isinstance(min_tokens_to_keep, int) or min_tokens_to_keep < 1:
+            raise ValueError(f"min_tokens_to_keep must be a whole number >= 1, got {min_tokens_to_keep!r}")
         if draft_sampling not in DRAFT_SAMPLING_MODES:
             raise ValueError(
                 f"draft_sampling must be one of {DRAFT_SAMPLING_MODES}, got {draft_sampling!r}"
@@ -216,10 +220,12 @@ class SamplingAcceptor:
         self.min_p = float(min_p)
         self.draft_sampling = draft_sampling
         self.xtc = xtc
+        self.min_tokens_to_keep = min_tokens_to_keep  # (min-p's floor, mlx-lm's make_sampler's)
 
     def logprobs(self, logits: mx.array) -> mx.array:
         """The target's sampling distribution (each row's XTC coin drawn here)."""
-        return sampling_logprobs(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.xtc)
+        return sampling_logprobs(logits, self.temperature, self.top_p, self.top_k, self.min_p, self.xtc,
+                                 self.min_tokens_to_keep)
 
     def exact(self) -> "SamplingAcceptor":
         return self
@@ -234,7 +240,8 @@ class SamplingAcceptor:
         if self.draft_sampling == "argmax" or hasattr(draft, "select_tokens"):
             return deterministic_proposal(draft, draft_logits)
         # (q may be any distribution the proposal was drawn from: no XTC, whose special tokens are target ids)
-        logq = sampling_logprobs(draft_logits, self.temperature, self.top_p, self.top_k, self.min_p)
+        logq = sampling_logprobs(draft_logits, self.temperature, self.top_p, self.top_k, self.min_p,
+                                 min_tokens_to_keep=self.min_tokens_to_keep)
         ids = mx.random.categorical(logq)
         return Proposal(draft.to_target_ids(ids).astype(mx.int32), logq, ids)
 
