@@ -341,13 +341,14 @@ def check_cache_settings(target, max_batch: int, request: BatchRequest):
     batch caches have no quantized kind, and its batch windows keep no front tokens)."""
     cache = request.prompt_cache.target_cache if request.prompt_cache is not None else []
     alone = "runs one sequence at a time (an engine of max_batch=1)"
+    # (the bounded cache first: beside kv_bits it is refused before the quantized cache's probes run)
+    if request.prompt_cache is not None and request.prompt_cache.windowed:
+        if max_batch > 1:
+            raise UnsupportedTargetError(f"max_kv_size: {target.name}: a bounded KV cache {alone}")
+        kv_window.check(target, quantized=request.kv_quantization is not None)
     if request.kv_quantization is not None or kv_quantization.holds_quantized(cache):
         if max_batch > 1:
             raise UnsupportedTargetError(f"kv_bits: {target.name}: a quantized KV cache {alone}")
         if request.kv_quantization is not None:
             kv_quantization.check(target, request.kv_quantization)
         kv_quantization.row_limit(target, cache, request.kv_quantization)  # (probed now, not mid-cycle)
-    if request.prompt_cache is not None and request.prompt_cache.windowed:
-        if max_batch > 1:
-            raise UnsupportedTargetError(f"max_kv_size: {target.name}: a bounded KV cache {alone}")
-        kv_window.check(target, quantized=request.kv_quantization is not None)

@@ -113,11 +113,11 @@ class Worker:
         self.chat_template_args = dict(chat_template_args or {})
         quantized = {k: v for k, v in self.kv_cache.items() if k != "max_kv_size"}
         self.max_kv_size = kv_window.checked_max_kv_size(self.kv_cache.get("max_kv_size"))
+        if self.max_kv_size is not None and kv_window.bounds(model):  # (first: refused beside kv_bits)
+            kv_window.check(target, quantized=bool(quantized))
+            max_batch = 1
         if quantized:
             kv_quantization.check(target, kv_quantization.make_kv_quantization(**quantized))
-            max_batch = 1
-        if self.max_kv_size is not None and kv_window.bounds(model):
-            kv_window.check(target, quantized=bool(quantized))
             max_batch = 1
         self.context_window = target.max_context
         self.recurrent = target.recurrent
