@@ -339,7 +339,7 @@ class ChatApp(App):
 
 def build_parser():
     from dflash_mlx.cli.common import (ArgumentParser, add_draft_bits_arg, add_kv_cache_args, add_model_load_args,
-                                       template_kwargs_arg)
+                                       add_template_config_arg)
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
     p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
@@ -349,9 +349,7 @@ def build_parser():
     add_model_load_args(p)
     add_generation_args(p, Settings())
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
-    p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
-                   help="more arguments for the chat template, as mlx-lm's: a JSON object such as "
-                        "'{\"enable_thinking\": false}'")
+    add_template_config_arg(p)
     add_kv_cache_args(p)
     return p
 

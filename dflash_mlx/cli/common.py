@@ -245,6 +245,14 @@ def template_kwargs_arg(text: str) -> dict:
     return value
 
 
+def add_template_config_arg(parser) -> None:
+    """mlx-lm's `--chat-template-config`, in the front ends that apply the chat template themselves (the
+    one-shot CLI, the chat; the server's `--chat-template-args` is its server's flag)."""
+    parser.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
+                        help="more arguments for the chat template, as mlx-lm's: a JSON object such as "
+                             "'{\"enable_thinking\": false}'")
+
+
 def max_kv_size_note(args, model) -> Optional[str]:
     """A line for a `--max-kv-size` the model ignores (it makes its own caches, as mlx-lm's Llama, Gemma 3
     and Qwen3.5 do: mlx-lm ignores the bound there too), else None."""

@@ -8,9 +8,9 @@ import json
 import sys
 
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
-                                   add_draft_bits_arg, add_kv_cache_args, add_model_load_args, checked_options,
-                                   kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note, no_draft_note,
-                                   prompt_progress, remembers, template_kwargs_arg)
+                                   add_draft_bits_arg, add_kv_cache_args, add_model_load_args, add_template_config_arg,
+                                   checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
+                                   no_draft_note, prompt_progress, remembers)
 from dflash_mlx.options import add_generation_args
 
 
@@ -47,9 +47,7 @@ def build_parser():
                    help="the start of the answer, which the model continues (as mlx-lm's; not printed)")
     p.add_argument("--prefill-step-size", type=int, default=2048,
                    help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
-    p.add_argument("--chat-template-config", type=template_kwargs_arg, default=None, metavar="JSON",
-                   help="more arguments for the chat template, as mlx-lm's: a JSON object such as "
-                        "'{\"enable_thinking\": false}'")
+    add_template_config_arg(p)
     p.add_argument("--baseline", action="store_true",
                    help="plain decoding with the target alone: no draft, no copies (for comparison)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -101,8 +99,9 @@ def run(args) -> int:
         extra_eos_tokens=args.extra_eos_token)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
-    if max_kv_size_note(args, model) and speaks:
-        print(f"dflash-mlx: {max_kv_size_note(args, model)}", file=sys.stderr)
+    note = max_kv_size_note(args, model)
+    if note and speaks:
+        print(f"dflash-mlx: {note}", file=sys.stderr)
 
     from dflash_mlx import stream_generate
     from dflash_mlx.engine.responses import wrap_tokenizer

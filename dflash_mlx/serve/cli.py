@@ -125,8 +125,9 @@ def load_worker(args, speaks: bool = True) -> Worker:
                                                                extra_eos_tokens=args.extra_eos_token)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
-    if max_kv_size_note(args, model) and speaks:
-        print(f"dflash-mlx serve: {max_kv_size_note(args, model)}", file=sys.stderr)
+    note = max_kv_size_note(args, model)
+    if note and speaks:
+        print(f"dflash-mlx serve: {note}", file=sys.stderr)
     if remembers(args):  # before the engine makes the pair's policies
         memory.restore(model, draft)
     return Worker(model, draft, tokenizer, model_name=args.model, draft_name=draft_name,
