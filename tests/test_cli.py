@@ -371,6 +371,9 @@ BAD_SOURCES = {
     "export-draft": (["export-draft", "smollm2-135m", "{tmp}/out", "--format", "vllm", "--target", "no-such-model"],
                      ["export-draft", MISSING, "{tmp}/out", "--format", "vllm", "--target", "smollm2-135m"]),
     "doctor": (["doctor", "--no-such-flag"], None),
+    "cache-prompt": (["cache-prompt", "--model", "no-such-model", "--prompt", "hi", "--prompt-cache-file",
+                      "{tmp}/c.safetensors"],
+                     ["cache-prompt", "--draft", MISSING, "--prompt", "hi", "--prompt-cache-file", "{tmp}/c.safetensors"]),
 }
 # and a flag each subcommand does not know is one line too
 BAD_FLAG = ["--no-such-flag"]
@@ -476,14 +479,16 @@ def test_bad_model_or_draft_is_one_line(case, cli_processes):
     assert expected in lines[0], lines[0]
 
 
-@pytest.mark.parametrize("name", ["run", "chat", "bench", "serve", "train", "doctor", "export", "export-draft"])
+@pytest.mark.parametrize("name", ["run", "chat", "bench", "serve", "train", "doctor", "export", "export-draft",
+                                  "cache-prompt"])
 def test_bad_flag_is_one_line_in_every_subcommand(name, capsys):
     from dflash_mlx.cli.main import SUBCOMMANDS, main
 
     if name != "run" and name not in SUBCOMMANDS:
         pytest.skip(f"no '{name}' subcommand in this checkout")
     required = {"train": ["--target", "m", "--out", "o"], "export": ["m", "o"],
-                "export-draft": ["d", "o", "--format", "vllm"]}.get(name, [])
+                "export-draft": ["d", "o", "--format", "vllm"],
+                "cache-prompt": ["--prompt", "p", "--prompt-cache-file", "f"]}.get(name, [])
     argv = BAD_FLAG if name == "run" else [name, *required, *BAD_FLAG]
     assert main(argv) == 2
     err = capsys.readouterr().err
@@ -645,3 +650,49 @@ def test_extra_eos_tokens_end_the_answer_and_prefill_chunks_change_nothing(capsy
     assert code == 2 and err.count("\n") == 1 and "is not a token of this model's tokenizer" in err
     assert run("--prefill-step-size", "5")[1] == whole
     assert run("--prefill-step-size", "0")[0] == 2
+
+
+def test_a_cached_prompt_answers_as_mlx_lm_after_its_file(capsys, monkeypatch, tmp_path):
+    """`dflash-mlx cache-prompt` then `dflash-mlx --prompt-cache-file`: the default model's answer is mlx-lm's
+    greedy decode after the same file, fed what the chat template puts after the cached text (mlx-lm's
+    generate --prompt-cache-file); the model the file names is the default; an mlx-lm file naming another
+    model than --model is refused in one line, as mlx-lm refuses it."""
+    import dflash_mlx.models.loading as loading
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+    from dflash_mlx.cli.cache_prompt import cached_text, text_after_cache
+
+    model, tokenizer = load_packaged("smollm2-135m")
+    loaded = []
+    monkeypatch.setattr(loading, "load", lambda name, **kw: loaded.append(name) or (model, tokenizer))
+    document = "The river Lune rises in Cumbria and flows through Lancaster to Morecambe Bay. "
+    question = "Where does the river flow to?"
+    path = tmp_path / "doc.safetensors"
+    code, out, err = cli(capsys, "cache-prompt", "--prompt", document, "--prompt-cache-file", str(path))
+    assert code == 0 and out == "" and "cached" in err and "with the draft context" in err, err
+    code, out, err = cli(capsys, "--prompt-cache-file", str(path), "--max-tokens", "16", "--json", question)
+    assert code == 0, err
+    assert loaded == ["smollm2-135m", "smollm2-135m"]
+    assert cached_text(tokenizer, document) + text_after_cache(tokenizer, question) == \
+        loading.apply_chat_template(tokenizer, document + question)
+    suffix = tokenizer.encode(text_after_cache(tokenizer, question), add_special_tokens=False)
+    ref = [int(t) for t, _ in generate_step(mx.array(suffix), model, max_tokens=16,
+                                            prompt_cache=load_prompt_cache(str(path)),
+                                            sampler=lambda x: mx.argmax(x, axis=-1))]
+    tokens = json.loads(out)["tokens"]
+    assert tokens == ref[: len(tokens)] and len(tokens) >= 8
+    cache = make_prompt_cache(model)
+    for _ in generate_step(mx.array([1, 2, 3]), model, max_tokens=0, prompt_cache=cache):
+        pass
+    save_prompt_cache(str(tmp_path / "theirs.safetensors"), cache, {"model": "some/model", "tokenizer_config": "{}"})
+    code, out, err = cli(capsys, "--prompt-cache-file", str(tmp_path / "theirs.safetensors"), "--model",
+                         "smollm2-135m", "hi")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "was made with model 'some/model', not 'smollm2-135m': pass --model some/model" in err
+    code, _, err = cli(capsys, "cache-prompt", "--model", "my/model", "--prompt", document, "--prompt-cache-file",
+                       str(tmp_path / "mine.safetensors"))
+    assert code == 0, err
+    code, out, err = cli(capsys, "--prompt-cache-file", str(tmp_path / "mine.safetensors"), "--max-tokens", "4", "hi")
+    assert code == 0 and loaded[-1] == "my/model", err

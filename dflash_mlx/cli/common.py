@@ -21,6 +21,7 @@ SUBCOMMAND_HELP = {
     "export": "write a loaded model as a standard mlx-lm folder",
     "export-draft": "write a draft for vLLM, SGLang or speculators",
     "serve": "OpenAI-compatible HTTP server",
+    "cache-prompt": "run a prompt once and save its caches for --prompt-cache-file",
 }
 
 

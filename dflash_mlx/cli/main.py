@@ -25,6 +25,7 @@ SUBCOMMANDS = {
     "export": "dflash_mlx.cli.export",
     "export-draft": "dflash_mlx.cli.export_draft",
     "serve": "dflash_mlx.serve.cli",
+    "cache-prompt": "dflash_mlx.cli.cache_prompt",
 }
 
 

@@ -11,6 +11,7 @@ from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, 
                                    add_draft_bits_arg, add_kv_cache_args, add_model_load_args, add_template_config_arg,
                                    checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
                                    no_draft_note, prompt_progress, remembers)
+from dflash_mlx.cli.cache_prompt import after_cache, model_for
 from dflash_mlx.options import add_generation_args
 
 
@@ -28,9 +29,9 @@ def build_parser():
     )
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
     p.add_argument(
-        "--model", default=DEFAULT_MODEL,
+        "--model", default=None,
         help=f"packaged name ({', '.join(packaged_names())}), .gguf file, mlx-lm folder or "
-        f"hub id (default: {DEFAULT_MODEL})",
+        f"hub id (default: the one --prompt-cache-file names, else {DEFAULT_MODEL})",
     )
     p.add_argument(
         "--draft",
@@ -56,6 +57,9 @@ def build_parser():
                    help="every target row in plain decoding's shapes: greedy output is mlx-lm's token for token "
                         "on GPU kernels too, in every dtype, at the cost of the wide verify's speed")
     add_kv_cache_args(p)
+    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="answer after a prompt cached by dflash-mlx cache-prompt (or mlx-lm's cache_prompt): the "
+                        "prompt is what follows it, as mlx-lm's generate --prompt-cache-file")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--debug", action="store_true", help="show a traceback on errors (any subcommand)")
     return p
@@ -88,6 +92,7 @@ def run(args) -> int:
     if args.prefill_step_size < 1:
         raise CLIError(f"--prefill-step-size must be a whole number >= 1, got {args.prefill_step_size}", EXIT_USAGE)
     speaks = launched(args.distributed)
+    args.model = model_for(args.model, args.prompt_cache_file)
     prompt = _read_prompt(args) if speaks else None
     if args.distributed is not None:
         from dflash_mlx.models.sharded import share
@@ -110,14 +115,20 @@ def run(args) -> int:
     from dflash_mlx.models.target.adapter import target_for
     from dflash_mlx.policy import memory
 
-    if args.no_chat_template:
+    state = None
+    if args.prompt_cache_file is not None:
+        state, prompt_ids, notes = after_cache(args, model, tokenizer, draft, prompt)
+        for line in notes if speaks else ():
+            print(f"dflash-mlx: {line}", file=sys.stderr)
+    elif args.no_chat_template:
         text = (f"{args.system}\n\n{prompt}" if args.system else prompt) + (args.prefill_response or "")
+        prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)
     else:
         text = apply_chat_template(tokenizer, prompt, system=args.system, template_kwargs=args.chat_template_config,
                                    prefill_response=args.prefill_response)
+        prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)
 
     # The library decodes past the model's context window as mlx-lm does; the CLI stops there.
-    prompt_ids = encode_prompt(wrap_tokenizer(tokenizer), text)
     kwargs = options.generate_kwargs()
     kwargs["max_tokens"] = tokens_to_window(target_for(model, draft).max_context, len(prompt_ids),
                                             options.max_tokens)
@@ -126,7 +137,7 @@ def run(args) -> int:
     pieces, tokens, last = [], [], None
     try:
         for r in stream_generate(model, draft, tokenizer, prompt_ids, baseline=args.baseline,
-                                 deterministic=args.deterministic or None, **kv_cache, **kwargs,
+                                 deterministic=args.deterministic or None, **kv_cache, **kwargs, prompt_cache=state,
                                  prefill_step_size=args.prefill_step_size,
                                  prompt_progress_callback=prompt_progress() if speaks else None):
             pieces.append(r.text)

@@ -191,7 +191,7 @@ def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[i
                                           fuse=drafter.fuse)
 
         computed = {}  # a redo reuses the pieces of logits already computed
-        prior = process_prior(ctx.processors, ctx.state.tokens, unread)
+        prior = process_prior(ctx.processors, ctx.state.history, unread)
 
         def row_logits(start, stop):
             if (start, stop) not in computed:

@@ -140,7 +140,7 @@ def launch_batch(target: Target, draft, rows: Sequence[Row], cache: List, kinds,
         logits = target.logits(h)  # [B, width, V]
         if any(r.processors for r in rows):  # (each row after its own tokens: `speculation.processors`)
             logits = process_batch([r.processors for r in rows],
-                                   [process_prior(r.processors, r.state.tokens, None if unread is None else unread[b])
+                                   [process_prior(r.processors, r.state.history, None if unread is None else unread[b])
                                     for b, r in enumerate(rows)], verify_in, logits)
         acceptors = [r.acceptor for r in rows]
         accept_len, committed = _accept(acceptors, proposals, verify_in, logits, width, draft)

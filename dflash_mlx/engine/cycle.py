@@ -114,7 +114,7 @@ def prefill_chunks(target: Target, drafter, acceptor, state: PromptCache, prompt
         if stop < len(new_ids):
             yield chunk.shape[1]
     with mx.stream(generation_stream):
-        logits = process_first(processors, prompt_ids, target.logits(h[:, -1, :]))
+        logits = process_first(processors, prompt_ids[state.history_start:], target.logits(h[:, -1, :]))
         first = acceptor.first_token(logits)
         mx.eval(first)
     if logits_out is not None:
@@ -176,9 +176,9 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
             if plan.copy_tree is not None:
                 width = len(plan.copy_tree.tree)
                 tree_run = verify_token_tree(target, acceptor, cache, plan.copy_tree.tree, drafter.layer_ids,
-                                             drafter.fuse, ctx.processors, state.tokens)
+                                             drafter.fuse, ctx.processors, state.history)
             else:
-                tree_run = verify_tree(target, drafter, acceptor, cache, last, width, ctx.processors, state.tokens)
+                tree_run = verify_tree(target, drafter, acceptor, cache, last, width, ctx.processors, state.history)
         feats, record = tree_run.features, None
         tokens = tree_run.tokens
         a = len(tokens) - 1

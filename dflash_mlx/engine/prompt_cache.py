@@ -86,6 +86,15 @@ class PromptCache:
     kv_quantization: Any = None
     # mlx-lm's max_kv_size: the target caches are bounded windows (`models.target.kv_window`); None: not
     max_kv_size: Optional[int] = None
+    # logits processors see `tokens` from here on (a prompt cache file's: what follows it, as mlx-lm's generate)
+    history_start: int = 0
+    # `tokens` before this are placeholders (an mlx-lm prompt cache file does not name them): copies skip them
+    known_from: int = 0
+
+    @property
+    def history(self) -> List[int]:
+        """The tokens logits processors see as what came before (`history_start` on)."""
+        return self.tokens[self.history_start:] if self.history_start else self.tokens
 
     @property
     def windowed(self) -> bool:
@@ -95,7 +104,7 @@ class PromptCache:
     def context_index(self, last: int) -> ContextIndex:
         """The index of `tokens` + [last] for copy proposals: the one kept from earlier calls
         brought up to date when it is a prefix of them (a chat's next turn), else built anew."""
-        context = self.tokens + [last]
+        context = self.tokens[self.known_from:] + [last]
         index = self.copy_index
         if index is None or not index.follows(context):
             index = ContextIndex()
@@ -161,6 +170,8 @@ class PromptCache:
             self.draft_cache = draft.make_cache() if draft is not None else None
             self.pending = None
             self.tokens = []
+        self.history_start = min(self.history_start, len(self.tokens))
+        self.known_from = min(self.known_from, len(self.tokens))
         return prompt_ids[len(self.tokens) :]
 
     # -- internals --------------------------------------------------------------

@@ -1,0 +1,274 @@
+"""A prompt cache in a file, in mlx-lm's format: the target's caches, then the draft's context.
+
+mlx-lm's `cache_prompt` saves the caches a prompt left (`save_prompt_cache`) and its `generate
+--prompt-cache-file` answers after them, feeding only the text that follows. `save_prompt_cache` here
+writes the same file, with the draft's context K/V after the target's caches (as mlx-lm lays out the
+prompt cache of its own speculative decoding: the model's caches, then the draft's), each a plain
+`KVCache`, the features the draft had not absorbed absorbed first. Its metadata keeps mlx-lm's keys
+("model", "tokenizer_config") and ours under "dflash_mlx": the prompt's tokens, a fingerprint of the
+target's weights, and the shape of the draft part.
+
+So mlx-lm reads our files (its models take the caches of their own layers), and `load_prompt_cache` reads
+mlx-lm's. Such a file does not hold its tokens: they stay unknown (copies skip them, and a new prompt
+must start with `PromptCache.tokens`' placeholders, as `continued` builds it), and the draft starts cold:
+its context is what comes after the file. Logits processors (penalties) see the tokens after the file's,
+as mlx-lm's generate does with a prompt cache file.
+
+What a file holds is checked against the model before it is used: the kinds of its caches and their
+shapes (a one-token probe of the target's own), and, for our files, the fingerprint: a file of another
+model (or dtype, or adapter) is refused in one line rather than decoded into wrong tokens.
+"""
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models import cache as mlx_cache
+
+from dflash_mlx.engine.prompt_cache import PromptCache, make_prompt_cache
+from dflash_mlx.models.target.adapter import target_for
+from dflash_mlx.models.target.kv_window import KEEP, bounds, make_window_cache
+
+KEY = "dflash_mlx"
+FORMAT = 1
+UNKNOWN_TOKEN = 0  # the placeholder of a token an mlx-lm file does not name (never read: see `known_from`)
+
+
+@dataclass
+class CacheFileInfo:
+    """What `load_prompt_cache` found in a file."""
+
+    model: Optional[str]  # the model it names (mlx-lm's "model" key), None if it names none
+    tokenizer_config: Dict[str, Any] = field(default_factory=dict)
+    tokens_known: bool = True  # False: an mlx-lm file (placeholders in `PromptCache.tokens`)
+    draft_context: str = "none"  # "restored", "cold" (no context for this draft: it starts after the file), "none"
+    kv_bits: Optional[int] = None  # the bits and group size of a quantized cache, else None
+    kv_group_size: Optional[int] = None
+    max_kv_size: Optional[int] = None  # the bound of a bounded cache, else None
+
+
+class PromptCacheFileError(ValueError):
+    """A prompt cache file that cannot be used with this model (what is wrong, and what to do)."""
+
+
+def fingerprint(model) -> str:
+    """A digest of `model`'s parameter names, shapes, dtypes and a few values of each: two models (or
+    dtypes, or adapters) whose caches could not stand for each other's differ in it."""
+    leaves = tree_flatten(model.parameters())
+    samples = [a.reshape(-1)[:64] for _, a in leaves]
+    samples = [s.astype(mx.float32) if mx.issubdtype(s.dtype, mx.floating) else s for s in samples]
+    mx.eval(samples)
+    digest = hashlib.sha256()
+    for (name, a), s in zip(leaves, samples):
+        digest.update(f"{name}:{tuple(a.shape)}:{a.dtype};".encode())
+        digest.update(np.array(s).tobytes())
+    return digest.hexdigest()[:32]
+
+
+def save_prompt_cache(path, prompt_cache: PromptCache, model_name: Optional[str] = None,
+                      tokenizer_config: Optional[Dict[str, Any]] = None) -> None:
+    """Write `prompt_cache` (after a call that ran its prompt) to `path` (.safetensors), for
+    `load_prompt_cache` here and mlx-lm's generate --prompt-cache-file. `model_name`: what mlx-lm's
+    "model" key names (the model as given), `tokenizer_config`: mlx-lm's (JSON)."""
+    state = prompt_cache
+    if not state.valid or state.ahead is not None or not state.tokens:
+        raise ValueError("the prompt cache holds no finished prompt: run a prompt with it first")
+    if state.known_from:
+        raise ValueError("the prompt cache starts with tokens it does not know (it was loaded from an mlx-lm "
+                         "file): save it with mlx-lm, or cache the prompt again here")
+    target = target_for(state.model, state.draft)
+    if target.sharding is not None:
+        raise ValueError("a split target's prompt cache cannot be saved to a file: run the target in one process")
+    entries = [_as_mlx_lm(c) for c in state.target_cache]
+    ours: Dict[str, Any] = {"format": FORMAT, "tokens": list(state.tokens), "target_caches": len(entries),
+                            "fingerprint": fingerprint(state.model), "max_kv_size": state.max_kv_size,
+                            "draft": None}
+    if state.draft is not None and state.draft_cache is not None:
+        if state.pending is not None:  # what the next draft call would absorb first
+            state.draft.inject(state.pending, state.draft_cache)
+            state.pending = None
+        offsets, windows = [], []
+        for c in state.draft_cache:
+            entries.append(_kv(*c.fetch()))
+            offsets.append(c.offset)
+            windows.append(getattr(c, "window", None))
+        ours["draft"] = {"layers": len(offsets), "offsets": offsets, "windows": windows,
+                         "fingerprint": fingerprint(state.draft)}
+    metadata = {"model": model_name or "", "tokenizer_config": json.dumps(tokenizer_config or {}),
+                KEY: json.dumps(ours)}
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial.safetensors")  # (never a half-written file at `path`)
+    try:
+        mlx_cache.save_prompt_cache(str(partial), entries, metadata)
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileInfo]:
+    """A `PromptCache` for `model` (and `draft`) holding what the file at `path` holds (ours or mlx-lm's),
+    and what was found there; `PromptCacheFileError` naming what is wrong for a file that does not fit."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptCacheFileError(f"no prompt cache file at {path}: make one with dflash-mlx cache-prompt")
+    try:
+        entries, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
+        ours = json.loads(metadata[KEY]) if KEY in metadata else None
+        tokenizer_config = json.loads(metadata.get("tokenizer_config") or "{}")
+    except Exception as e:  # (safetensors' own errors, a class mlx-lm does not know, bad JSON)
+        raise PromptCacheFileError(f"{path} is not a prompt cache file of mlx-lm or dflash-mlx "
+                                   f"({' '.join(str(e).split())[:200]})") from None
+    if ours is not None and ours.get("format") != FORMAT:
+        raise PromptCacheFileError(f"{path} is a dflash-mlx prompt cache of format {ours.get('format')}; this "
+                                   f"version reads format {FORMAT}: make it again with dflash-mlx cache-prompt")
+    target = target_for(model, draft)
+    if target.sharding is not None:
+        raise PromptCacheFileError("a prompt cache file cannot be used with a split target: run it in one process")
+    info = CacheFileInfo(model=metadata.get("model") or None, tokenizer_config=tokenizer_config,
+                         tokens_known=ours is not None)
+    if ours is not None and ours["fingerprint"] != fingerprint(model):
+        raise PromptCacheFileError(f"{path} was made for another model (or dtype, or adapter) than this one"
+                                   + (f" ({info.model})" if info.model else "")
+                                   + ": cache the prompt again with this model")
+    info.max_kv_size = ours["max_kv_size"] if ours is not None else _bound_of(model, entries)
+    fresh = make_window_cache(target, info.max_kv_size)
+    n_target = len(fresh)
+    draft_part = (ours or {}).get("draft")
+    if len(entries) != n_target + (draft_part["layers"] if draft_part else 0):
+        raise PromptCacheFileError(f"{path} holds {len(entries)} caches where this model has {n_target} layers "
+                                   f"of cache: it was made for another model")
+    target_cache = [_checked(path, e, f) for e, f in zip(entries[:n_target], fresh)]
+    _check_shapes(path, target, target_cache, info)
+    length = _length(target_cache)
+    prompt_cache = make_prompt_cache(model, draft, max_kv_size=info.max_kv_size)
+    prompt_cache.target_cache = target_cache
+    if ours is not None:
+        tokens = [int(t) for t in ours["tokens"]]
+        if len(tokens) != length:
+            raise PromptCacheFileError(f"{path} names {len(tokens)} tokens but its caches hold {length}: "
+                                       "the file is damaged; cache the prompt again")
+    else:
+        tokens = [UNKNOWN_TOKEN] * length
+        prompt_cache.known_from = length
+    prompt_cache.tokens = tokens
+    prompt_cache.history_start = length  # (penalties see what follows the file, as mlx-lm's generate)
+    if draft is not None:
+        restored = (draft_part is not None and draft_part["fingerprint"] == fingerprint(draft)
+                    and _restore_draft(prompt_cache.draft_cache, entries[n_target:], draft_part))
+        if not restored:  # (the draft's context does not change a token, only how many it guesses)
+            for c in prompt_cache.draft_cache:
+                c.offset = length
+        info.draft_context = "restored" if restored else "cold"
+    return prompt_cache, info
+
+
+def continued(prompt_cache: PromptCache, suffix_ids: Sequence[int]) -> List[int]:
+    """The prompt to pass with a loaded `prompt_cache` to answer after `suffix_ids` (the file's tokens, or
+    their placeholders, then the suffix)."""
+    return list(prompt_cache.tokens) + [int(t) for t in suffix_ids]
+
+
+# -- internals ----------------------------------------------------------------
+
+
+def _mlx_lm_class(cls):
+    """The class of mlx-lm's that `cls` is (itself, or the one it extends: a bounded cache's window)."""
+    for base in cls.__mro__:
+        if getattr(mlx_cache, base.__name__, None) is base:
+            return base
+    return None
+
+
+def _as_mlx_lm(c):
+    """`c` as the mlx-lm cache it is, a `KVCache` without the room it grows into (mlx-lm's saves it too)."""
+    base = _mlx_lm_class(type(c))
+    if base is None:
+        raise ValueError(f"the target's cache {type(c).__name__} is not one of mlx-lm's: it cannot go in a file")
+    if base is mlx_cache.KVCache and c.keys is not None and c.keys.shape[2] > c.offset:
+        return _kv(c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
+    return c if type(c) is base else base.from_state(c.state)
+
+
+def _kv(keys, values) -> mlx_cache.KVCache:
+    kv = mlx_cache.KVCache()
+    if keys is not None:
+        kv.keys, kv.values, kv.offset = keys, values, keys.shape[2]
+    return kv
+
+
+def _checked(path, entry, fresh):
+    """The file's `entry` as this model's cache of `fresh`'s kind (our bounded window for mlx-lm's)."""
+    kind = _mlx_lm_class(type(fresh))
+    same = type(entry) is kind or (kind is mlx_cache.KVCache and type(entry) is mlx_cache.QuantizedKVCache)
+    if not same:
+        raise PromptCacheFileError(f"{path} holds a {type(entry).__name__} where this model's cache is a "
+                                   f"{kind.__name__}: it was made for another model (or another --max-kv-size)")
+    if type(fresh) is not kind and type(entry) is kind:
+        entry.__class__ = type(fresh)  # (a class of ours that only masks otherwise: no state of its own)
+    return entry
+
+
+def _bound_of(model, entries) -> Optional[int]:
+    """mlx-lm's --max-kv-size a file was made with, read off its caches (mlx-lm's files do not say)."""
+    first = entries[0] if entries else None
+    if bounds(model) and isinstance(first, mlx_cache.RotatingKVCache) and first.keep == KEEP:
+        return first.max_size
+    return None
+
+
+def _arrays(c) -> List[mx.array]:
+    return [a for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+
+
+def _check_shapes(path, target, caches: List[Any], info: CacheFileInfo):
+    """Refuse caches whose arrays this model would not make: a one-token forward of the target on its own
+    fresh caches, whose arrays must match the file's on every axis but the sequence axis."""
+    quantized = [c for c in caches if isinstance(c, mlx_cache.QuantizedKVCache)]
+    if quantized:
+        info.kv_bits, info.kv_group_size = quantized[0].bits, quantized[0].group_size
+    probe = make_window_cache(target, info.max_kv_size)
+    target.forward(mx.array([[0]]), probe)
+    for i, (p, c) in enumerate(zip(probe, caches)):
+        if isinstance(c, mlx_cache.QuantizedKVCache) and not isinstance(p, mlx_cache.QuantizedKVCache):
+            p = p.to_quantized(group_size=c.group_size, bits=c.bits)
+        mine, theirs = _arrays(p), _arrays(c)
+        if len(mine) != len(theirs) or any(not _fits(a.shape, b.shape) for a, b in zip(mine, theirs)):
+            raise PromptCacheFileError(f"{path}: cache {i} holds arrays of shapes "
+                                       f"{[tuple(b.shape) for b in theirs]} where this model makes "
+                                       f"{[tuple(a.shape) for a in mine]}: it was made for another model")
+
+
+def _fits(mine: Tuple[int, ...], theirs: Tuple[int, ...]) -> bool:
+    if len(mine) != len(theirs):
+        return False
+    return all(a == b for axis, (a, b) in enumerate(zip(mine, theirs)) if not (len(mine) == 4 and axis == 2))
+
+
+def _length(caches: List[Any]) -> int:
+    """Tokens the caches hold (each one that counts them agrees)."""
+    offsets = set()
+    for c in caches:
+        for sub in (c.caches if isinstance(c, mlx_cache.CacheList) else (c,)):
+            if hasattr(sub, "offset") and isinstance(sub.offset, int):
+                offsets.add(sub.offset)
+    if len(offsets) != 1:
+        raise PromptCacheFileError(f"the file's caches disagree on how many tokens they hold ({sorted(offsets)})"
+                                   if offsets else "the file's caches do not say how many tokens they hold")
+    return offsets.pop()
+
+
+def _restore_draft(draft_cache: List[Any], entries: List[Any], part: Dict[str, Any]) -> bool:
+    """Put the file's draft context into `draft_cache` (a fresh one); False where it does not fit."""
+    if len(entries) != len(draft_cache) or part["windows"] != [getattr(c, "window", None) for c in draft_cache]:
+        return False
+    for c, kv, offset in zip(draft_cache, entries, part["offsets"]):
+        held = 0 if kv.keys is None else kv.offset
+        c.offset = offset - held
+        if held:
+            c.append(kv.keys[..., :held, :], kv.values[..., :held, :])
+    return True
