@@ -31,6 +31,7 @@ from dflash_mlx.generate import (  # noqa: E402
     stream_generate,
 )
 from dflash_mlx.models.target.adapter import Target  # noqa: E402
+from dflash_mlx.engine.prompt_cache_file import load_prompt_cache, save_prompt_cache  # noqa: E402
 
 
 def load(*args, **kwargs):

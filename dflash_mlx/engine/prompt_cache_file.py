@@ -144,15 +144,11 @@ def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileIn
                                    f"of cache: it was made for another model")
     target_cache = [_checked(path, e, f) for e, f in zip(entries[:n_target], fresh)]
     _check_shapes(path, target, target_cache, info)
-    length = _length(target_cache)
+    tokens = [int(t) for t in ours["tokens"]] if ours is not None else None
+    length = _length(path, target_cache, tokens)
     prompt_cache = make_prompt_cache(model, draft, max_kv_size=info.max_kv_size)
     prompt_cache.target_cache = target_cache
-    if ours is not None:
-        tokens = [int(t) for t in ours["tokens"]]
-        if len(tokens) != length:
-            raise PromptCacheFileError(f"{path} names {len(tokens)} tokens but its caches hold {length}: "
-                                       "the file is damaged; cache the prompt again")
-    else:
+    if tokens is None:
         tokens = [UNKNOWN_TOKEN] * length
         prompt_cache.known_from = length
     prompt_cache.tokens = tokens
@@ -249,16 +245,19 @@ def _fits(mine: Tuple[int, ...], theirs: Tuple[int, ...]) -> bool:
     return all(a == b for axis, (a, b) in enumerate(zip(mine, theirs)) if not (len(mine) == 4 and axis == 2))
 
 
-def _length(caches: List[Any]) -> int:
-    """Tokens the caches hold (each one that counts them agrees)."""
-    offsets = set()
+def _length(path, caches: List[Any], tokens: Optional[List[int]]) -> int:
+    """Tokens the caches hold: what each cache that counts them says, and the file's tokens where it names them."""
+    offsets = set() if tokens is None else {len(tokens)}
     for c in caches:
         for sub in (c.caches if isinstance(c, mlx_cache.CacheList) else (c,)):
             if hasattr(sub, "offset") and isinstance(sub.offset, int):
                 offsets.add(sub.offset)
-    if len(offsets) != 1:
-        raise PromptCacheFileError(f"the file's caches disagree on how many tokens they hold ({sorted(offsets)})"
-                                   if offsets else "the file's caches do not say how many tokens they hold")
+    if not offsets:
+        raise PromptCacheFileError(f"{path}: mlx-lm's file for a model with recurrent caches only does not say how "
+                                   "many tokens it holds: cache the prompt with dflash-mlx cache-prompt")
+    if len(offsets) > 1:
+        raise PromptCacheFileError(f"{path}: its caches (and tokens) disagree on how many tokens they hold "
+                                   f"({sorted(offsets)}): the file is damaged; cache the prompt again")
     return offsets.pop()
 
 
