@@ -61,11 +61,11 @@ def _ours(model, draft, tok, path, suffix, n, width="auto", **kwargs):
     return decoded(model, draft, tok, continued(state, suffix), n, width, prompt_cache=state, **kwargs)[0], info
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3_text", "qwen3_5"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3_text", "qwen3_5", "gemma4_text"])
 def test_our_file_answers_as_mlx_lm_does_after_it(arch, tmp_path):
     """Our file, read by mlx-lm's loader and by ours: DFlash's answer (every width) is mlx-lm's greedy decode
     after it; the draft's context comes back whole."""
-    model, tok = tiny_target(arch, tie_word_embeddings=False) if arch != "gemma3_text" else tiny_target(arch)
+    model, tok = tiny_target(arch, tie_word_embeddings=False) if arch in ("qwen3", "llama") else tiny_target(arch)
     draft = random_draft(model, block_size=8, num_layers=1)
     prefix, suffix = _ids(1, 40), _ids(2, 5)
     path = _cached(model, draft, tok, prefix, tmp_path / "c.safetensors")
@@ -203,13 +203,17 @@ def test_a_file_that_does_not_fit_is_refused_in_one_line(tmp_path):
 
 
 def test_the_file_is_mlx_lm_s_format(tmp_path):
-    """mlx-lm's loader reads our file: the target's caches first, the draft's after them; mlx-lm's keys."""
+    """mlx-lm's loader reads our file and makes the target's caches alone (models such as Llama 4 and Gemma 4
+    read every cache they are given); the draft's context is one more element of its list of states; mlx-lm's
+    metadata keys."""
     model, tok = tiny_target("qwen3", tie_word_embeddings=False)
     draft = random_draft(model, block_size=8, num_layers=2)
     path = _cached(model, draft, tok, _ids(12, 20), tmp_path / "c.safetensors")
     caches, metadata = mlx_lm_load(str(path), return_metadata=True)
-    assert len(caches) == len(model.layers) + 2
-    assert all(c.offset == 20 for c in caches[: len(model.layers)])
+    assert len(caches) == len(model.layers) and all(c.offset == 20 for c in caches)
+    n = len(model.layers)
+    assert {k for k in mx.load(str(path)) if k.startswith(f"{n}.")} == {f"{n}.{i}.{kv}" for i in (0, 1)
+                                                                        for kv in ("keys", "values")}
     assert metadata["model"] == "tiny" and json.loads(metadata["tokenizer_config"]) == {}
     ours = json.loads(metadata["dflash_mlx"])
     assert ours["tokens"] == _ids(12, 20) and ours["draft"]["layers"] == 2

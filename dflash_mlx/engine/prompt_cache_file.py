@@ -92,9 +92,11 @@ def save_prompt_cache(path, prompt_cache: PromptCache, model_name: Optional[str]
         if state.pending is not None:  # what the next draft call would absorb first
             state.draft.inject(state.pending, state.draft_cache)
             state.pending = None
-        offsets, windows = [], []
-        for c in state.draft_cache:
-            entries.append(_kv(*c.fetch()))
+        offsets, windows, draft_arrays = [], [], {}
+        for i, c in enumerate(state.draft_cache):
+            keys, values = c.fetch()
+            if keys is not None:
+                draft_arrays.update({f"{i}.keys": keys, f"{i}.values": values})
             offsets.append(c.offset)
             windows.append(getattr(c, "window", None))
         ours["draft"] = {"layers": len(offsets), "offsets": offsets, "windows": windows,
@@ -104,10 +106,36 @@ def save_prompt_cache(path, prompt_cache: PromptCache, model_name: Optional[str]
     path = Path(path)
     partial = path.with_name(path.name + ".partial.safetensors")  # (never a half-written file at `path`)
     try:
-        mlx_cache.save_prompt_cache(str(partial), entries, metadata)
+        _write(partial, entries, draft_arrays if ours["draft"] else {}, metadata)
         partial.replace(path)
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _write(path: Path, entries: List[Any], draft_arrays: Dict[str, mx.array], metadata: Dict[str, str]):
+    """mlx-lm's `save_prompt_cache` file of `entries`, with the draft's arrays as one more element of its list
+    of cache states: mlx-lm's loader makes a cache of each state that has a class name, and lists none for it
+    (its models must see their own caches alone: several, Llama 4's and Gemma 4's, read every entry given)."""
+    scalars: List[Any] = [""]  # (as mlx-lm's: non-empty, else flattening drops it)
+
+    def stored(key: str, value) -> mx.array:
+        if isinstance(value, mx.array):
+            return value
+        if isinstance(value, (int, float, bool)):
+            scalars.append((key, "scalar"))
+            return mx.array(value)
+        if isinstance(value, str):
+            scalars.append((key, "string"))
+            return mx.array([ord(ch) for ch in value])
+        if value is None:
+            scalars.append((key, "none"))
+            return mx.array([])
+        raise ValueError(f"a cache state holds {type(value).__name__}, which a prompt cache file cannot keep")
+
+    arrays = {k: stored(k, v) for k, v in tree_flatten([c.state for c in entries])}
+    arrays.update({f"{len(entries)}.{k}": v for k, v in draft_arrays.items()})
+    classes = [type(c).__name__ for c in entries]
+    mx.save_safetensors(str(path), arrays, dict(tree_flatten([metadata, classes, scalars])))
 
 
 def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileInfo]:
@@ -139,7 +167,7 @@ def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileIn
     fresh = make_window_cache(target, info.max_kv_size)
     n_target = len(fresh)
     draft_part = (ours or {}).get("draft")
-    if len(entries) != n_target + (draft_part["layers"] if draft_part else 0):
+    if len(entries) != n_target:
         raise PromptCacheFileError(f"{path} holds {len(entries)} caches where this model has {n_target} layers "
                                    f"of cache: it was made for another model")
     target_cache = [_checked(path, e, f) for e, f in zip(entries[:n_target], fresh)]
@@ -155,7 +183,7 @@ def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileIn
     prompt_cache.history_start = length  # (penalties see what follows the file, as mlx-lm's generate)
     if draft is not None:
         restored = (draft_part is not None and draft_part["fingerprint"] == fingerprint(draft)
-                    and _restore_draft(prompt_cache.draft_cache, entries[n_target:], draft_part))
+                    and _restore_draft(prompt_cache.draft_cache, _draft_arrays(path, n_target), draft_part))
         if not restored:  # (the draft's context does not change a token, only how many it guesses)
             for c in prompt_cache.draft_cache:
                 c.offset = length
@@ -261,13 +289,20 @@ def _length(path, caches: List[Any], tokens: Optional[List[int]]) -> int:
     return offsets.pop()
 
 
-def _restore_draft(draft_cache: List[Any], entries: List[Any], part: Dict[str, Any]) -> bool:
+def _draft_arrays(path: Path, n_target: int) -> Dict[str, mx.array]:
+    """The draft's arrays in a file of ours ("0.keys", "0.values", ... by draft layer)."""
+    prefix = f"{n_target}."
+    return {k[len(prefix):]: v for k, v in mx.load(str(path)).items() if k.startswith(prefix)}
+
+
+def _restore_draft(draft_cache: List[Any], arrays: Dict[str, mx.array], part: Dict[str, Any]) -> bool:
     """Put the file's draft context into `draft_cache` (a fresh one); False where it does not fit."""
-    if len(entries) != len(draft_cache) or part["windows"] != [getattr(c, "window", None) for c in draft_cache]:
+    if part["layers"] != len(draft_cache) or part["windows"] != [getattr(c, "window", None) for c in draft_cache]:
         return False
-    for c, kv, offset in zip(draft_cache, entries, part["offsets"]):
-        held = 0 if kv.keys is None else kv.offset
+    for i, (c, offset) in enumerate(zip(draft_cache, part["offsets"])):
+        keys, values = arrays.get(f"{i}.keys"), arrays.get(f"{i}.values")
+        held = 0 if keys is None else keys.shape[2]
         c.offset = offset - held
         if held:
-            c.append(kv.keys[..., :held, :], kv.values[..., :held, :])
+            c.append(keys, values)
     return True
