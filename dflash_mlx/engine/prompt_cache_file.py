@@ -57,11 +57,14 @@ class PromptCacheFileError(ValueError):
 
 
 def fingerprint(model) -> str:
-    """A digest of `model`'s parameter names, shapes, dtypes and a few values of each: two models (or
+    """A digest of `model`'s parameter names, shapes, dtypes and the first values of each: two models (or
     dtypes, or adapters) whose caches could not stand for each other's differ in it."""
     leaves = tree_flatten(model.parameters())
-    samples = [a.reshape(-1)[:64] for _, a in leaves]
-    samples = [s.astype(mx.float32) if mx.issubdtype(s.dtype, mx.floating) else s for s in samples]
+    samples = []
+    for _, a in leaves:
+        while a.ndim > 1:  # (the first row, by indexing: a reshape would copy a transposed weight whole)
+            a = a[0]
+        samples.append(a[:64].astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a[:64])
     mx.eval(samples)
     digest = hashlib.sha256()
     for (name, a), s in zip(leaves, samples):
