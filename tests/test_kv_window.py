@@ -175,3 +175,26 @@ def test_the_server_serves_a_bounded_kv_cache_one_request_at_a_time():
         Worker(model, None, tok, model_name="tiny", kv_cache=dict(max_kv_size=8, kv_bits=4, kv_group_size=32))
     model, tok = tiny_target("llama")
     assert Worker(model, None, tok, model_name="tiny", max_batch=4, kv_cache=dict(max_kv_size=8)).max_batch == 4
+
+
+def test_the_draft_context_is_bounded_with_the_target_s():
+    """Under max_kv_size the draft's context caches keep a window too (what it sees changes, no token does),
+    so a long answer's memory is bounded; on a model that makes its own caches (unbounded) the draft's stay whole."""
+    from dflash_mlx.models.draft.context_cache import ContextCache
+
+    model, tok = _target()
+    prompt, ref = _case(model, 20, 48, seed=7, size=8)
+    draft = random_draft(model, block_size=8, num_layers=2)
+    state = make_prompt_cache(model, draft, max_kv_size=8)
+    assert decoded(model, draft, tok, prompt, 48, 8, prompt_cache=state)[0] == ref  # (drafting every cycle)
+    held = [c.fetch()[0].shape[2] for c in state.draft_cache]
+    assert all(c.offset == len(state.tokens) - (0 if state.pending is None else state.pending.shape[1])
+               for c in state.draft_cache)
+    assert max(held) <= 8 - 1 + ContextCache.TRIM_SLACK < len(state.tokens) - 8
+    whole = make_prompt_cache(model, draft)
+    assert decoded(model, draft, tok, prompt, 48, 8, prompt_cache=whole)[0] == greedy_reference(model, prompt, 48)
+    full = [c for c in whole.draft_cache if c.window is None]
+    assert full and all(c.fetch()[0].shape[2] == c.offset > 8 - 1 + ContextCache.TRIM_SLACK for c in full)
+    llama, tok = tiny_target("llama")
+    own = make_prompt_cache(llama, random_draft(llama, block_size=8, num_layers=1), max_kv_size=8)
+    assert all(c.window is None for c in own.draft_cache)

@@ -20,7 +20,8 @@ from mlx_lm.models.cache import CacheList, ChunkedKVCache, can_trim_prompt_cache
 
 from dflash_mlx.speculation.copies import ContextIndex
 from dflash_mlx.models.target.adapter import target_for
-from dflash_mlx.models.target.kv_window import checked_max_kv_size, make_window_cache, windowed
+from dflash_mlx.models.draft.context_cache import ContextCache
+from dflash_mlx.models.target.kv_window import bounds, checked_max_kv_size, make_window_cache, windowed
 
 
 @dataclass
@@ -167,7 +168,7 @@ class PromptCache:
             if self.valid and self.tokens and self.max_snapshots > 0:
                 self._keep(live)
             self.target_cache = make_window_cache(target, self.max_kv_size)
-            self.draft_cache = draft.make_cache() if draft is not None else None
+            self.draft_cache = make_draft_cache(draft, self.model, self.max_kv_size)
             self.pending = None
             self.tokens = []
         self.history_start = min(self.history_start, len(self.tokens))
@@ -211,7 +212,7 @@ class PromptCache:
                 if keep >= draft_len:
                     snap.pending = snap.pending[:, : keep - draft_len] if keep > draft_len else None
                 else:
-                    fresh = draft.make_cache()
+                    fresh = make_draft_cache(draft, self.model, self.max_kv_size)
                     for i, c in enumerate(snap.draft_cache):
                         if c.trimmable(draft_len - keep):
                             c.trim(draft_len - keep)
@@ -275,6 +276,19 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def make_draft_cache(draft, model, max_kv_size: Optional[int] = None) -> Optional[List[Any]]:
+    """The draft's context caches (None without a draft). Under mlx-lm's `max_kv_size`, on a model it bounds,
+    each keeps at most the last `max_kv_size` tokens' entries as well (and a few more it masks out): the draft
+    then sees what the target's window holds, its guesses change but no token does, and its memory is bounded
+    as the target's is."""
+    if draft is None:
+        return None
+    caches = draft.make_cache()
+    if max_kv_size is None or not bounds(model) or not all(isinstance(c, ContextCache) for c in caches):
+        return caches
+    return [ContextCache(max_kv_size if c.window is None else min(c.window, max_kv_size)) for c in caches]
+
+
 def make_prompt_cache(model, draft=None, max_snapshots: int = 0, max_bytes: Optional[int] = None,
                       max_kv_size: Optional[int] = None) -> PromptCache:
     """`max_kv_size`: mlx-lm's bound on the target's KV cache (`models.target.kv_window`; None: unbounded)."""
@@ -285,7 +299,7 @@ def make_prompt_cache(model, draft=None, max_snapshots: int = 0, max_bytes: Opti
         target_cache=make_window_cache(target, max_kv_size),
         max_kv_size=max_kv_size,
         draft=draft,
-        draft_cache=draft.make_cache() if draft is not None else None,
+        draft_cache=make_draft_cache(draft, model, max_kv_size),
         max_snapshots=max_snapshots,
         max_bytes=max_bytes,
     )
