@@ -29,21 +29,12 @@ def check(key: str, size: int) -> dict:
     from dflash_mlx import stream_generate
     from dflash_mlx.models.draft.checkpoints import random_draft
     from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
-    from dflash_mlx.testing import arch_check
+    from dflash_mlx.testing.arch_sweep import built
     from dflash_mlx.testing.targets import EOS_ID, ScriptedDraft, byte_tokenizer, greedy_reference
 
-    from dflash_mlx.testing.more_archs import NOT_RUN
-
-    if key in NOT_RUN:
-        return dict(status="not run", reason=NOT_RUN[key])
-    try:
-        model = arch_check.build(key)
-    except Exception as e:
-        return dict(status="not built", reason=f"{type(e).__name__}: {e}"[:200])
-    try:
-        Target(model)
-    except UnsupportedTargetError as e:
-        return dict(status="refused", reason=f"(as a target) {e}")
+    model, outcome = built(key)
+    if outcome is not None:
+        return outcome
     own = hasattr(model, "make_cache")
     tok, changed = byte_tokenizer(), False
     for length in PROMPT_LENGTHS:

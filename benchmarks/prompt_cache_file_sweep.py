@@ -34,21 +34,13 @@ def check(key: str) -> dict:
     from dflash_mlx import make_prompt_cache, stream_generate
     from dflash_mlx.engine.prompt_cache_file import continued, load_prompt_cache, save_prompt_cache
     from dflash_mlx.models.draft.checkpoints import random_draft
-    from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
-    from dflash_mlx.testing import arch_check
-    from dflash_mlx.testing.more_archs import NOT_RUN
+    from dflash_mlx.models.target.adapter import UnsupportedTargetError
+    from dflash_mlx.testing.arch_sweep import built
     from dflash_mlx.testing.targets import EOS_ID, byte_tokenizer, greedy_reference
 
-    if key in NOT_RUN:
-        return dict(status="not run", reason=NOT_RUN[key])
-    try:
-        model = arch_check.build(key)
-    except Exception as e:
-        return dict(status="not built", reason=f"{type(e).__name__}: {e}"[:200])
-    try:
-        Target(model)
-    except UnsupportedTargetError as e:
-        return dict(status="refused", reason=f"(as a target) {e}")
+    model, outcome = built(key)
+    if outcome is not None:
+        return outcome
     tok, rng = byte_tokenizer(), random.Random(0)
     prefix = [rng.randrange(0, 256) for _ in range(PREFIX)]
     suffix = [rng.randrange(0, 256) for _ in range(SUFFIX)]

@@ -13,6 +13,26 @@ from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 
+def built(key: str):
+    """(the quick check's tiny model of `key`, None), or (None, the outcome that says why there is none: not run
+    on this machine, not built, refused as a target)."""
+    from dflash_mlx.models.target.adapter import Target, UnsupportedTargetError
+    from dflash_mlx.testing import arch_check
+    from dflash_mlx.testing.more_archs import NOT_RUN
+
+    if key in NOT_RUN:
+        return None, dict(status="not run", reason=NOT_RUN[key])
+    try:
+        model = arch_check.build(key)
+    except Exception as e:
+        return None, dict(status="not built", reason=f"{type(e).__name__}: {e}"[:200])
+    try:
+        Target(model)
+    except UnsupportedTargetError as e:
+        return None, dict(status="refused", reason=f"(as a target) {e}")
+    return model, None
+
+
 def sweep(keys: List[str], check: Callable[[str], dict]) -> Tuple[Dict[str, dict], Dict[str, int], float]:
     """(each key's outcome, how many keys had each status, seconds); a check that raises is an "error"
     outcome, not the end of the sweep."""
