@@ -117,8 +117,10 @@ def main(argv=None) -> int:
     from dflash_mlx.engine.responses import wrap_tokenizer
     from dflash_mlx.generate import encode_prompt
 
-    text = prompt if args.no_chat_template else cached_text(tokenizer, prompt, args.system,
-                                                             args.chat_template_config)
+    if args.no_chat_template:  # (as `dflash-mlx --no-chat-template` joins them)
+        text = f"{args.system}\n\n{prompt}" if args.system else prompt
+    else:
+        text = cached_text(tokenizer, prompt, args.system, args.chat_template_config)
     ids = encode_prompt(wrap_tokenizer(tokenizer), text)
     state = make_prompt_cache(model, draft, max_kv_size=kv_cache.pop("max_kv_size", None))
     started = time.perf_counter()

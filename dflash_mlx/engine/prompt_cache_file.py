@@ -1,18 +1,17 @@
-"""A prompt cache in a file, in mlx-lm's format: the target's caches, then the draft's context.
+"""A prompt cache in a file, in mlx-lm's format, with the draft's context beside the target's caches.
 
 mlx-lm's `cache_prompt` saves the caches a prompt left (`save_prompt_cache`) and its `generate
 --prompt-cache-file` answers after them, feeding only the text that follows. `save_prompt_cache` here
-writes the same file, with the draft's context K/V after the target's caches (as mlx-lm lays out the
-prompt cache of its own speculative decoding: the model's caches, then the draft's), each a plain
-`KVCache`, the features the draft had not absorbed absorbed first. Its metadata keeps mlx-lm's keys
-("model", "tokenizer_config") and ours under "dflash_mlx": the prompt's tokens, a fingerprint of the
-target's weights, and the shape of the draft part.
+writes the same file: mlx-lm's list of the target's cache states, and after them one more element of that
+list, the draft's context K/V (the features the draft had not absorbed absorbed first), to which mlx-lm's
+metadata gives no class, so mlx-lm's loader leaves it out and its models see their own caches alone. The
+metadata keeps mlx-lm's keys ("model", "tokenizer_config") and ours under "dflash_mlx": the prompt's
+tokens, a fingerprint of the target's weights, and the shape of the draft part.
 
-So mlx-lm reads our files (its models take the caches of their own layers), and `load_prompt_cache` reads
-mlx-lm's. Such a file does not hold its tokens: they stay unknown (copies skip them, and a new prompt
-must start with `PromptCache.tokens`' placeholders, as `continued` builds it), and the draft starts cold:
-its context is what comes after the file. Logits processors (penalties) see the tokens after the file's,
-as mlx-lm's generate does with a prompt cache file.
+So mlx-lm reads our files, and `load_prompt_cache` reads mlx-lm's. Such a file does not hold its tokens:
+they stay unknown (copies skip them, and a new prompt must start with `PromptCache.tokens`' placeholders,
+as `continued` builds it), and the draft starts cold: its context is what comes after the file. Logits
+processors (penalties) see the tokens after the file's, as mlx-lm's generate does with a prompt cache file.
 
 What a file holds is checked against the model before it is used: the kinds of its caches and their
 shapes (a one-token probe of the target's own), and, for our files, the fingerprint: a file of another
@@ -77,7 +76,8 @@ def save_prompt_cache(path, prompt_cache: PromptCache, model_name: Optional[str]
                       tokenizer_config: Optional[Dict[str, Any]] = None) -> None:
     """Write `prompt_cache` (after a call that ran its prompt) to `path` (.safetensors), for
     `load_prompt_cache` here and mlx-lm's generate --prompt-cache-file. `model_name`: what mlx-lm's
-    "model" key names (the model as given), `tokenizer_config`: mlx-lm's (JSON)."""
+    "model" key names (the model as given), `tokenizer_config`: mlx-lm's (JSON). The draft absorbs the
+    features it has not yet first, as its next call would."""
     state = prompt_cache
     if not state.valid or state.ahead is not None or not state.tokens:
         raise ValueError("the prompt cache holds no finished prompt: run a prompt with it first")
@@ -173,7 +173,7 @@ def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileIn
     if len(entries) != n_target:
         raise PromptCacheFileError(f"{path} holds {len(entries)} caches where this model has {n_target} layers "
                                    f"of cache: it was made for another model")
-    target_cache = [_checked(path, e, f) for e, f in zip(entries[:n_target], fresh)]
+    target_cache = [_checked(path, e, f) for e, f in zip(entries, fresh)]
     _check_shapes(path, target, target_cache, info)
     tokens = [int(t) for t in ours["tokens"]] if ours is not None else None
     length = _length(path, target_cache, tokens)
