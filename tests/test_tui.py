@@ -722,3 +722,66 @@ def test_chat_with_mlx_lm_s_kv_cache_settings(setting):
     assert calls == [kv] * 4
     with pytest.raises(CLIError, match=error):
         kv_cache_kwargs(build_parser().parse_args(bad_flags))
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_with_a_cached_document(tmp_path):
+    """`dflash-mlx chat --prompt-cache-file`: every chat starts with the document the file holds, its caches
+    loaded rather than run: the first turn prefills only what follows it, a new chat too, and the answers are
+    the target's greedy decode of the whole conversation; a file cached with another system prompt, or with
+    no text (mlx-lm's), is refused in one line, and the app goes on without it."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache as mlx_lm_cache
+    from mlx_lm.models.cache import save_prompt_cache as mlx_lm_save
+
+    import mlx.core as mx
+
+    from dflash_mlx import make_prompt_cache, save_prompt_cache
+    from dflash_mlx.cli.cache_prompt import cached_text
+
+    model, tok = targets.tiny_target("qwen3", seed=0)
+    tok._tokenizer.chat_template = CHAT_TEMPLATE
+    draft = random_draft(model, num_layers=1, block_size=4)
+    document = "The quick brown fox jumps over the lazy dog. " * 6
+    state = make_prompt_cache(model, draft)
+    ids = encode_prompt(tok, cached_text(tok, document))
+    list(stream_generate(model, draft, tok, ids, max_tokens=1, prompt_cache=state))
+    path = tmp_path / "doc.safetensors"
+    save_prompt_cache(path, state, text={"prompt": document, "system": None, "chat_template": True})
+    s = ChatSession(model, tok, draft, Settings(max_tokens=MAX))
+    assert s.open_document(path) == f"document: {len(ids)} tokens from {path}"
+    for question in ("What jumps?", "Who is lazy?"):
+        t = s.turn(question, lambda turn, new: None, lambda: False)
+        whole = prompt_ids(tok, [{"role": "user", "content": f"{document}\n\n{question}"}])
+        assert t.prompt_ids == whole and t.user == question
+        assert t.stats.prefill_tokens < len(whole) - len(ids) + 4  # (the document's tokens came from the file)
+        assert t.tokens == targets.greedy_reference(model, whole, MAX)[: len(t.tokens)] and len(t.tokens) >= 4
+        s.new_chat()
+    with pytest.raises(ValueError, match="cached with the system prompt None"):
+        ChatSession(model, tok, draft, Settings(system="Be brief.")).open_document(path)
+    cache = mlx_lm_cache(model)
+    for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache):
+        pass
+    mlx_lm_save(str(tmp_path / "theirs.safetensors"), cache, {"model": "tiny", "tokenizer_config": "{}"})
+    with pytest.raises(ValueError, match="does not say what text it cached"):
+        ChatSession(model, tok, draft, Settings()).open_document(tmp_path / "theirs.safetensors")
+
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX), document=str(path))
+
+    async def script(pilot):
+        turn = await ask(pilot, "What jumps?")
+        return turn, notifications(app)
+
+    turn, notes = run(app, script)
+    assert (f"document: {len(ids)} tokens from {path}", "information") in notes
+    assert turn.stats.prefill_tokens < len(turn.prompt_ids) - len(ids) + 4
+    app = ChatApp(model, tok, draft, settings=Settings(max_tokens=MAX), document=str(tmp_path / "theirs.safetensors"))
+
+    async def opened(pilot):
+        await pilot.pause(0.2)
+        return notifications(app)
+
+    assert any("not loaded, the chat starts without it" in m for m, _ in run(app, opened))

@@ -78,11 +78,13 @@ class ChatApp(App):
                  draft_name: Optional[str] = None, settings: Optional[Settings] = None,
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
                  draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
-                 template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None, extra_eos_tokens=()):
+                 template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None, extra_eos_tokens=(),
+                 document: Optional[str] = None):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
         `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
-        chat template (`ChatSession`)."""
+        chat template (`ChatSession`). `document`: a `dflash-mlx cache-prompt` file every chat starts with
+        (`ChatSession.open_document`)."""
         super().__init__()
         self.settings = (settings or Settings()).check()
         self.template = template
@@ -96,6 +98,8 @@ class ChatApp(App):
         self.template_kwargs = template_kwargs
         self.adapter_path = adapter_path  # (mlx-lm's fine-tuned adapters on the model it loads)
         self.extra_eos_tokens = tuple(extra_eos_tokens)  # (more tokens that end an answer)
+        self.document = document
+        self.document_note = ""
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -121,6 +125,8 @@ class ChatApp(App):
         if self._given is not None:
             model, tokenizer, draft = self._given
             self.session = self._new_session(model, tokenizer, draft)
+            if self.document_note:
+                self.notify(self.document_note, title="document", timeout=8)
         else:
             self._submit("loading the model", self._load)
         self._refresh_panel()
@@ -128,8 +134,14 @@ class ChatApp(App):
 
     def _new_session(self, model, tokenizer, draft) -> ChatSession:
         kwargs = {} if self.stream_fn is None else {"stream_fn": self.stream_fn}
-        return ChatSession(model, tokenizer, draft, self.settings, self.template, kv_cache=self.kv_cache,
-                           template_kwargs=self.template_kwargs, **kwargs)
+        session = ChatSession(model, tokenizer, draft, self.settings, self.template, kv_cache=self.kv_cache,
+                              template_kwargs=self.template_kwargs, **kwargs)
+        if self.document is not None:
+            try:
+                self.document_note = session.open_document(self.document)
+            except ValueError as e:  # (the chat goes on without it)
+                self.document_note = f"not loaded, the chat starts without it: {e}"
+        return session
 
     # -- the engine thread -----------------------------------------------------------
     @work(thread=True, group="engine", exit_on_error=False)
@@ -183,6 +195,8 @@ class ChatApp(App):
         self.status = "ready"
         if msg.note:
             self.notify(msg.note, title="draft", severity="warning", timeout=8)
+        if self.document_note:
+            self.notify(self.document_note, title="document", timeout=8)
         self._refresh_panel()
 
     def on_turn_update(self, msg: TurnUpdate) -> None:
@@ -351,6 +365,9 @@ def build_parser():
     p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
     add_template_config_arg(p)
     add_kv_cache_args(p)
+    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
+                   help="a document cached by dflash-mlx cache-prompt: every chat starts with it, its caches loaded "
+                        "rather than run (give the same --model and --system)")
     return p
 
 
@@ -364,15 +381,21 @@ def settings_from_args(args) -> Settings:
 def main(argv=None) -> int:
     import sys
 
-    from dflash_mlx.cli.common import draft_for, kv_cache_kwargs
+    from pathlib import Path
+
+    from dflash_mlx.cli.common import EXIT_USAGE, CLIError, draft_for, kv_cache_kwargs
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     settings = settings_from_args(args)
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
+    if args.prompt_cache_file is not None and not Path(args.prompt_cache_file).is_file():
+        raise CLIError(f"--prompt-cache-file: no file {args.prompt_cache_file}: make one with dflash-mlx cache-prompt",
+                       EXIT_USAGE)
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
                   kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
-                  adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token)
+                  adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
+                  document=args.prompt_cache_file)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

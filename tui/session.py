@@ -65,6 +65,7 @@ class ChatSession:
         self.kv_cache = dict(kv_cache or {})
         self.template_kwargs = template_kwargs
         self.messages: List[Dict[str, str]] = []  # user/assistant turns, system kept apart
+        self.document: Optional[str] = None  # a cached document every chat starts with (`open_document`)
         self.cache = None
         self.last: Optional[Turn] = None
         # earlier turns of every conversation of the session, for copies (kept by "new chat")
@@ -90,10 +91,39 @@ class ChatSession:
         return b
 
     def new_chat(self) -> None:
-        """Forget the conversation and the cache (it is rebuilt on the next turn)."""
+        """Forget the conversation and the cache (it is rebuilt on the next turn); with a document, the cache
+        stays: the next chat's prompt shares the document with it, and only the rest runs."""
         self.messages = []
-        self.cache = None
+        if self.document is None:
+            self.cache = None
         self.last = None
+
+    def open_document(self, path) -> str:
+        """Start every chat with the document a `dflash-mlx cache-prompt` file holds, its caches loaded rather
+        than run: the first message is the document, a blank line, then what the user asks. Returns a line
+        saying so; ValueError for a file that does not fit (another model) or holds no text (mlx-lm's)."""
+        import mlx.core as mx
+
+        from dflash_mlx.engine.prompt_cache_file import load_prompt_cache
+
+        state, info = load_prompt_cache(path, self.model, self.draft)
+        text = info.text or {}
+        if "prompt" not in text or not text.get("chat_template", True):
+            raise ValueError(f"{path} does not say what text it cached (mlx-lm's cache_prompt, or "
+                             "--no-chat-template): make it with dflash-mlx cache-prompt for the chat")
+        if (text.get("system") or "") != (self.settings.system or ""):
+            raise ValueError(f"{path} was cached with the system prompt {text.get('system') or '(none)'!r}: "
+                             "start the chat with the same --system")
+        state.history_start = 0  # (a chat's penalties see the whole conversation, as in any chat)
+        if target_for(self.model, self.draft).recurrent:  # (not trimmed back to the document: kept whole)
+            state.max_snapshots = 1
+            state.snapshot()
+        mx.eval([c.state for c in state.target_cache])  # (on this thread's stream, before the engine's uses it)
+        self.cache, self.document, self.messages = state, text["prompt"], []
+        memory.restore(self.model, self.draft)
+        return (f"document: {len(state.tokens)} tokens from {path}"
+                + ("" if info.draft_context == "restored" else " (no draft context in the file: it drafts from "
+                   "what follows)"))
 
     def prompt_ids(self, messages) -> List[int]:
         text = render_prompt(self.tokenizer, messages, self.settings.system or None, self.template,
@@ -108,7 +138,8 @@ class ChatSession:
         fails, the conversation is left as it was before this turn.
         """
         s = self.settings
-        messages = self.messages + [{"role": "user", "content": user}]
+        first = f"{self.document}\n\n{user}" if self.document is not None and not self.messages else user
+        messages = self.messages + [{"role": "user", "content": first}]
         turn = Turn(user, self.prompt_ids(messages), Settings(**vars(s)))
         turn.cycles = CycleText(self.tokenizer, stop_ids(self.tokenizer))
         self.last = turn

@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     except ValueError as e:  # prompt past the context window, a cache setting the model cannot take
         raise CLIError(str(e), EXIT_USAGE) from None
     seconds = time.perf_counter() - started
-    save_prompt_cache(out, state, model_name=args.model)
+    save_prompt_cache(out, state, model_name=args.model,
+                      text={"prompt": prompt, "system": args.system, "chat_template": not args.no_chat_template})
     import mlx.core as mx
 
     print(f"dflash-mlx: cached {len(ids)} prompt tokens in {seconds:.1f} s ({len(ids) / seconds:.1f} tok/s)"

@@ -49,6 +49,7 @@ class CacheFileInfo:
     kv_bits: Optional[int] = None  # the bits and group size of a quantized cache, else None
     kv_group_size: Optional[int] = None
     max_kv_size: Optional[int] = None  # the bound of a bounded cache, else None
+    text: Optional[Dict[str, Any]] = None  # what a front end said it cached (`save_prompt_cache`'s `text`), if it did
 
 
 class PromptCacheFileError(ValueError):
@@ -73,11 +74,12 @@ def fingerprint(model) -> str:
 
 
 def save_prompt_cache(path, prompt_cache: PromptCache, model_name: Optional[str] = None,
-                      tokenizer_config: Optional[Dict[str, Any]] = None) -> None:
+                      tokenizer_config: Optional[Dict[str, Any]] = None, text: Optional[Dict[str, Any]] = None) -> None:
     """Write `prompt_cache` (after a call that ran its prompt) to `path` (.safetensors), for
     `load_prompt_cache` here and mlx-lm's generate --prompt-cache-file. `model_name`: what mlx-lm's
-    "model" key names (the model as given), `tokenizer_config`: mlx-lm's (JSON). The draft absorbs the
-    features it has not yet first, as its next call would."""
+    "model" key names (the model as given), `tokenizer_config`: mlx-lm's (JSON); `text`: what the tokens
+    were made of (JSON: `dflash-mlx cache-prompt` keeps the prompt and system text, for the chat). The draft
+    absorbs the features it has not yet first, as its next call would."""
     state = prompt_cache
     if not state.valid or state.ahead is not None or not state.tokens:
         raise ValueError("the prompt cache holds no finished prompt: run a prompt with it first")
@@ -90,7 +92,7 @@ def save_prompt_cache(path, prompt_cache: PromptCache, model_name: Optional[str]
     entries = [_as_mlx_lm(c) for c in state.target_cache]
     ours: Dict[str, Any] = {"format": FORMAT, "tokens": list(state.tokens), "target_caches": len(entries),
                             "fingerprint": fingerprint(state.model), "max_kv_size": state.max_kv_size,
-                            "draft": None}
+                            "draft": None, "text": text}
     if state.draft is not None and state.draft_cache is not None:
         if state.pending is not None:  # what the next draft call would absorb first
             state.draft.inject(state.pending, state.draft_cache)
@@ -161,7 +163,7 @@ def load_prompt_cache(path, model, draft=None) -> Tuple[PromptCache, CacheFileIn
     if target.sharding is not None:
         raise PromptCacheFileError("a prompt cache file cannot be used with a split target: run it in one process")
     info = CacheFileInfo(model=metadata.get("model") or None, tokenizer_config=tokenizer_config,
-                         tokens_known=ours is not None)
+                         tokens_known=ours is not None, text=(ours or {}).get("text"))
     if ours is not None and ours["fingerprint"] != fingerprint(model):
         raise PromptCacheFileError(f"{path} was made for another model (or dtype, or adapter) than this one"
                                    + (f" ({info.model})" if info.model else "")
