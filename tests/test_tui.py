@@ -760,7 +760,7 @@ def test_chat_with_a_cached_document(tmp_path):
         assert t.stats.prefill_tokens < len(whole) - len(ids) + 4  # (the document's tokens came from the file)
         assert t.tokens == targets.greedy_reference(model, whole, MAX)[: len(t.tokens)] and len(t.tokens) >= 4
         s.new_chat()
-    with pytest.raises(ValueError, match="cached with the system prompt None"):
+    with pytest.raises(ValueError, match="cached with no system prompt: start the chat with the same --system"):
         ChatSession(model, tok, draft, Settings(system="Be brief.")).open_document(path)
     cache = mlx_lm_cache(model)
     for _ in generate_step(mx.array(ids), model, max_tokens=0, prompt_cache=cache):

@@ -112,13 +112,15 @@ class ChatSession:
             raise ValueError(f"{path} does not say what text it cached (mlx-lm's cache_prompt, or "
                              "--no-chat-template): make it with dflash-mlx cache-prompt for the chat")
         if (text.get("system") or "") != (self.settings.system or ""):
-            raise ValueError(f"{path} was cached with the system prompt {text.get('system') or '(none)'!r}: "
-                             "start the chat with the same --system")
+            cached = f"the system prompt {text['system']!r}" if text.get("system") else "no system prompt"
+            raise ValueError(f"{path} was cached with {cached}: start the chat with the same --system")
         state.history_start = 0  # (a chat's penalties see the whole conversation, as in any chat)
         if target_for(self.model, self.draft).recurrent:  # (not trimmed back to the document: kept whole)
             state.max_snapshots = 1
             state.snapshot()
-        mx.eval([c.state for c in state.target_cache])  # (on this thread's stream, before the engine's uses it)
+        # (evaluated here: MLX arrays still lazy on this thread's stream cannot be evaluated by the engine's thread)
+        mx.eval([c.state for c in state.target_cache],
+                [kv for c in state.draft_cache or () for kv in c.fetch() if kv is not None])
         self.cache, self.document, self.messages = state, text["prompt"], []
         memory.restore(self.model, self.draft)
         return (f"document: {len(state.tokens)} tokens from {path}"
