@@ -222,7 +222,9 @@ def add_generation_args(parser: argparse.ArgumentParser, defaults: Optional[Gene
         "presence_context_size": dict(type=int, help=f"default: {d.presence_context_size}"),
         "frequency_context_size": dict(type=int, help=f"default: {d.frequency_context_size}"),
     }
+    aliases = {"temperature": ["--temp"]}  # (mlx-lm's spelling)
     for name, kwargs in flags.items():
         if name not in skip:
-            parser.add_argument("--" + name.replace("_", "-"), default=getattr(d, name), **kwargs)
+            parser.add_argument("--" + name.replace("_", "-"), *aliases.get(name, []), default=getattr(d, name),
+                                **kwargs)
     return parser

@@ -696,3 +696,72 @@ def test_a_cached_prompt_answers_as_mlx_lm_after_its_file(capsys, monkeypatch, t
     assert code == 0, err
     code, out, err = cli(capsys, "--prompt-cache-file", str(tmp_path / "mine.safetensors"), "--max-tokens", "4", "hi")
     assert code == 0 and loaded[-1] == "my/model", err
+
+
+def test_mlx_lm_generate_command_lines_run_as_they_are(tiny, capsys):
+    """mlx_lm.generate's spellings (-m, -p/--prompt, --temp, --system-prompt, --ignore-chat-template, --verbose)
+    give what ours give; its flags dflash-mlx does not take are refused in one line naming what to use."""
+    from dflash_mlx.cli.common import MLX_LM_ONLY
+
+    gguf = str(tiny / "tiny.gguf")
+    code, out, err = cli(capsys, "--model", gguf, "--draft", str(tiny / "draft"), "--max-tokens", "8", "--json",
+                         "--block-size", "4", "--temperature", "0.7", "--seed", "5", "--system", "Be brief.", "--no-chat-template",
+                         "hello there")
+    assert code == 0, err
+    ours = json.loads(out)
+    code, out, err = cli(capsys, "-m", gguf, "--draft", str(tiny / "draft"), "-p", "hello there", "--max-tokens", "8",
+                         "--json", "--block-size", "4", "--temp", "0.7", "--seed", "5", "--system-prompt", "Be brief.",
+                         "--ignore-chat-template")
+    assert code == 0, err
+    theirs = json.loads(out)
+    assert theirs["tokens"] == ours["tokens"] and theirs["prompt_tokens"] == ours["prompt_tokens"]
+    for verbose, stats in (("True", 1), ("F", 0)):
+        code, out, err = cli(capsys, "-m", gguf, "--prompt", "hello there", "--max-tokens", "8", "--verbose", verbose)
+        assert code == 0 and out.endswith("\n"), err
+        assert len([line for line in err.splitlines() if "tok/s" in line]) == stats
+    code, out, err = cli(capsys, "-m", gguf, "-p", "hi", "hello")
+    assert code == 2 and "the prompt is given twice" in err
+    code, out, err = cli(capsys, "-m", gguf, "--verbose", "maybe", "hi")
+    assert code == 2 and "expected True or False, got 'maybe'" in err
+    for argv in (["--draft-model", "some/small-model"], ["--num-draft-tokens", "4"], ["--image", "a.png", "b.png"],
+                 ["-qa"]):
+        code, out, err = cli(capsys, "-m", gguf, *argv, "hi")
+        flag = "--quantize-activations" if argv == ["-qa"] else argv[0]
+        assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
+        assert f"error: {flag} (mlx-lm's): {MLX_LM_ONLY[flag]}" in err
+
+
+def test_trust_remote_code_and_the_default_chat_template(tiny_folder_model, monkeypatch):
+    """--trust-remote-code reaches mlx-lm's loader for a folder; --use-default-chat-template gives a tokenizer
+    without a chat template its default one, or says there is none."""
+    import mlx_lm
+
+    from dflash_mlx.cli.common import CLIError, use_default_chat_template
+    from dflash_mlx.models.loading import load
+
+    folder, model, tokenizer = tiny_folder_model
+    seen = []
+    monkeypatch.setattr(mlx_lm, "load", lambda path, **kw: seen.append(kw) or (model, tokenizer))
+    load(str(folder), trust_remote_code=True)
+    load(str(folder))
+    assert seen == [{"trust_remote_code": True}, {"trust_remote_code": False}]
+
+    class Tokenizer:
+        chat_template = None
+        default_chat_template = "{{ messages[0]['content'] }}"
+
+    t = Tokenizer()
+    use_default_chat_template(t)
+    assert t.chat_template == Tokenizer.default_chat_template
+    Tokenizer.default_chat_template = None
+    with pytest.raises(CLIError, match="has no chat template and no default one"):
+        use_default_chat_template(Tokenizer())
+
+
+@pytest.fixture
+def tiny_folder_model(tmp_path):
+    from dflash_mlx.testing.targets import tiny_target
+
+    (tmp_path / "config.json").write_text("{}")
+    model, tokenizer = tiny_target("qwen3")
+    return tmp_path, model, tokenizer

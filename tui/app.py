@@ -79,7 +79,7 @@ class ChatApp(App):
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
                  draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
                  template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None, extra_eos_tokens=(),
-                 document: Optional[str] = None):
+                 document: Optional[str] = None, trust_remote_code: bool = False):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
         `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
@@ -100,6 +100,7 @@ class ChatApp(App):
         self.extra_eos_tokens = tuple(extra_eos_tokens)  # (more tokens that end an answer)
         self.document = document
         self.document_note = ""
+        self.trust_remote_code = trust_remote_code  # (mlx-lm's, for a folder's or hub model's tokenizer)
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -178,7 +179,8 @@ class ChatApp(App):
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True,
                                                               draft_bits=self.draft_bits, without_draft=True,
                                                               adapter_path=self.adapter_path,
-                                                              extra_eos_tokens=self.extra_eos_tokens)
+                                                              extra_eos_tokens=self.extra_eos_tokens,
+                                                              trust_remote_code=self.trust_remote_code)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
             "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
         if draft is None:
@@ -362,7 +364,7 @@ def build_parser():
     add_draft_bits_arg(p)
     add_model_load_args(p)
     add_generation_args(p, Settings())
-    p.add_argument("--system", default="", help="system prompt (default: the chat template's)")
+    p.add_argument("--system", "--system-prompt", default="", help="system prompt (default: the chat template's)")
     add_template_config_arg(p)
     add_kv_cache_args(p)
     p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
@@ -395,7 +397,7 @@ def main(argv=None) -> int:
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
                   kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
                   adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
-                  document=args.prompt_cache_file)
+                  document=args.prompt_cache_file, trust_remote_code=args.trust_remote_code)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     speaks = launched(args.distributed)  # rank 0 (or the only process) logs and writes
     log = runner._log if speaks else _quiet
     log(f"loading {args.model} and draft {draft_name}")
-    model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
+    model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                                                           draft_bits=args.draft_bits, distributed=args.distributed,
                                                           adapter_path=args.adapter_path,
                                                           extra_eos_tokens=args.extra_eos_token)
@@ -215,7 +215,7 @@ def depth_main(args, argv) -> int:
     speaks = launched(args.distributed)  # rank 0 (or the only process) logs and writes
     if speaks:
         print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
-    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
+    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
                                                       draft_bits=args.draft_bits, distributed=args.distributed,
                                                       adapter_path=args.adapter_path,
                                                       extra_eos_tokens=args.extra_eos_token)

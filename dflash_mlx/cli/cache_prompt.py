@@ -76,8 +76,9 @@ def build_parser():
     add_model_load_args(p)
     p.add_argument("--prompt", required=True, help="the text to cache ('-' reads standard input)")
     p.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
-    p.add_argument("--system", default=None, help="system prompt (cached with the prompt)")
-    p.add_argument("--no-chat-template", action="store_true", help="cache the prompt text as is")
+    p.add_argument("--system", "--system-prompt", default=None, help="system prompt (cached with the prompt)")
+    p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true",
+                   help="cache the prompt text as is")
     add_template_config_arg(p)
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens a forward runs at most")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
@@ -107,7 +108,7 @@ def main(argv=None) -> int:
         raise CLIError(f"--prompt-cache-file: no folder {out.parent} to write {out.name} in", EXIT_USAGE)
     model, tokenizer, draft, _ = load_model_and_draft(
         args.model, args.draft, args.no_draft, dtype=args.dtype, draft_bits=args.draft_bits, without_draft=True,
-        adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token)
+        adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token, trust_remote_code=args.trust_remote_code)
     note = max_kv_size_note(args, model)
     if note:
         print(f"dflash-mlx: {note}", file=sys.stderr)

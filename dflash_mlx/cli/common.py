@@ -146,14 +146,16 @@ def add_draft_bits_arg(parser) -> None:
 
 
 def add_model_load_args(parser) -> None:
-    """mlx-lm's flags for what is loaded beside the model (`--adapter-path`, `--extra-eos-token`), in every
-    front end that loads one."""
+    """mlx-lm's flags for what is loaded beside the model (`--adapter-path`, `--extra-eos-token`,
+    `--trust-remote-code`), in every front end that loads one."""
     parser.add_argument("--adapter-path", default=None, metavar="FOLDER",
                         help="fine-tuned adapters for --model, as mlx_lm.lora writes them (adapter_config.json, "
                              "adapters.safetensors); the draft made for the base model still fits")
     parser.add_argument("--extra-eos-token", action="append", default=[], metavar="TOKEN",
                         help="one more token that ends an answer, as mlx-lm's flag: a token's text (e.g. "
                              "'<|im_end|>') or its id; repeat it for more (one a flag, so a prompt can follow)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let a hub model's or folder's tokenizer run its own code, as mlx-lm's flag")
 
 
 def add_eos_tokens(tokenizer, tokens) -> None:
@@ -205,6 +207,53 @@ def kv_cache_kwargs(args) -> dict:
     except ValueError as e:
         raise CLIError(str(e), EXIT_USAGE) from None
     return kwargs
+
+
+# mlx-lm generate's flags that dflash-mlx does not take, and what to use instead: declared so that an
+# mlx_lm.generate command line gets one line saying so rather than "unrecognized arguments"
+MLX_LM_ONLY = {
+    "--draft-model": "mlx-lm's small-model drafts are not run here: dflash-mlx drafts with a DFlash draft "
+                     "(--draft), or with copies of the context where it has none",
+    "--num-draft-tokens": "dflash-mlx sizes each cycle itself (--block-size auto, the default) or takes a fixed "
+                          "--block-size N",
+    "--image": "images are not taken: dflash-mlx runs the language model of a multimodal model, on text",
+    "--quantize-activations": "not supported: quantize the model's weights (mlx_lm.convert) instead",
+}
+
+
+def add_mlx_lm_only_args(parser) -> None:
+    """`MLX_LM_ONLY`'s flags, hidden from --help; `refuse_mlx_lm_only_args` refuses them in one line."""
+    for flag in MLX_LM_ONLY:
+        names = [flag] + (["-qa"] if flag == "--quantize-activations" else [])
+        parser.add_argument(*names, dest="mlx_lm_only_" + flag[2:].replace("-", "_"), nargs="*", default=None,
+                            help=argparse.SUPPRESS)
+
+
+def refuse_mlx_lm_only_args(args) -> None:
+    for flag, instead in MLX_LM_ONLY.items():
+        if getattr(args, "mlx_lm_only_" + flag[2:].replace("-", "_"), None) is not None:
+            raise CLIError(f"{flag} (mlx-lm's): {instead}", EXIT_USAGE)
+
+
+def true_or_false(text: str) -> bool:
+    """mlx-lm's boolean flag values (True/False, T/F, any case)."""
+    value = text.strip().lower()
+    if value in ("true", "t"):
+        return True
+    if value in ("false", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+
+
+def use_default_chat_template(tokenizer) -> None:
+    """mlx-lm's --use-default-chat-template: a tokenizer without a chat template takes its default one."""
+    if getattr(tokenizer, "chat_template", None):
+        return
+    default = getattr(tokenizer, "default_chat_template", None)
+    if not default:
+        raise CLIError("--use-default-chat-template: this tokenizer has no chat template and no default one: use "
+                       "--no-chat-template, or --chat-template-config with a model that has one", EXIT_USAGE)
+    tokenizer.chat_template = default
 
 
 def prompt_progress(stream=None, at_least: int = 4096):
@@ -266,18 +315,20 @@ def max_kv_size_note(args, model) -> Optional[str]:
 
 
 def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,
-                         without_draft: bool = False, distributed=None, adapter_path=None, extra_eos_tokens=()):
+                         without_draft: bool = False, distributed=None, adapter_path=None, extra_eos_tokens=(),
+                         trust_remote_code: bool = False):
     """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags
     (`distributed`: the target split over the processes of mlx.launch; the draft whole on each;
     `adapter_path`: mlx-lm's fine-tuned adapters on the target; `extra_eos_tokens`: more tokens that end
-    an answer)."""
+    an answer; `trust_remote_code`: mlx-lm's, for the tokenizer of a folder or hub model)."""
     from dflash_mlx import load, load_draft
     from dflash_mlx.models.draft.config import DraftMismatchError
     from dflash_mlx.models.draft.quantize import describe
     from dflash_mlx.models.packaged import draft_label
 
     draft_name = draft_for(model, draft, baseline, without_draft)
-    target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed, adapter_path=adapter_path)
+    target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed, adapter_path=adapter_path,
+                             trust_remote_code=trust_remote_code)
     add_eos_tokens(tokenizer, extra_eos_tokens)
     if draft_name is None:
         return target, tokenizer, None, None

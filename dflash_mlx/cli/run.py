@@ -8,6 +8,8 @@ import json
 import sys
 
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
+                                   add_mlx_lm_only_args, refuse_mlx_lm_only_args, true_or_false,
+                                   use_default_chat_template,
                                    add_draft_bits_arg, add_kv_cache_args, add_model_load_args, add_template_config_arg,
                                    checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
                                    no_draft_note, prompt_progress, remembers)
@@ -28,8 +30,10 @@ def build_parser():
         ),
     )
     p.add_argument("prompt", nargs="?", help="the prompt; '-' or omitted reads standard input")
+    p.add_argument("-p", "--prompt", dest="prompt_flag", default=None, metavar="PROMPT",
+                   help="the prompt as mlx-lm's generate takes it (instead of the argument; '-' reads standard input)")
     p.add_argument(
-        "--model", default=None,
+        "-m", "--model", default=None,
         help=f"packaged name ({', '.join(packaged_names())}), .gguf file, mlx-lm folder or "
         f"hub id (default: the one --prompt-cache-file names, else {DEFAULT_MODEL})",
     )
@@ -42,8 +46,10 @@ def build_parser():
     add_model_load_args(p)
     add_distributed_arg(p)
     add_generation_args(p)
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--no-chat-template", action="store_true", help="use the prompt text as is")
+    p.add_argument("--system", "--system-prompt", default=None, help="system prompt")
+    p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true", help="use the prompt text as is")
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="a tokenizer without a chat template uses its default one, as mlx-lm's flag")
     p.add_argument("--prefill-response", default=None, metavar="TEXT",
                    help="the start of the answer, which the model continues (as mlx-lm's; not printed)")
     p.add_argument("--prefill-step-size", type=int, default=2048,
@@ -60,13 +66,18 @@ def build_parser():
     p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
                    help="answer after a prompt cached by dflash-mlx cache-prompt (or mlx-lm's cache_prompt): the "
                         "prompt is what follows it, as mlx-lm's generate --prompt-cache-file")
+    p.add_argument("--verbose", type=true_or_false, default=True, metavar="{True,False}",
+                   help="False: the answer alone, no stats line (mlx-lm's flag; default: True)")
+    add_mlx_lm_only_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     p.add_argument("--debug", action="store_true", help="show a traceback on errors (any subcommand)")
     return p
 
 
 def _read_prompt(args) -> str:
-    prompt = args.prompt
+    if args.prompt is not None and args.prompt_flag is not None:
+        raise CLIError("the prompt is given twice (as the argument and as -p/--prompt): give it once", EXIT_USAGE)
+    prompt = args.prompt if args.prompt_flag is None else args.prompt_flag
     if prompt is None or prompt == "-":
         if prompt is None and sys.stdin.isatty():
             raise CLIError('no prompt given: dflash-mlx "your prompt" (or pipe it on stdin)', EXIT_USAGE)
@@ -87,6 +98,7 @@ def _read_prompt(args) -> str:
 
 
 def run(args) -> int:
+    refuse_mlx_lm_only_args(args)
     options = checked_options(args)
     kv_cache = kv_cache_kwargs(args)  # (a bad setting is a usage error before anything loads)
     if args.prefill_step_size < 1:
@@ -101,7 +113,9 @@ def run(args) -> int:
     model, tokenizer, draft, draft_label = load_model_and_draft(
         args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json or not speaks,
         draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed, adapter_path=args.adapter_path,
-        extra_eos_tokens=args.extra_eos_token)
+        extra_eos_tokens=args.extra_eos_token, trust_remote_code=args.trust_remote_code)
+    if args.use_default_chat_template:
+        use_default_chat_template(tokenizer)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx: {no_draft_note(args.model)}", file=sys.stderr)
     note = max_kv_size_note(args, model)
@@ -180,6 +194,8 @@ def run(args) -> int:
     if not speaks:
         return 0
     print()
+    if not args.verbose:  # (mlx-lm's --verbose False: the answer alone)
+        return 0
     print(
         f"[{stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s{tau_s}, "
         f"prompt {stats['prompt_tokens']} tokens at {stats['prompt_tps']:.1f} tok/s, "

@@ -123,14 +123,15 @@ def hub_snapshot(repo: str, allow_patterns, what: str = "model") -> Path:
 
 
 def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[str] = None,
-         adapter_path: Optional[str] = None):
+         adapter_path: Optional[str] = None, trust_remote_code: bool = False):
     """`(model, tokenizer)`: packaged name | .gguf file | mlx-lm folder | hub id.
 
     `distributed` ("tensor" | "pipeline" | "auto", under `mlx.launch`): the model split over the
     launched processes (`models.sharded`); an mlx-lm folder or hub id is read by each rank in
     its part only, another source is loaded whole and then split.
     `adapter_path`: a folder of fine-tuned adapters from `mlx_lm.lora` (`adapter_config.json`,
-    `adapters.safetensors`: LoRA, DoRA or full), applied as mlx-lm's `load(adapter_path=)` applies them."""
+    `adapters.safetensors`: LoRA, DoRA or full), applied as mlx-lm's `load(adapter_path=)` applies them.
+    `trust_remote_code`: mlx-lm's, for an mlx-lm folder's or hub model's tokenizer."""
     name = str(name_or_path).strip()
     kind, path = resolve_source(name)
     dt = resolve_dtype(dtype)
@@ -142,7 +143,7 @@ def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[st
     elif kind == "packaged":
         model, tokenizer = _load_packaged(name, dtype, dt, quiet)
     elif kind == "hub":
-        model, tokenizer = _load_hub(name, dtype, dt)
+        model, tokenizer = _load_hub(name, dtype, dt, trust_remote_code)
     elif path.is_file():
         if not _is_gguf(path):
             raise ModelLoadError(
@@ -150,7 +151,7 @@ def load(name_or_path, dtype=None, quiet: bool = False, distributed: Optional[st
             )
         model, tokenizer = _load_gguf(path, dt, quiet)
     else:
-        model, tokenizer = _load_folder(path, dtype, dt)
+        model, tokenizer = _load_folder(path, dtype, dt, trust_remote_code)
     if adapter_path is not None:
         _apply_adapters(model, name, Path(adapter_path))
     model.name = name
@@ -253,7 +254,7 @@ def _cast(model, dtype, dt):
     return model
 
 
-def _load_folder(path: Path, dtype, dt):
+def _load_folder(path: Path, dtype, dt, trust_remote_code: bool = False):
     from mlx_lm import load as mlx_lm_load
 
     if not (path / "config.json").is_file():
@@ -265,16 +266,16 @@ def _load_folder(path: Path, dtype, dt):
             + (f"; it holds several .gguf files, pick one: {', '.join(g.name for g in ggufs)}" if ggufs else "")
         )
     try:
-        model, tokenizer = mlx_lm_load(str(path))
+        model, tokenizer = mlx_lm_load(str(path), trust_remote_code=trust_remote_code)
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise ModelLoadError(f"could not load the mlx-lm folder {path}: {e}") from None
     return _cast(model, dtype, dt), tokenizer
 
 
-def _load_hub(repo: str, dtype, dt):
+def _load_hub(repo: str, dtype, dt, trust_remote_code: bool = False):
     from mlx_lm.utils import DEFAULT_ALLOW_PATTERNS
 
-    return _load_folder(hub_snapshot(repo, DEFAULT_ALLOW_PATTERNS), dtype, dt)
+    return _load_folder(hub_snapshot(repo, DEFAULT_ALLOW_PATTERNS), dtype, dt, trust_remote_code)
 
 
 def apply_chat_template(tokenizer, messages_or_prompt, system: Optional[str] = None, tools=None,

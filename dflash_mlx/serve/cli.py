@@ -117,7 +117,7 @@ def build_parser():
 
 def load_worker(args, speaks: bool = True) -> Worker:
     options = checked_options(args)
-    model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
+    model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline, trust_remote_code=args.trust_remote_code,
                                                                dtype=args.dtype, draft_bits=args.draft_bits,
                                                                without_draft=True,
                                                                distributed=getattr(args, "distributed", None),
