@@ -705,3 +705,41 @@ def test_fields_that_change_nothing_are_accepted(attn):
         response_format={"type": "text"}, frequency_penalty=0, presence_penalty=0, tool_choice="none",
         extra_body={"some_future_field": 1})
     assert r.choices[0].message.content == text
+
+
+def test_mlx_lm_server_command_lines(attn, monkeypatch):
+    """mlx_lm.server's flags: --decode-concurrency (--max-batch), --prompt-cache-size (--snapshots),
+    --prefill-step-size (the engine's prompt chunks), --allowed-origins (CORS, "*" by default, as mlx-lm's),
+    --chat-template, --log-level; its --draft-model and --pipeline are refused in one line before anything loads."""
+    from starlette.testclient import TestClient
+
+    import dflash_mlx.serve.cli as serve_cli
+    from dflash_mlx.serve.app import create_app
+
+    p = build_parser()
+    args = p.parse_args(["--decode-concurrency", "3", "--prompt-cache-size", "2", "--prefill-step-size", "64",
+                         "--allowed-origins", "http://a.example, http://b.example", "--log-level", "debug",
+                         "--chat-template", "{{ messages[-1]['content'] }}", "--prompt-concurrency", "4"])
+    assert (args.max_batch, args.snapshots, args.prefill_step_size, args.log_level) == (3, 2, 64, "DEBUG")
+    assert args.allowed_origins == ["http://a.example", "http://b.example"] and p.parse_args([]).allowed_origins == ["*"]
+    for flag in (["--draft-model", "some/model"], ["--num-draft-tokens", "3"], ["--pipeline"]):
+        with pytest.raises(CLIError, match=f"^{flag[0]} \\(mlx-lm's\\): "):
+            load_worker(p.parse_args(flag))
+    model, tok = tiny_target("llama", seed=3, layer_types=None, sliding_window=None)
+    monkeypatch.setattr(serve_cli, "load_model_and_draft", lambda *a, **kw: (model, tok, None, None))
+    worker = load_worker(p.parse_args(["--chat-template", "{{ messages[-1]['content'] }}!", "--max-batch", "2",
+                                       "--prefill-step-size", "5", "--baseline"]))
+    try:
+        assert worker.encode_chat([{"role": "user", "content": "hi"}]) == worker.encode_text("hi!")
+        assert worker.engine.prefill_chunk == 5
+    finally:
+        worker.stop()
+    anyone = TestClient(create_app(attn.worker))  # (no lifespan: the fixture's worker keeps running)
+    r = anyone.get("/health", headers={"Origin": "http://elsewhere.example"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    listed = TestClient(create_app(attn.worker, ["http://a.example"]))
+    r = listed.options("/v1/chat/completions", headers={"Origin": "http://a.example",
+                                                        "Access-Control-Request-Method": "POST"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://a.example"
+    r = listed.get("/health", headers={"Origin": "http://elsewhere.example"})
+    assert "access-control-allow-origin" not in r.headers

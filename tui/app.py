@@ -367,6 +367,9 @@ def build_parser():
     p.add_argument("--system", "--system-prompt", default="", help="system prompt (default: the chat template's)")
     add_template_config_arg(p)
     add_kv_cache_args(p)
+    from dflash_mlx.cli.common import add_mlx_lm_only_args
+
+    add_mlx_lm_only_args(p)
     p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
                    help="a document cached by dflash-mlx cache-prompt: every chat starts with it, its caches loaded "
                         "rather than run (give the same --model and --system)")
@@ -385,9 +388,10 @@ def main(argv=None) -> int:
 
     from pathlib import Path
 
-    from dflash_mlx.cli.common import EXIT_USAGE, CLIError, draft_for, kv_cache_kwargs
+    from dflash_mlx.cli.common import EXIT_USAGE, CLIError, draft_for, kv_cache_kwargs, refuse_mlx_lm_only_args
 
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    refuse_mlx_lm_only_args(args)
     settings = settings_from_args(args)
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_draft_bits_arg, add_kv_cache_args,
-                                   add_model_load_args, add_template_config_arg, kv_cache_kwargs,
+from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_draft_bits_arg, add_eos_tokens,
+                                   add_kv_cache_args, add_model_load_args, add_template_config_arg, kv_cache_kwargs,
                                    load_model_and_draft, max_kv_size_note, prompt_progress)
 
 QUERY = "<query>"  # (where the question goes, to find what the template puts after the cached text)
@@ -77,6 +77,9 @@ def build_parser():
     p.add_argument("--prompt", required=True, help="the text to cache ('-' reads standard input)")
     p.add_argument("--prompt-cache-file", required=True, help="the .safetensors file to write")
     p.add_argument("--system", "--system-prompt", default=None, help="system prompt (cached with the prompt)")
+    p.add_argument("--eos-token", default=None, metavar="TOKEN",
+                   help="a token that ends the answers after this file, kept in its tokenizer config as mlx-lm's "
+                        "cache_prompt keeps it")
     p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true",
                    help="cache the prompt text as is")
     add_template_config_arg(p)
@@ -134,6 +137,7 @@ def main(argv=None) -> int:
         raise CLIError(str(e), EXIT_USAGE) from None
     seconds = time.perf_counter() - started
     save_prompt_cache(out, state, model_name=args.model,
+                      tokenizer_config={"eos_token": args.eos_token} if args.eos_token else None,
                       text={"prompt": prompt, "system": args.system, "chat_template": not args.no_chat_template})
     import mlx.core as mx
 
@@ -180,6 +184,8 @@ def after_cache(args, model, tokenizer, draft, question: str):
     else:
         text = text_after_cache(tokenizer, question, args.system, args.chat_template_config, args.prefill_response)
     suffix = list(tokenizer.encode(text, add_special_tokens=False))
+    if info.tokenizer_config.get("eos_token"):  # (mlx-lm's generate loads its tokenizer with the file's config)
+        add_eos_tokens(tokenizer, [info.tokenizer_config["eos_token"]])
     notes = []
     if info.draft_context == "cold":
         notes.append(f"{args.prompt_cache_file} holds no context for this draft: it drafts from what follows "

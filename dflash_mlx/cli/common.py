@@ -218,6 +218,8 @@ MLX_LM_ONLY = {
                           "--block-size N",
     "--image": "images are not taken: dflash-mlx runs the language model of a multimodal model, on text",
     "--quantize-activations": "not supported: quantize the model's weights (mlx_lm.convert) instead",
+    "--pipeline": "a model split over processes runs under mlx.launch with --distributed pipeline (or tensor, or "
+                  "auto: tensor where the model has it)",
 }
 
 

@@ -111,8 +111,9 @@ def _streamed(model, what: str) -> dict:
                   "content": {"text/event-stream": {}}}}
 
 
-def create_app(worker: Worker):
-    """The FastAPI app serving `worker`; stopping the app stops the worker."""
+def create_app(worker: Worker, allowed_origins=("*",)):
+    """The FastAPI app serving `worker`; stopping the app stops the worker. `allowed_origins`: the web pages
+    (origins) whose scripts may call it, as mlx-lm's server's `--allowed-origins` ("*": any; empty: none)."""
     @asynccontextmanager
     async def lifespan(app):
         yield
@@ -120,6 +121,11 @@ def create_app(worker: Worker):
 
     app = FastAPI(title="dflash-mlx", lifespan=lifespan,
                   description="OpenAI- and Anthropic-compatible server on DFlash speculative decoding")
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc):

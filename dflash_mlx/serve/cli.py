@@ -8,6 +8,7 @@ same engine steps without serving (`ranks.follow`); a rank that fails ends with 
 """
 
 import argparse
+import logging
 import signal
 import sys
 import threading
@@ -15,9 +16,9 @@ import threading
 import uvicorn
 
 from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
-                                   add_model_load_args, checked_options, kv_cache_kwargs, launched,
-                                   load_model_and_draft, max_kv_size_note, no_draft_note, remembers,
-                                   template_kwargs_arg)
+                                   add_mlx_lm_only_args, add_model_load_args, checked_options, kv_cache_kwargs,
+                                   launched, load_model_and_draft, max_kv_size_note, no_draft_note,
+                                   refuse_mlx_lm_only_args, remembers, template_kwargs_arg, use_default_chat_template)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -83,13 +84,13 @@ def build_parser():
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     # --max-tokens and the sampling flags are the defaults of a request's own fields
     add_generation_args(p, GenerationOptions(max_tokens=512))
-    p.add_argument("--max-batch", type=_positive, default=None,
+    p.add_argument("--max-batch", "--decode-concurrency", type=_positive, default=None,
                    help="requests decoding at once (continuous batching; 1: one at a time; default: "
                    f"{default_max_batch()} on this machine, one per 3 GiB of memory); targets the batch "
                    "engine does not take are served one at a time")
     p.add_argument("--queue-size", type=_positive, default=16,
                    help="requests that may wait for a free row; more get 429 with Retry-After (default: 16)")
-    p.add_argument("--snapshots", type=_count, default=4,
+    p.add_argument("--snapshots", "--prompt-cache-size", type=_count, default=4,
                    help="cached conversations kept for prefix reuse across requests (default: 4)")
     p.add_argument("--prompt-cache-bytes", type=_bytes, default=DEFAULT_PROMPT_CACHE_BYTES,
                    help="most bytes the cached conversations hold, e.g. 512M, 2G or a number (default: 1G); "
@@ -109,6 +110,22 @@ def build_parser():
                    help="arguments for the chat template of every chat request, as mlx-lm's server's: a JSON "
                         "object such as '{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
     add_kv_cache_args(p)
+    p.add_argument("--prefill-step-size", type=_positive, default=2048,
+                   help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
+    p.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
+                   default=["*"], metavar="ORIGINS",
+                   help="comma-separated origins of the web pages whose scripts may call the server (CORS), as "
+                        "mlx-lm's server's flag (default: *, any)")
+    p.add_argument("--chat-template", default=None, metavar="JINJA",
+                   help="the chat template to use instead of the tokenizer's, as mlx-lm's server's flag")
+    p.add_argument("--use-default-chat-template", action="store_true",
+                   help="a tokenizer without a chat template uses its default one, as mlx-lm's flag")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+                   type=str.upper, help="the server's log level, as mlx-lm's (default: INFO)")
+    p.add_argument("--prompt-concurrency", type=_positive, default=None,
+                   help="accepted for mlx-lm's command lines; not used: a prompt joins the batch in chunks "
+                        "between its cycles (--prefill-step-size)")
+    add_mlx_lm_only_args(p)
     p.add_argument("--no-global-copies", action="store_true",
                    help="no index of earlier requests: each request copies from its own conversation only "
                    "(privacy between users; one request opts out with \"dflash\": {\"global_copies\": false})")
@@ -116,13 +133,19 @@ def build_parser():
 
 
 def load_worker(args, speaks: bool = True) -> Worker:
+    refuse_mlx_lm_only_args(args)
     options = checked_options(args)
-    model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline, trust_remote_code=args.trust_remote_code,
+    model, tokenizer, draft, draft_name = load_model_and_draft(args.model, args.draft, args.baseline,
                                                                dtype=args.dtype, draft_bits=args.draft_bits,
                                                                without_draft=True,
                                                                distributed=getattr(args, "distributed", None),
                                                                adapter_path=args.adapter_path,
-                                                               extra_eos_tokens=args.extra_eos_token)
+                                                               extra_eos_tokens=args.extra_eos_token,
+                                                               trust_remote_code=args.trust_remote_code)
+    if args.chat_template:
+        tokenizer.chat_template = args.chat_template
+    elif args.use_default_chat_template:
+        use_default_chat_template(tokenizer)
     if draft is None and not args.baseline and speaks:
         print(f"dflash-mlx serve: {no_draft_note(args.model)}", file=sys.stderr)
     note = max_kv_size_note(args, model)
@@ -135,6 +158,7 @@ def load_worker(args, speaks: bool = True) -> Worker:
                   prompt_cache_bytes=args.prompt_cache_bytes, max_batch=args.max_batch, baseline=args.baseline,
                   deterministic=getattr(args, "deterministic", False), kv_cache=kv_cache_kwargs(args),
                   chat_template_args=getattr(args, "chat_template_args", None),
+                  prefill_step_size=args.prefill_step_size,
                   global_copies_bytes=0 if args.no_global_copies else args.global_copies_bytes)
 
 
@@ -160,8 +184,12 @@ def main(argv=None) -> int:
                else "plain decoding" if worker.baseline else "without a draft (copies of the context)")
     print(f"dflash-mlx serve: {args.model} {drafted}, block size {worker.options.block_size}, "
           f"{worker.scheduling}, on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    config = uvicorn.Config(create_app(worker), host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=5)
+    if args.prompt_concurrency is not None:
+        print("dflash-mlx serve: --prompt-concurrency is not used here: a prompt joins the batch in chunks between "
+              "its cycles (--prefill-step-size)", file=sys.stderr)
+    logging.basicConfig(level=getattr(logging, args.log_level), format="%(asctime)s - %(levelname)s - %(message)s")
+    config = uvicorn.Config(create_app(worker, args.allowed_origins), host=args.host, port=args.port,
+                            log_level=args.log_level.lower(), timeout_graceful_shutdown=5)
     _serve(config, worker)
     if remembers(args):
         keep_policies(worker)

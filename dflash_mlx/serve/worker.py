@@ -65,7 +65,7 @@ class Worker:
                  prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES, max_batch: Optional[int] = None,
                  baseline: bool = False, global_copies_bytes: int = DEFAULT_SUFFIX_INDEX_BYTES,
                  deterministic: bool = False, kv_cache: Optional[dict] = None,
-                 chat_template_args: Optional[dict] = None):
+                 chat_template_args: Optional[dict] = None, prefill_step_size: int = 2048):
         """`options`: the server's block size and draft sampling, and the defaults of the
         request fields (max_tokens and sampling). `max_snapshots`, `prompt_cache_bytes`:
         the bounds of the cached conversations (by count and by bytes; batched, the rows'
@@ -81,9 +81,13 @@ class Worker:
         cannot be quantized so is refused here, in one line; its `max_kv_size`, mlx-lm's bounded cache, also one
         request at a time (its batch windows keep no front tokens). `chat_template_args`: arguments for every
         chat request's template (mlx-lm's server's `--chat-template-args`); a request's own
-        `chat_template_kwargs` override them."""
+        `chat_template_kwargs` override them. `prefill_step_size`: prompt tokens a prefill forward runs at most
+        (mlx-lm's server's flag)."""
         if queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {queue_size}")
+        if prefill_step_size < 1:
+            raise ValueError(f"prefill_step_size must be at least 1, got {prefill_step_size}")
+        self.prefill_step_size = prefill_step_size
         if prompt_cache_bytes is not None and prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be >= 0, got {prompt_cache_bytes}")
         self.model, self.draft, self.baseline = model, (None if baseline else draft), baseline
@@ -284,7 +288,7 @@ class Worker:
             stream = stream_generate(
                 self.model, self.draft, self.tokenizer, req.prompt_ids, prompt_cache=self.cache,
                 baseline=self.baseline, logprobs=req.logprobs, deterministic=self.deterministic,
-                **self.kv_cache, **self._options(req).generate_kwargs(),
+                **self.kv_cache, **self._options(req).generate_kwargs(), prefill_step_size=self.prefill_step_size,
                 suffix_index=self.suffix_index if req.global_copies else None,
             )
             for r in stream:
@@ -302,4 +306,5 @@ class Worker:
     def _new_engine(self) -> BatchEngine:
         return BatchEngine(self.model, self.draft, self.tokenizer, max_batch=self.max_batch,
                            block_size=1 if self.baseline else self.options.block_size,
-                           copy_proposals=not self.baseline, suffix_index=self.suffix_index)
+                           copy_proposals=not self.baseline, suffix_index=self.suffix_index,
+                           prefill_chunk=self.prefill_step_size)
