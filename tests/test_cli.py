@@ -765,3 +765,26 @@ def tiny_folder_model(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     model, tokenizer = tiny_target("qwen3")
     return tmp_path, model, tokenizer
+
+
+def test_cache_prompt_eos_token_ends_the_answers_after_the_file(tiny, capsys, tmp_path):
+    """cache-prompt --eos-token (mlx-lm's cache_prompt flag): kept in the file's tokenizer config, and the answers
+    after the file stop at that token, as mlx-lm's generate loads its tokenizer with the file's config."""
+    from dflash_mlx import load
+
+    gguf = str(tiny / "tiny.gguf")
+    _, tokenizer = load(gguf, quiet=True)
+    plain, eos = tmp_path / "plain.safetensors", tmp_path / "eos.safetensors"
+    code, _, err = cli(capsys, "cache-prompt", "--model", gguf, "--prompt", "the cat sat on", "--prompt-cache-file",
+                       str(plain))
+    assert code == 0, err
+    code, out, err = cli(capsys, "--prompt-cache-file", str(plain), "--max-tokens", "12", "--json", " the mat")
+    assert code == 0, err
+    tokens = json.loads(out)["tokens"]
+    stop = next(i for i, t in enumerate(tokens) if i >= 2 and t not in tokens[:i])  # (its first occurrence)
+    code, _, err = cli(capsys, "cache-prompt", "--model", gguf, "--prompt", "the cat sat on", "--prompt-cache-file",
+                       str(eos), "--eos-token", tokenizer.convert_ids_to_tokens(tokens[stop]))
+    assert code == 0, err
+    code, out, err = cli(capsys, "--prompt-cache-file", str(eos), "--max-tokens", "12", "--json", " the mat")
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == tokens[: stop + 1] and json.loads(out)["finish_reason"] == "stop"
