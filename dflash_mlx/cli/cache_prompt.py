@@ -155,6 +155,8 @@ def model_for(model: Optional[str], cache_file: Optional[str]) -> str:
     default. A file of mlx-lm's (no fingerprint to check) naming another model is refused, as mlx-lm does."""
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
+    if cache_file is not None and not Path(cache_file).is_file():  # (before the model loads)
+        raise CLIError(f"--prompt-cache-file: no file {cache_file}: make one with dflash-mlx cache-prompt", EXIT_USAGE)
     metadata = file_metadata(cache_file) if cache_file else {}
     named = metadata.get("model") or None
     if model is None:
