@@ -52,7 +52,7 @@ def test_the_cli_takes_a_json_object(capsys, monkeypatch):
 
 def test_the_chat_renders_with_them():
     from dflash_mlx.testing.targets import tiny_target
-    from dflash_mlx.tui.app import build_parser
+    from dflash_mlx.tui.cli import build_parser
     from dflash_mlx.tui.session import ChatSession
 
     model, _ = tiny_target("qwen3")

@@ -91,7 +91,7 @@ def test_the_walker_sees_every_kind_of_import():
     assert "dflash_mlx.models.draft.dflash" in graph["dflash_mlx.models.draft.dflash2"]  # top level
     assert "dflash_mlx.models.loading" in graph["dflash_mlx"]  # inside a function (load)
     assert "dflash_mlx.serve.cli" in graph["dflash_mlx.cli.main"]  # a module name in a string
-    assert "dflash_mlx.tui.app" in graph["dflash_mlx.cli.main"]  # installed from tui/
+    assert "dflash_mlx.tui.cli" in graph["dflash_mlx.cli.main"]  # installed from tui/
 
 
 def test_find_cycle_reports_a_circle():

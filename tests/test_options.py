@@ -102,7 +102,7 @@ def _front_end_parsers():
     from dflash_mlx.cli import run
     from dflash_mlx.serve import cli as serve_cli
     from dflash_mlx.bench import cli as bench_cli
-    from dflash_mlx.tui import app
+    from dflash_mlx.tui import cli as app
 
     return {
         "run": lambda text: run.build_parser().parse_args(["--block-size", text, "hi"]).block_size,
@@ -118,7 +118,7 @@ def test_every_front_end_defaults_to_auto():
     from dflash_mlx.cli import run
     from dflash_mlx.serve import cli as serve_cli
     from dflash_mlx.bench import cli as bench_cli
-    from dflash_mlx.tui import app
+    from dflash_mlx.tui import cli as app
 
     builders = {"run": run.build_parser, "chat": app.build_parser, "bench": bench_cli.build_parser,
                 "serve": serve_cli.build_parser}

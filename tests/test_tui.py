@@ -17,7 +17,8 @@ from dflash_mlx.models.draft.checkpoints import random_draft
 from dflash_mlx.generate import encode_prompt, stream_generate
 from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.cli.main import main as cli_main
-from dflash_mlx.tui.app import ChatApp, build_parser, settings_from_args
+from dflash_mlx.tui.app import ChatApp
+from dflash_mlx.tui.cli import build_parser, settings_from_args
 from dflash_mlx.tui.segments import CycleText
 from dflash_mlx.tui.session import ChatSession, Settings
 from dflash_mlx.tui.stats import TurnStats, histogram, panel_lines, sparkline

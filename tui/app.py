@@ -19,7 +19,7 @@ from textual.message import Message
 from textual.widgets import Footer, Header, Input
 from textual.worker import get_current_worker
 
-from dflash_mlx.options import DRAFT_WIDTH, add_generation_args
+from dflash_mlx.options import DRAFT_WIDTH
 from dflash_mlx.tui.session import ChatSession, Settings, Turn
 from dflash_mlx.tui.stats import panel_lines
 from dflash_mlx.tui.template import Template
@@ -126,12 +126,15 @@ class ChatApp(App):
         if self._given is not None:
             model, tokenizer, draft = self._given
             self.session = self._new_session(model, tokenizer, draft)
-            if self.document_note:
-                self.notify(self.document_note, title="document", timeout=8)
+            self._say_document()
         else:
             self._submit("loading the model", self._load)
         self._refresh_panel()
         self.query_one("#prompt", Input).focus()
+
+    def _say_document(self) -> None:
+        if self.document_note:
+            self.notify(self.document_note, title="document", timeout=8)
 
     def _new_session(self, model, tokenizer, draft) -> ChatSession:
         kwargs = {} if self.stream_fn is None else {"stream_fn": self.stream_fn}
@@ -197,8 +200,7 @@ class ChatApp(App):
         self.status = "ready"
         if msg.note:
             self.notify(msg.note, title="draft", severity="warning", timeout=8)
-        if self.document_note:
-            self.notify(self.document_note, title="document", timeout=8)
+        self._say_document()
         self._refresh_panel()
 
     def on_turn_update(self, msg: TurnUpdate) -> None:
@@ -351,60 +353,3 @@ class ChatApp(App):
     def on_unmount(self) -> None:
         self._stop.set()
         self._jobs.put(None)
-
-
-def build_parser():
-    from dflash_mlx.cli.common import (ArgumentParser, add_draft_bits_arg, add_kv_cache_args, add_model_load_args,
-                                       add_template_config_arg)
-    from dflash_mlx.models.packaged import DEFAULT_MODEL
-
-    p = ArgumentParser(prog="dflash-mlx chat", description="Terminal chat with DFlash speculative decoding.")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="packaged name, mlx-lm folder, .gguf file or hub id")
-    p.add_argument("--draft", default=None, help="DFlash draft (packaged name, folder or hub id); default: --model's")
-    add_draft_bits_arg(p)
-    add_model_load_args(p)
-    add_generation_args(p, Settings())
-    p.add_argument("--system", "--system-prompt", default="", help="system prompt (default: the chat template's)")
-    add_template_config_arg(p)
-    add_kv_cache_args(p)
-    from dflash_mlx.cli.common import add_mlx_lm_only_args
-
-    add_mlx_lm_only_args(p)
-    p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
-                   help="a document cached by dflash-mlx cache-prompt: every chat starts with it, its caches loaded "
-                        "rather than run (give the same --model and --system)")
-    return p
-
-
-def settings_from_args(args) -> Settings:
-    """The chat's settings from its flags; CLIError (a usage error) naming a bad one."""
-    from dflash_mlx.cli.common import checked_options
-
-    return checked_options(args, Settings, system=args.system)
-
-
-def main(argv=None) -> int:
-    import sys
-
-    from pathlib import Path
-
-    from dflash_mlx.cli.common import EXIT_USAGE, CLIError, draft_for, kv_cache_kwargs, refuse_mlx_lm_only_args
-
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    refuse_mlx_lm_only_args(args)
-    settings = settings_from_args(args)
-    # a name that cannot be a model or draft fails here, not after the app is up
-    draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
-    if args.prompt_cache_file is not None and not Path(args.prompt_cache_file).is_file():
-        raise CLIError(f"--prompt-cache-file: no file {args.prompt_cache_file}: make one with dflash-mlx cache-prompt",
-                       EXIT_USAGE)
-    app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
-                  kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
-                  adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
-                  document=args.prompt_cache_file, trust_remote_code=args.trust_remote_code)
-    app.run()  # Textual restores the terminal when run() returns, also after an exception
-    return app.return_code or 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

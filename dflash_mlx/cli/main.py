@@ -18,7 +18,7 @@ from dflash_mlx.models.loading import ModelLoadError
 
 # The module that runs each subcommand (its `main(argv)`); `cli.common.SUBCOMMAND_HELP` describes them.
 SUBCOMMANDS = {
-    "chat": "dflash_mlx.tui.app",
+    "chat": "dflash_mlx.tui.cli",
     "bench": "dflash_mlx.bench.cli",
     "train": "dflash_mlx.train.cli",
     "doctor": "dflash_mlx.cli.doctor",
