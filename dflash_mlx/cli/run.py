@@ -7,13 +7,12 @@ turns them into one line and an exit status.
 import json
 import sys
 
-from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
-                                   add_mlx_lm_only_args, refuse_mlx_lm_only_args, true_or_false,
-                                   use_default_chat_template,
-                                   add_draft_bits_arg, add_kv_cache_args, add_model_load_args, add_template_config_arg,
-                                   checked_options, kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
-                                   no_draft_note, prompt_progress, remembers)
 from dflash_mlx.cli.cache_prompt import after_cache, model_for
+from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
+                                   add_draft_bits_arg, add_kv_cache_args, add_mlx_lm_only_args, add_model_load_args,
+                                   add_template_config_arg, checked_options, kv_cache_kwargs, launched,
+                                   load_model_and_draft, max_kv_size_note, no_draft_note, prompt_progress,
+                                   refuse_mlx_lm_only_args, remembers, true_or_false, use_default_chat_template)
 from dflash_mlx.options import add_generation_args
 
 
