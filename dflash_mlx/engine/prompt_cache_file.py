@@ -59,14 +59,15 @@ class PromptCacheFileError(ValueError):
 def fingerprint(model) -> str:
     """A digest of `model`'s parameter names, shapes, dtypes and the first values of each: two models (or
     dtypes, or adapters) whose caches could not stand for each other's differ in it."""
-    leaves = tree_flatten(model.parameters())
+    leaves = tree_flatten(model.parameters()) if hasattr(model, "parameters") else []  # (a stand-in draft: none)
     samples = []
     for _, a in leaves:
         while a.ndim > 1:  # (the first row, by indexing: a reshape would copy a transposed weight whole)
             a = a[0]
+        a = a.reshape(1) if a.ndim == 0 else a
         samples.append(a[:64].astype(mx.float32) if mx.issubdtype(a.dtype, mx.floating) else a[:64])
     mx.eval(samples)
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(type(model).__name__.encode())
     for (name, a), s in zip(leaves, samples):
         digest.update(f"{name}:{tuple(a.shape)}:{a.dtype};".encode())
         digest.update(np.array(s).tobytes())
