@@ -217,3 +217,28 @@ def test_the_file_is_mlx_lm_s_format(tmp_path):
     assert metadata["model"] == "tiny" and json.loads(metadata["tokenizer_config"]) == {}
     ours = json.loads(metadata["dflash_mlx"])
     assert ours["tokens"] == _ids(12, 20) and ours["draft"]["layers"] == 2
+
+
+def test_the_fingerprint_tells_weights_and_dtypes_apart():
+    """The same weights give the same fingerprint; other weights, another dtype another one; a stand-in draft
+    without parameters and a model with a 0-d parameter have one too."""
+    import mlx.nn as nn
+
+    from dflash_mlx.engine.prompt_cache_file import fingerprint
+    from dflash_mlx.models.target.adapter import Target
+    from dflash_mlx.testing.targets import ScriptedDraft
+
+    model, _ = tiny_target("qwen3")
+    again, _ = tiny_target("qwen3")
+    other, _ = tiny_target("qwen3", seed=1)
+    assert fingerprint(model) == fingerprint(again) != fingerprint(other)
+    again.set_dtype(mx.bfloat16)
+    assert fingerprint(again) != fingerprint(model)
+    assert len(fingerprint(ScriptedDraft(Target(model), [1, 2, 3], lambda c: 0))) == 32
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = mx.array(2.0)
+
+    assert len(fingerprint(Scalar())) == 32
