@@ -15,7 +15,7 @@ from gguf_helpers import load_packaged, write_tiny_gguf
 
 REPO = Path(__file__).resolve().parents[1]
 JSON_KEYS = {
-    "text", "tokens", "prompt_tokens", "generation_tokens", "accept_lengths", "tau",
+    "text", "tokens", "prompt_tokens", "prefill_tokens", "generation_tokens", "accept_lengths", "tau",
     "generation_tps", "prompt_tps", "peak_memory_gb", "finish_reason", "model", "draft", "proposals",
 }
 
@@ -50,7 +50,7 @@ def test_json_fields(tiny, capsys):
     r = json.loads(out)
     assert set(r) == JSON_KEYS
     assert r["generation_tokens"] == len(r["tokens"]) and 1 <= len(r["tokens"]) <= 12
-    assert r["prompt_tokens"] == len("hello world")  # byte-level vocabulary, no merge applies
+    assert r["prompt_tokens"] == r["prefill_tokens"] == len("hello world")  # byte-level vocabulary, no merge applies
     assert r["finish_reason"] in ("stop", "length")
     assert r["model"] == str(tiny / "tiny.gguf") and r["draft"] == str(tiny / "draft")
     assert r["accept_lengths"] and all(0 <= a <= 3 for a in r["accept_lengths"])
@@ -683,6 +683,8 @@ def test_a_cached_prompt_answers_as_mlx_lm_after_its_file(capsys, monkeypatch, t
                                             sampler=lambda x: mx.argmax(x, axis=-1))]
     tokens = json.loads(out)["tokens"]
     assert tokens == ref[: len(tokens)] and len(tokens) >= 8
+    cached = len(tokenizer.encode(cached_text(tokenizer, document)))
+    assert (json.loads(out)["prompt_tokens"], json.loads(out)["prefill_tokens"]) == (cached + len(suffix), len(suffix))
     cache = make_prompt_cache(model)
     for _ in generate_step(mx.array([1, 2, 3]), model, max_tokens=0, prompt_cache=cache):
         pass
@@ -696,6 +698,7 @@ def test_a_cached_prompt_answers_as_mlx_lm_after_its_file(capsys, monkeypatch, t
     assert code == 0, err
     code, out, err = cli(capsys, "--prompt-cache-file", str(tmp_path / "mine.safetensors"), "--max-tokens", "4", "hi")
     assert code == 0 and loaded[-1] == "my/model", err
+    assert f"({cached} cached, " in err.splitlines()[-1]  # (the stats line: what ran, and at what rate)
 
 
 def test_mlx_lm_generate_command_lines_run_as_they_are(tiny, capsys):

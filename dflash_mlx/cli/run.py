@@ -171,6 +171,7 @@ def run(args) -> int:
               file=sys.stderr)
     stats = {
         "prompt_tokens": last.prompt_tokens,
+        "prefill_tokens": last.prefill_tokens,  # (the rest came from --prompt-cache-file)
         "generation_tokens": len(tokens),
         "generation_tps": last.generation_tps,
         "prompt_tps": last.prompt_tps,
@@ -197,11 +198,19 @@ def run(args) -> int:
         return 0
     print(
         f"[{stats['generation_tokens']} tokens, {stats['generation_tps']:.1f} tok/s{tau_s}, "
-        f"prompt {stats['prompt_tokens']} tokens at {stats['prompt_tps']:.1f} tok/s, "
+        f"prompt {_prompt_part(stats)}, "
         f"peak {stats['peak_memory_gb']:.2f} GB]",
         file=sys.stderr,
     )
     return 0
+
+
+def _prompt_part(stats) -> str:
+    """The stats line's prompt part: its tokens, and at what rate those not cached ran."""
+    total, ran = stats["prompt_tokens"], stats["prefill_tokens"]
+    if ran >= total:
+        return f"{total} tokens at {stats['prompt_tps']:.1f} tok/s"
+    return f"{total} tokens ({total - ran} cached, {ran} run at {stats['prompt_tps']:.1f} tok/s)"
 
 
 def main(argv=None) -> int:
