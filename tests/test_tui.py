@@ -586,6 +586,11 @@ def test_sampling_options_reach_the_engine():
     session.turn("hi", lambda turn, new: None, lambda: False)
     assert {k: calls[-1][k] for k in ("temperature", "top_p", "top_k", "min_p", "seed")} == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 3}
+    assert calls[-1]["prefill_step_size"] == 2048
+    steps = ChatSession(model, tok, None, settings, stream_fn=stream_fn,
+                        prefill_step_size=parse_args(["--prefill-step-size", "64"]).prefill_step_size)
+    steps.turn("hi", lambda turn, new: None, lambda: False)
+    assert calls[-1]["prefill_step_size"] == 64  # (mlx-lm's chat's flag)
 
 
 # -- block size "auto" (the default) ----------------------------------------------

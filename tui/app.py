@@ -79,7 +79,7 @@ class ChatApp(App):
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
                  draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
                  template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None, extra_eos_tokens=(),
-                 document: Optional[str] = None, trust_remote_code: bool = False):
+                 document: Optional[str] = None, trust_remote_code: bool = False, prefill_step_size: int = 2048):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
         `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
@@ -101,6 +101,7 @@ class ChatApp(App):
         self.document = document
         self.document_note = ""
         self.trust_remote_code = trust_remote_code  # (mlx-lm's, for a folder's or hub model's tokenizer)
+        self.prefill_step_size = prefill_step_size  # (prompt tokens a prefill forward runs at most)
         self.colour_cycles = False
         self.busy = False
         self.status = "loading" if self._given is None else "ready"
@@ -139,7 +140,8 @@ class ChatApp(App):
     def _new_session(self, model, tokenizer, draft) -> ChatSession:
         kwargs = {} if self.stream_fn is None else {"stream_fn": self.stream_fn}
         session = ChatSession(model, tokenizer, draft, self.settings, self.template, kv_cache=self.kv_cache,
-                              template_kwargs=self.template_kwargs, **kwargs)
+                              template_kwargs=self.template_kwargs, prefill_step_size=self.prefill_step_size,
+                              **kwargs)
         if self.document is not None:
             try:
                 self.document_note = session.open_document(self.document)

@@ -22,6 +22,8 @@ def build_parser():
     p.add_argument("--system", "--system-prompt", default="", help="system prompt (default: the chat template's)")
     add_template_config_arg(p)
     add_kv_cache_args(p)
+    p.add_argument("--prefill-step-size", type=int, default=2048,
+                   help="prompt tokens a prefill forward runs at most, as mlx-lm's chat's flag (default: 2048)")
     add_mlx_lm_only_args(p)
     p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
                    help="a document cached by dflash-mlx cache-prompt: every chat starts with it, its caches loaded "
@@ -40,6 +42,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     refuse_mlx_lm_only_args(args)
     settings = settings_from_args(args)
+    if args.prefill_step_size < 1:
+        raise CLIError(f"--prefill-step-size must be a whole number >= 1, got {args.prefill_step_size}", EXIT_USAGE)
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
     if args.prompt_cache_file is not None and not Path(args.prompt_cache_file).is_file():
@@ -48,7 +52,8 @@ def main(argv=None) -> int:
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
                   kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
                   adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
-                  document=args.prompt_cache_file, trust_remote_code=args.trust_remote_code)
+                  document=args.prompt_cache_file, trust_remote_code=args.trust_remote_code,
+                  prefill_step_size=args.prefill_step_size)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0
 

@@ -51,11 +51,12 @@ class Turn:
 class ChatSession:
     def __init__(self, model, tokenizer, draft, settings: Optional[Settings] = None,
                  template: Optional[Template] = None, stream_fn=stream_generate, kv_cache: Optional[dict] = None,
-                 template_kwargs: Optional[dict] = None):
+                 template_kwargs: Optional[dict] = None, prefill_step_size: int = 2048):
         """`kv_cache`: mlx-lm's quantized KV cache (`stream_generate`'s `kv_bits`, `kv_group_size`,
         `quantized_kv_start`) or its bounded one (`max_kv_size`) for every answer and baseline run; None:
         full precision, unbounded. `template_kwargs`: more arguments for the chat template (mlx-lm's
-        `--chat-template-config`, e.g. {"enable_thinking": False})."""
+        `--chat-template-config`, e.g. {"enable_thinking": False}). `prefill_step_size`: prompt tokens a prefill
+        forward runs at most (mlx-lm's chat's flag)."""
         self.model = model
         self.tokenizer = tokenizer
         self.draft = draft
@@ -64,6 +65,7 @@ class ChatSession:
         self.stream_fn = stream_fn  # the engine; tests wrap it to pace or break it
         self.kv_cache = dict(kv_cache or {})
         self.template_kwargs = template_kwargs
+        self.prefill_step_size = prefill_step_size
         self.messages: List[Dict[str, str]] = []  # user/assistant turns, system kept apart
         self.document: Optional[str] = None  # a cached document every chat starts with (`open_document`)
         self.cache = None
@@ -153,7 +155,7 @@ class ChatSession:
         kwargs["max_tokens"] = tokens_to_window(self.context_window, len(turn.prompt_ids), s.max_tokens)
         stream = self.stream_fn(
             self.model, self.draft, self.tokenizer, turn.prompt_ids, prompt_cache=self.cache,
-            suffix_index=self.suffix_index, **self.kv_cache, **kwargs,
+            suffix_index=self.suffix_index, prefill_step_size=self.prefill_step_size, **self.kv_cache, **kwargs,
         )
         try:
             for r in stream:
