@@ -78,12 +78,13 @@ class ChatApp(App):
                  draft_name: Optional[str] = None, settings: Optional[Settings] = None,
                  template: Optional[Template] = None, stream_fn: Optional[Callable] = None,
                  draft_bits: Optional[int] = None, kv_cache: Optional[dict] = None,
-                 template_kwargs: Optional[dict] = None, adapter_path: Optional[str] = None, extra_eos_tokens=(),
-                 document: Optional[str] = None, trust_remote_code: bool = False, prefill_step_size: int = 2048):
+                 template_kwargs: Optional[dict] = None, load_kwargs: Optional[dict] = None,
+                 document: Optional[str] = None, prefill_step_size: int = 2048):
         """Give `model`, `tokenizer` and `draft` (tests, embedding), or names to load
         (`model_name`, `draft_name`, quantized to `draft_bits`) on the engine thread once the app is up.
         `kv_cache`: mlx-lm's quantized or bounded KV cache arguments, `template_kwargs`: more arguments for the
-        chat template (`ChatSession`). `document`: a `dflash-mlx cache-prompt` file every chat starts with
+        chat template (`ChatSession`); `load_kwargs`: what else `load_model_and_draft` loads the model with
+        (`cli.common.model_load_kwargs`: adapters, extra end tokens, remote code). `document`: a `dflash-mlx cache-prompt` file every chat starts with
         (`ChatSession.open_document`)."""
         super().__init__()
         self.settings = (settings or Settings()).check()
@@ -96,11 +97,9 @@ class ChatApp(App):
         self.draft_bits = draft_bits
         self.kv_cache = kv_cache
         self.template_kwargs = template_kwargs
-        self.adapter_path = adapter_path  # (mlx-lm's fine-tuned adapters on the model it loads)
-        self.extra_eos_tokens = tuple(extra_eos_tokens)  # (more tokens that end an answer)
+        self.load_kwargs = dict(load_kwargs or {})
         self.document = document
         self.document_note = ""
-        self.trust_remote_code = trust_remote_code  # (mlx-lm's, for a folder's or hub model's tokenizer)
         self.prefill_step_size = prefill_step_size  # (prompt tokens a prefill forward runs at most)
         self.colour_cycles = False
         self.busy = False
@@ -183,9 +182,7 @@ class ChatApp(App):
 
         model, tokenizer, draft, label = load_model_and_draft(self.model_name, self.draft_name or None, quiet=True,
                                                               draft_bits=self.draft_bits, without_draft=True,
-                                                              adapter_path=self.adapter_path,
-                                                              extra_eos_tokens=self.extra_eos_tokens,
-                                                              trust_remote_code=self.trust_remote_code)
+                                                              **self.load_kwargs)
         note = "" if not untrained_draft(self.draft_name or self.model_name) else (
             "no trained draft ships for this model yet: an untrained draft is used (exact output, low acceptance)")
         if draft is None:

@@ -1,11 +1,11 @@
 """`dflash-mlx chat`'s flags, and the app started from them (`tui/app.py`)."""
 
 import sys
-from pathlib import Path
 
-from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_draft_bits_arg, add_kv_cache_args,
-                                   add_mlx_lm_only_args, add_model_load_args, add_template_config_arg,
-                                   checked_options, draft_for, kv_cache_kwargs, refuse_mlx_lm_only_args)
+from dflash_mlx.cli.common import (ArgumentParser, add_draft_bits_arg, add_kv_cache_args, add_mlx_lm_only_args,
+                                   add_model_load_args, add_prefill_step_arg, add_template_config_arg, checked_options,
+                                   draft_for, kv_cache_kwargs, model_load_kwargs, refuse_mlx_lm_only_args,
+                                   require_prompt_cache_file)
 from dflash_mlx.options import add_generation_args
 from dflash_mlx.tui.session import Settings
 
@@ -22,8 +22,7 @@ def build_parser():
     p.add_argument("--system", "--system-prompt", default="", help="system prompt (default: the chat template's)")
     add_template_config_arg(p)
     add_kv_cache_args(p)
-    p.add_argument("--prefill-step-size", type=int, default=2048,
-                   help="prompt tokens a prefill forward runs at most, as mlx-lm's chat's flag (default: 2048)")
+    add_prefill_step_arg(p)
     add_mlx_lm_only_args(p)
     p.add_argument("--prompt-cache-file", default=None, metavar="FILE",
                    help="a document cached by dflash-mlx cache-prompt: every chat starts with it, its caches loaded "
@@ -42,17 +41,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     refuse_mlx_lm_only_args(args)
     settings = settings_from_args(args)
-    if args.prefill_step_size < 1:
-        raise CLIError(f"--prefill-step-size must be a whole number >= 1, got {args.prefill_step_size}", EXIT_USAGE)
     # a name that cannot be a model or draft fails here, not after the app is up
     draft_for(args.model, args.draft, without_draft=True)  # no draft: copies of the context alone
-    if args.prompt_cache_file is not None and not Path(args.prompt_cache_file).is_file():
-        raise CLIError(f"--prompt-cache-file: no file {args.prompt_cache_file}: make one with dflash-mlx cache-prompt",
-                       EXIT_USAGE)
+    require_prompt_cache_file(args.prompt_cache_file)
     app = ChatApp(model_name=args.model, draft_name=args.draft, settings=settings, draft_bits=args.draft_bits,
                   kv_cache=kv_cache_kwargs(args), template_kwargs=args.chat_template_config,
-                  adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
-                  document=args.prompt_cache_file, trust_remote_code=args.trust_remote_code,
+                  load_kwargs=model_load_kwargs(args), document=args.prompt_cache_file,
                   prefill_step_size=args.prefill_step_size)
     app.run()  # Textual restores the terminal when run() returns, also after an exception
     return app.return_code or 0

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg,
                                    add_model_load_args, checked_options, draft_for, launched, load_model_and_draft,
-                                   usage_error)
+                                   model_load_kwargs, usage_error)
 from dflash_mlx.options import GenerationOptions, add_generation_args, parse_block_size
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 
@@ -145,10 +145,9 @@ def main(argv=None) -> int:
     speaks = launched(args.distributed)  # rank 0 (or the only process) logs and writes
     log = runner._log if speaks else _quiet
     log(f"loading {args.model} and draft {draft_name}")
-    model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+    model, tokenizer, draft, label = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
                                                           draft_bits=args.draft_bits, distributed=args.distributed,
-                                                          adapter_path=args.adapter_path,
-                                                          extra_eos_tokens=args.extra_eos_token)
+                                                          **model_load_kwargs(args))
     cfg = runner.BenchConfig(
         suites=suites, limit=args.limit, max_tokens=options.max_tokens, block_sizes=blocks,
         temperature=options.temperature, top_p=options.top_p, top_k=options.top_k,
@@ -215,10 +214,9 @@ def depth_main(args, argv) -> int:
     speaks = launched(args.distributed)  # rank 0 (or the only process) logs and writes
     if speaks:
         print(f"loading {args.model} and draft {draft_name}", file=sys.stderr)
-    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype, trust_remote_code=args.trust_remote_code,
+    model, tokenizer, draft, _ = load_model_and_draft(args.model, draft_name, dtype=args.dtype,
                                                       draft_bits=args.draft_bits, distributed=args.distributed,
-                                                      adapter_path=args.adapter_path,
-                                                      extra_eos_tokens=args.extra_eos_token)
+                                                      **model_load_kwargs(args))
     from dflash_mlx import load_draft
     from dflash_mlx.models.sharded import share
 

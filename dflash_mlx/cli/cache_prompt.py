@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Optional
 
 from dflash_mlx.cli.common import (EXIT_USAGE, ArgumentParser, CLIError, add_draft_bits_arg, add_eos_tokens,
-                                   add_kv_cache_args, add_model_load_args, add_template_config_arg, kv_cache_kwargs,
-                                   load_model_and_draft, max_kv_size_note, prompt_progress)
+                                   add_kv_cache_args, add_model_load_args, add_prefill_step_arg, add_template_config_arg,
+                                   kv_cache_kwargs, load_model_and_draft, max_kv_size_note, model_load_kwargs,
+                                   prompt_progress, require_prompt_cache_file)
 
 QUERY = "<query>"  # (where the question goes, to find what the template puts after the cached text)
 
@@ -83,7 +84,7 @@ def build_parser():
     p.add_argument("--no-chat-template", "--ignore-chat-template", action="store_true",
                    help="cache the prompt text as is")
     add_template_config_arg(p)
-    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt tokens a forward runs at most")
+    add_prefill_step_arg(p)
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="weight dtype (default: float32 on CPU, bfloat16 on GPU); use the same when answering")
     add_kv_cache_args(p)
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         raise CLIError(f"--prompt-cache-file: no folder {out.parent} to write {out.name} in", EXIT_USAGE)
     model, tokenizer, draft, _ = load_model_and_draft(
         args.model, args.draft, args.no_draft, dtype=args.dtype, draft_bits=args.draft_bits, without_draft=True,
-        adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token, trust_remote_code=args.trust_remote_code)
+        **model_load_kwargs(args))
     note = max_kv_size_note(args, model)
     if note:
         print(f"dflash-mlx: {note}", file=sys.stderr)
@@ -155,8 +156,7 @@ def model_for(model: Optional[str], cache_file: Optional[str]) -> str:
     default. A file of mlx-lm's (no fingerprint to check) naming another model is refused, as mlx-lm does."""
     from dflash_mlx.models.packaged import DEFAULT_MODEL
 
-    if cache_file is not None and not Path(cache_file).is_file():  # (before the model loads)
-        raise CLIError(f"--prompt-cache-file: no file {cache_file}: make one with dflash-mlx cache-prompt", EXIT_USAGE)
+    require_prompt_cache_file(cache_file)
     metadata = file_metadata(cache_file) if cache_file else {}
     named = metadata.get("model") or None
     if model is None:

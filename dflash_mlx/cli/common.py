@@ -145,6 +145,23 @@ def add_draft_bits_arg(parser) -> None:
                         "group size 64; default: as stored; a draft stored quantized loads quantized)")
 
 
+def positive_int(text: str) -> int:
+    """A whole number >= 1, as an argparse `type=`."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def add_prefill_step_arg(parser) -> None:
+    """mlx-lm's `--prefill-step-size`, in every front end that runs prompts."""
+    parser.add_argument("--prefill-step-size", type=positive_int, default=2048,
+                        help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
+
+
 def add_model_load_args(parser) -> None:
     """mlx-lm's flags for what is loaded beside the model (`--adapter-path`, `--extra-eos-token`,
     `--trust-remote-code`), in every front end that loads one."""
@@ -156,6 +173,20 @@ def add_model_load_args(parser) -> None:
                              "'<|im_end|>') or its id; repeat it for more (one a flag, so a prompt can follow)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let a hub model's or folder's tokenizer run its own code, as mlx-lm's flag")
+
+
+def require_prompt_cache_file(path) -> None:
+    """A `--prompt-cache-file` that is no file, refused before the model loads."""
+    from pathlib import Path
+
+    if path is not None and not Path(path).is_file():
+        raise CLIError(f"--prompt-cache-file: no file {path}: make one with dflash-mlx cache-prompt", EXIT_USAGE)
+
+
+def model_load_kwargs(args) -> dict:
+    """`load_model_and_draft`'s arguments from `add_model_load_args`' flags."""
+    return dict(adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
+                trust_remote_code=args.trust_remote_code)
 
 
 def add_eos_tokens(tokenizer, tokens) -> None:
@@ -223,17 +254,20 @@ MLX_LM_ONLY = {
 }
 
 
+def _mlx_lm_only_dest(flag: str) -> str:
+    return "mlx_lm_only_" + flag[2:].replace("-", "_")
+
+
 def add_mlx_lm_only_args(parser) -> None:
     """`MLX_LM_ONLY`'s flags, hidden from --help; `refuse_mlx_lm_only_args` refuses them in one line."""
     for flag in MLX_LM_ONLY:
         names = [flag] + (["-qa"] if flag == "--quantize-activations" else [])
-        parser.add_argument(*names, dest="mlx_lm_only_" + flag[2:].replace("-", "_"), nargs="*", default=None,
-                            help=argparse.SUPPRESS)
+        parser.add_argument(*names, dest=_mlx_lm_only_dest(flag), nargs="*", default=None, help=argparse.SUPPRESS)
 
 
 def refuse_mlx_lm_only_args(args) -> None:
     for flag, instead in MLX_LM_ONLY.items():
-        if getattr(args, "mlx_lm_only_" + flag[2:].replace("-", "_"), None) is not None:
+        if getattr(args, _mlx_lm_only_dest(flag), None) is not None:
             raise CLIError(f"{flag} (mlx-lm's): {instead}", EXIT_USAGE)
 
 

@@ -10,9 +10,10 @@ import sys
 from dflash_mlx.cli.cache_prompt import after_cache, model_for
 from dflash_mlx.cli.common import (EXIT_USAGE, SUBCOMMAND_HELP, ArgumentParser, CLIError, add_distributed_arg,
                                    add_draft_bits_arg, add_kv_cache_args, add_mlx_lm_only_args, add_model_load_args,
-                                   add_template_config_arg, checked_options, kv_cache_kwargs, launched,
-                                   load_model_and_draft, max_kv_size_note, no_draft_note, prompt_progress,
-                                   refuse_mlx_lm_only_args, remembers, true_or_false, use_default_chat_template)
+                                   add_prefill_step_arg, add_template_config_arg, checked_options, kv_cache_kwargs,
+                                   launched, load_model_and_draft, max_kv_size_note, model_load_kwargs, no_draft_note,
+                                   prompt_progress, refuse_mlx_lm_only_args, remembers, true_or_false,
+                                   use_default_chat_template)
 from dflash_mlx.options import add_generation_args
 
 
@@ -51,8 +52,7 @@ def build_parser():
                    help="a tokenizer without a chat template uses its default one, as mlx-lm's flag")
     p.add_argument("--prefill-response", default=None, metavar="TEXT",
                    help="the start of the answer, which the model continues (as mlx-lm's; not printed)")
-    p.add_argument("--prefill-step-size", type=int, default=2048,
-                   help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
+    add_prefill_step_arg(p)
     add_template_config_arg(p)
     p.add_argument("--baseline", action="store_true",
                    help="plain decoding with the target alone: no draft, no copies (for comparison)")
@@ -100,8 +100,6 @@ def run(args) -> int:
     refuse_mlx_lm_only_args(args)
     options = checked_options(args)
     kv_cache = kv_cache_kwargs(args)  # (a bad setting is a usage error before anything loads)
-    if args.prefill_step_size < 1:
-        raise CLIError(f"--prefill-step-size must be a whole number >= 1, got {args.prefill_step_size}", EXIT_USAGE)
     speaks = launched(args.distributed)
     args.model = model_for(args.model, args.prompt_cache_file)
     prompt = _read_prompt(args) if speaks else None
@@ -111,8 +109,7 @@ def run(args) -> int:
         prompt = share(prompt)  # rank 0's, read once
     model, tokenizer, draft, draft_label = load_model_and_draft(
         args.model, args.draft, args.baseline, dtype=args.dtype, quiet=args.json or not speaks,
-        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed, adapter_path=args.adapter_path,
-        extra_eos_tokens=args.extra_eos_token, trust_remote_code=args.trust_remote_code)
+        draft_bits=args.draft_bits, without_draft=True, distributed=args.distributed, **model_load_kwargs(args))
     if args.use_default_chat_template:
         use_default_chat_template(tokenizer)
     if draft is None and not args.baseline and speaks:

@@ -16,9 +16,10 @@ import threading
 import uvicorn
 
 from dflash_mlx.cli.common import (ArgumentParser, CLIError, add_distributed_arg, add_draft_bits_arg, add_kv_cache_args,
-                                   add_mlx_lm_only_args, add_model_load_args, checked_options, kv_cache_kwargs,
-                                   launched, load_model_and_draft, max_kv_size_note, no_draft_note,
-                                   refuse_mlx_lm_only_args, remembers, template_kwargs_arg, use_default_chat_template)
+                                   add_mlx_lm_only_args, add_model_load_args, add_prefill_step_arg, checked_options,
+                                   kv_cache_kwargs, launched, load_model_and_draft, max_kv_size_note,
+                                   model_load_kwargs, no_draft_note, positive_int, refuse_mlx_lm_only_args,
+                                   remembers, template_kwargs_arg, use_default_chat_template)
 from dflash_mlx.models.packaged import DEFAULT_MODEL
 from dflash_mlx.options import GenerationOptions, add_generation_args
 from dflash_mlx.policy import memory
@@ -30,16 +31,6 @@ from dflash_mlx.speculation.suffix_index import DEFAULT_SUFFIX_INDEX_BYTES
 
 
 DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
-    return value
 
 
 def _count(text: str) -> int:
@@ -84,11 +75,11 @@ def build_parser():
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default: {DEFAULT_PORT})")
     # --max-tokens and the sampling flags are the defaults of a request's own fields
     add_generation_args(p, GenerationOptions(max_tokens=512))
-    p.add_argument("--max-batch", "--decode-concurrency", type=_positive, default=None,
+    p.add_argument("--max-batch", "--decode-concurrency", type=positive_int, default=None,
                    help="requests decoding at once (continuous batching; 1: one at a time; default: "
                    f"{default_max_batch()} on this machine, one per 3 GiB of memory); targets the batch "
                    "engine does not take are served one at a time")
-    p.add_argument("--queue-size", type=_positive, default=16,
+    p.add_argument("--queue-size", type=positive_int, default=16,
                    help="requests that may wait for a free row; more get 429 with Retry-After (default: 16)")
     p.add_argument("--snapshots", "--prompt-cache-size", type=_count, default=4,
                    help="cached conversations kept for prefix reuse across requests (default: 4)")
@@ -110,8 +101,7 @@ def build_parser():
                    help="arguments for the chat template of every chat request, as mlx-lm's server's: a JSON "
                         "object such as '{\"enable_thinking\": false}' (a request's chat_template_kwargs win)")
     add_kv_cache_args(p)
-    p.add_argument("--prefill-step-size", type=_positive, default=2048,
-                   help="prompt tokens a prefill forward runs at most, as mlx-lm's (default: 2048)")
+    add_prefill_step_arg(p)
     p.add_argument("--allowed-origins", type=lambda text: [o.strip() for o in text.split(",") if o.strip()],
                    default=["*"], metavar="ORIGINS",
                    help="comma-separated origins of the web pages whose scripts may call the server (CORS), as "
@@ -122,7 +112,7 @@ def build_parser():
                    help="a tokenizer without a chat template uses its default one, as mlx-lm's flag")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                    type=str.upper, help="the server's log level, as mlx-lm's (default: INFO)")
-    p.add_argument("--prompt-concurrency", type=_positive, default=None,
+    p.add_argument("--prompt-concurrency", type=positive_int, default=None,
                    help="accepted for mlx-lm's command lines; not used: a prompt joins the batch in chunks "
                         "between its cycles (--prefill-step-size)")
     add_mlx_lm_only_args(p)
@@ -139,9 +129,7 @@ def load_worker(args, speaks: bool = True) -> Worker:
                                                                dtype=args.dtype, draft_bits=args.draft_bits,
                                                                without_draft=True,
                                                                distributed=getattr(args, "distributed", None),
-                                                               adapter_path=args.adapter_path,
-                                                               extra_eos_tokens=args.extra_eos_token,
-                                                               trust_remote_code=args.trust_remote_code)
+                                                               **model_load_kwargs(args))
     if args.chat_template:
         tokenizer.chat_template = args.chat_template
     elif args.use_default_chat_template:
