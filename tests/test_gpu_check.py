@@ -14,13 +14,15 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     try:
         import check
 
-        check.main(["--smoke", "--out", str(tmp_path), "--parts", "ops,host,batch,exactness,kvcache,shapes"])
+        check.main(["--smoke", "--out", str(tmp_path), "--parts", "kernels,ops,host,batch,exactness,kvcache,shapes"])
     finally:
         sys.path.remove(str(GPU))
     results = json.loads((tmp_path / "results.json").read_text())
     parts = results["parts"]
     assert not [name for name, part in parts.items() if "error" in part], parts
     assert set(parts["ops"]) >= {"linear bfloat16", "linear 4-bit", "attention bfloat16"}
+    if "skipped" not in parts["kernels"]:  # (the CPU harness needs g++) qmv_rows' rows are each row alone's
+        assert parts["kernels"]["rows"] and all(r["qmv_rows_invariant"] == r["M"] for r in parts["kernels"]["rows"])
     rows = parts["exactness"]["rows"]
     assert {r["deterministic"] for r in rows} == {True, False}
     assert all(r["diverged"] == 0 for r in rows if r["deterministic"])
@@ -43,7 +45,7 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     # (the read evaluates the outcome itself: no `eval` before it, as mlx-lm's `item`)
     assert all(calls[w]["eval"] == 0.0 and calls[w]["item"] + calls[w]["tolist"] == 1.0 for w in ("1", "4")), calls
     readme = (tmp_path / "README.md").read_text()
-    assert "(a) Divergence" in readme and "(d) Host time" in readme and "cpu backend" in readme.lower()
+    assert "(a) Divergence" in readme and "CUDA kernels" in readme and "(d) Host time" in readme and "cpu backend" in readme.lower()
     assert "syncs a step" in readme and "queued only after the last is read" in readme
     assert "ideal from the forwards' cost" in readme
     assert (tmp_path / "shapes.png").exists() and (tmp_path / "host.png").exists()

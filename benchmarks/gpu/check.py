@@ -5,6 +5,9 @@
 
 `run.sh` beside it installs MLX's CUDA build from wheels lying in `wheels/` (no network)
 and runs this. Parts (`parts.py`), each under its own time box, results written as each ends:
+  kernels    dflash-mlx's CUDA kernels against MLX's: qmv_rows' rows against the row alone through MLX's
+             qmv, bit for bit, and one Qwen3-8B-shaped 4-bit layer's projections timed at 1..16 rows
+             (`kernels_part.py`); the exactness and shapes parts then run quantized targets with them too
   ops        which products round differently with more rows (linear, 4/8-bit, attention)
   exactness  (a) first divergences from mlx-lm's greedy per 1,000 tokens: bf16, fp16, 4-bit, 8-bit,
              widths 1, 4, 16, auto; then deterministic mode
@@ -42,7 +45,7 @@ def main(argv=None):
     ap.add_argument("--out", required=True)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes: the CPU run CI makes")
     ap.add_argument("--minutes", type=float, default=7.5, help="whole-run budget")
-    ap.add_argument("--parts", default="ops,host,batch,exactness,kvcache,smollm2,gemma3,shapes")
+    ap.add_argument("--parts", default="kernels,ops,host,batch,exactness,kvcache,smollm2,gemma3,shapes")
     ap.add_argument("--dtypes", default="bfloat16,float16,4-bit,8-bit", help="the exactness part's target dtypes")
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -68,7 +71,7 @@ def main(argv=None):
     log(f"machine: {results['machine']}")
     wanted = args.parts.split(",")
     # each part's share of what is left, in order
-    shares = {"ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "kvcache": 0.08, "smollm2": 0.35,
+    shares = {"kernels": 0.08, "ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "kvcache": 0.08, "smollm2": 0.35,
               "gemma3": 0.25, "shapes": 1.0}
     for name in wanted:
         left = end - time.perf_counter()
@@ -97,6 +100,10 @@ def main(argv=None):
 
 
 def run_part(name, smoke, deadline, log, dtypes=("bfloat16",), progress=None):
+    if name == "kernels":
+        import kernels_part
+
+        return kernels_part.run(smoke, deadline, log)
     if name == "ops":
         return parts.ops(H=256, N=512) if smoke else parts.ops()
     if name == "host":

@@ -7,6 +7,8 @@
   smollm2      (b) the packaged SmolLM2 + shipped draft against plain decoding and z-lab's engine
 """
 
+import contextlib
+import os
 import random
 import time
 from typing import Dict, List, Sequence
@@ -203,7 +205,9 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
             rng = random.Random(p)
             prompt = [rng.randrange(0, min(vocab, 30000)) for _ in range(16 + 48 * p)]
             cases.append((prompt, greedy_reference(model, prompt, tokens)))
-        for deterministic in (True, False):  # deterministic mode's claim first: it must hold wherever it runs
+        quantized = "bit" in name and cuda_kernels() is not None
+        passes = [(True, False), (False, False)] + ([(False, True)] if quantized else [])
+        for deterministic, kernels in passes:  # deterministic mode's claim first: it must hold wherever it runs
             for width in (widths if not deterministic else [w for w in widths if w != 1]):
                 if time.perf_counter() > deadline:
                     log(f"  exactness: out of time before {name} width {width}")
@@ -213,7 +217,8 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
                     rights = [random.Random(len(prompt) + c).randrange(0, 16) for c in range(tokens + 1)]
                     draft = OracleDraft(model, prompt + ref, vocab, lambda c: rights[c])
                     try:
-                        out, _, _ = decode(model, draft, tok, prompt, tokens, width, deterministic=deterministic)
+                        with (cuda_kernels() if kernels else contextlib.nullcontext()):
+                            out, _, _ = decode(model, draft, tok, prompt, tokens, width, deterministic=deterministic)
                     except Exception as e:  # a refusal (deterministic mode): one line in the table
                         rows.append(dict(model=name, width=str(width), deterministic=deterministic, error=str(e)))
                         break
@@ -221,10 +226,11 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
                     compared += len(ref) if at is None else at + 1
                     diverged += at is not None
                 else:
-                    rows.append(dict(model=name, width=str(width), deterministic=deterministic, answers=len(cases),
+                    rows.append(dict(model=name + (", qmv_rows" if kernels else ""), width=str(width),
+                                     deterministic=deterministic, answers=len(cases),
                                      diverged=diverged, tokens=compared,
                                      per_1000=round(1000 * diverged / max(compared, 1), 2)))
-                    log(f"  {name} width {width} deterministic={deterministic}: {diverged}/{len(cases)} diverged "
+                    log(f"  {name} width {width} deterministic={deterministic} kernels={kernels}: {diverged}/{len(cases)} diverged "
                         f"over {compared} tokens")
     return rows
 
@@ -285,13 +291,20 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
             out_whole, secs_whole_graph, _ = decode(model, draft, tok, prompt, tokens, tau)
         with pieces(4):  # (where a command buffer's commit costs, fewer pieces may pay better)
             out_every_4, secs_every_4, _ = decode(model, draft, tok, prompt, tokens, tau)
+        kernels = {}
+        if cuda_kernels() is not None:  # qmv_rows for the verify's projections: speed, and its tokens
+            with cuda_kernels():
+                decode(model, draft, tok, prompt, tokens, tau)  # warm: the kernel compiles per variant
+                out_kernels, secs_kernels, _ = decode(model, draft, tok, prompt, tokens, tau)
+            kernels = dict(speedup_cuda_kernels=round(plain_s / secs_kernels, 3),
+                           exact_cuda_kernels=out_kernels == ref[: len(out_kernels)])
         rows.append(dict(tau=tau, width=tau, measured_tau=round(float(np.mean([a + 1 for a in accepts])), 2),
                          exact=out == ref[: len(out)] == out_whole == out_every_4, seconds=secs, plain_seconds=plain_s,
                          mlx_lm_seconds=mlx_lm_s, speedup=round(plain_s / secs, 3),
                          speedup_vs_mlx_lm=round(mlx_lm_s / secs, 3),
                          speedup_no_guess=round(plain_s / secs_no_guess, 3),
                          speedup_whole_graph=round(plain_s / secs_whole_graph, 3),
-                         speedup_every_4_layers=round(plain_s / secs_every_4, 3)))
+                         speedup_every_4_layers=round(plain_s / secs_every_4, 3), **kernels))
     return rows
 
 
@@ -309,6 +322,14 @@ def pieces(every: int):
     from dflash_mlx.models.target import taps
 
     return mock.patch.object(taps, "SUBMIT_EVERY", every)
+
+
+def cuda_kernels():
+    """dflash-mlx's CUDA kernels on (`DFLASH_MLX_KERNELS=cuda`: qmv_rows for a quantized target's
+    verify widths), in this process while inside; None where there is no CUDA."""
+    from dflash_mlx.kernels import selection
+
+    return mock.patch.dict(os.environ, {"DFLASH_MLX_KERNELS": "cuda"}) if selection.on_cuda() else None
 
 
 def whole_graph():

@@ -21,6 +21,24 @@ def write_report(results: dict, out: Path):
     p = results["parts"]
     lines = ["# GPU check", "", f"Machine: {machine_line(results['machine'])}.",
              f"Smoke run (tiny sizes): {results['smoke']}. Seconds per part: {json.dumps(results['seconds'])}.", ""]
+    if "kernels" in p and "rows" in p["kernels"]:
+        k = p["kernels"]
+        lines += ["## dflash-mlx's CUDA kernels", "", f"Run on: {k['backend']}. Rows of an M-row product "
+                  "equal, bit for bit, to the row alone through MLX's `quantized_matmul` (its qmv).", "",
+                  "| shape | dtype | bits | M | qmv_rows: rows equal | MLX at M: rows equal | qmv_rows max diff "
+                  "| qmv_rows: rows equal to its own row alone |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in k["rows"]:
+            lines.append(f"| {r['shape']} | {r['dtype']} | {r['bits']} | {r['M']} | {r['qmv_rows_equal']}/{r['M']} "
+                         f"| {r['mlx_equal']}/{r['M']} | {r['qmv_rows_max_abs_diff']:.3g} | "
+                         f"{r['qmv_rows_invariant']}/{r['M']} |")
+        lines.append("")
+        if k.get("times"):
+            cols = [c for c in k["times"][0] if c != "M"]
+            lines += ["One Qwen3-8B-shaped layer's seven 4-bit projections (bf16 activations), ms:", "",
+                      "| M | " + " | ".join(cols) + " |", "|---:|" + "---:|" * len(cols)]
+            lines += ["| " + " | ".join(str(r.get(c, "")) for c in ["M"] + cols) + " |" for r in k["times"]]
+            lines.append("")
     if "ops" in p and "error" not in p["ops"]:
         lines += ["## Row invariance of the products a verify widens", "",
                   "Row i of a k-row product against the same row alone: bitwise equal, largest difference; "
@@ -89,12 +107,14 @@ def write_report(results: dict, out: Path):
                     f"k={k} {t[k] / t[min(t, key=int)]:.2f}" for k in sorted(t, key=int) if int(k) in (2, 4, 8, 16))
                 for c, t in res["verify_ms"].items()), "",
                 "| tau | speed-up vs plain (engine) | vs mlx-lm | ideal tau*t(1)/t(tau) | efficiency | exact "
-                "| no chain queued on a guess | graph queued whole | every 4 layers |",
-                "|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+                "| no chain queued on a guess | graph queued whole | every 4 layers | with qmv_rows (exact) |",
+                "|---:|---:|---:|---:|---:|---|---:|---:|---:|---|"]
             for r in res["speedups"]:
+                kernels = (f"{r['speedup_cuda_kernels']} ({r['exact_cuda_kernels']})"
+                           if "speedup_cuda_kernels" in r else "")
                 lines.append(f"| {r['tau']} | {r['speedup']} | {r['speedup_vs_mlx_lm']} | {r['ideal']} | "
                              f"{r['efficiency']} | {r['exact']} | {r.get('speedup_no_guess', '')} | "
-                             f"{r.get('speedup_whole_graph', '')} | {r.get('speedup_every_4_layers', '')} |")
+                             f"{r.get('speedup_whole_graph', '')} | {r.get('speedup_every_4_layers', '')} | {kernels} |")
             lines.append("")
     if "host" in p and "cycles" in p["host"]:
         h = p["host"]

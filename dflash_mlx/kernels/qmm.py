@@ -1,10 +1,13 @@
 """Small-M affine-quantized matmul: the verify-width products of a quantized target.
 
 MLX's own quantized matmul is tuned for decode (one row, qmv) and for wide
-prefills (qmm); a verify block of 4..16 rows sits between the two. The
-qmm_small_m kernel covers exactly those widths (`QMM_MIN_M`..`QMM_MAX_M`);
-`quantized_linear` runs an `nn.QuantizedLinear` through it (Target's scoped
-verify hook, and its LM head).
+prefills (qmm); a verify block of 4..16 rows sits between the two. On Metal the
+qmm_small_m kernel covers exactly those widths (`QMM_MIN_M`..`QMM_MAX_M`); on
+CUDA, qmv_rows covers 2..16 (`QMV_ROWS_MIN_M`..`QMM_MAX_M`): MLX's CUDA qmv
+reads the weights once a row and its qmm rounds otherwise from 8 rows on, where
+qmv_rows reads them once for every row and rounds each row as qmv rounds it alone.
+`quantized_linear` runs an `nn.QuantizedLinear` through them (Target's scoped
+verify hook, and its LM head); `custom_width` says whether a width goes there.
 """
 
 import math
@@ -16,6 +19,9 @@ from dflash_mlx.kernels import selection
 QMM_MIN_M = 4
 QMM_MAX_M = 16
 QMM_ROWS = 4  # weight rows per SIMD-group
+QMV_ROWS_MIN_M = 2
+QMV_ROWS_PASS = 4  # x rows a pass of qmv_rows (their accumulators live in registers)
+QMV_ROWS_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def qmm_small_m_reference(x, w, scales, biases, group_size: int = 64, bits: int = 4):
@@ -43,16 +49,58 @@ def qmm_small_m_metal(x, w, scales, biases, group_size: int = 64, bits: int = 4,
     return out.reshape(*x.shape[:-1], N)
 
 
-def qmm_small_m(x, w, scales, biases, group_size: int = 64, bits: int = 4):
-    """mx.quantized_matmul(x, w, scales, biases, transpose=True, ...) with the small-M kernel when on.
+def qmv_rows_cuda(x, w, scales, biases, group_size: int = 64, bits: int = 4, factory=None,
+                  rows_per_pass: int = QMV_ROWS_PASS):
+    """x: [..., K] with prod(leading) <= 16; w: [N, K * bits / 32] uint32; scales, biases: [N, K / group_size].
+    `rows_per_pass`: x rows whose accumulators a lane holds at once (registers against passes)."""
+    K = x.shape[-1]
+    N = w.shape[0]
+    M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
+    if (M > QMM_MAX_M or bits not in (2, 4, 8) or group_size not in (32, 64, 128) or K % group_size
+            or x.dtype not in QMV_ROWS_DTYPES or biases is None):
+        raise ValueError(f"qmv_rows: unsupported M={M} bits={bits} group_size={group_size} dtype={x.dtype}")
+    if w.shape[1] * 32 // bits != K:
+        raise ValueError(f"qmv_rows: w {w.shape} does not match K={K} at {bits} bits")
+    out = selection.cuda_kernel("qmv_rows", factory)(
+        inputs=[x.reshape(M, K), w, scales.astype(x.dtype), biases.astype(x.dtype)],
+        template=[("T", x.dtype), ("BITS", bits), ("GS", group_size), ("ROWS", rows_per_pass)],
+        grid=(32 * -(-N // 8), 8, 1),
+        threadgroup=(32, 8, 1),
+        output_shapes=[(M, N)],
+        output_dtypes=[x.dtype],
+    )[0]
+    return out.reshape(*x.shape[:-1], N)
 
-    The kernel takes verify widths QMM_MIN_M..QMM_MAX_M; narrower products stay
-    on MLX's own qmv (tuned for decode), wider ones on its qmm.
+
+def _metal_takes(M, bits, group_size, K) -> bool:
+    return (QMM_MIN_M <= M <= QMM_MAX_M and bits in (2, 4, 8) and group_size >= 32 and K % group_size == 0
+            and selection.use_metal("qmm_small_m"))
+
+
+def _cuda_takes(M, bits, group_size, K, dtype, biases) -> bool:
+    return (QMV_ROWS_MIN_M <= M <= QMM_MAX_M and bits in (2, 4, 8) and group_size in (32, 64, 128)
+            and K % group_size == 0 and dtype in QMV_ROWS_DTYPES and biases is not None
+            and selection.use_cuda("qmv_rows"))
+
+
+def custom_width(width: int) -> bool:
+    """Whether a quantized product of `width` rows may go to a custom kernel on this backend."""
+    return ((QMM_MIN_M <= width <= QMM_MAX_M and selection.use_metal("qmm_small_m"))
+            or (QMV_ROWS_MIN_M <= width <= QMM_MAX_M and selection.use_cuda("qmv_rows")))
+
+
+def qmm_small_m(x, w, scales, biases, group_size: int = 64, bits: int = 4):
+    """mx.quantized_matmul(x, w, scales, biases, transpose=True, ...) with a small-M kernel when on.
+
+    The kernels take verify widths (Metal QMM_MIN_M..QMM_MAX_M, CUDA QMV_ROWS_MIN_M..QMM_MAX_M);
+    other products stay on MLX's own qmv (tuned for decode) and qmm.
     """
     M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
-    if (QMM_MIN_M <= M <= QMM_MAX_M and bits in (2, 4, 8) and group_size >= 32
-            and x.shape[-1] % group_size == 0 and selection.use_metal("qmm_small_m")):
+    K = x.shape[-1]
+    if _metal_takes(M, bits, group_size, K):
         return qmm_small_m_metal(x, w, scales, biases, group_size, bits)
+    if _cuda_takes(M, bits, group_size, K, x.dtype, biases):
+        return qmv_rows_cuda(x, w, scales, biases, group_size, bits)
     return qmm_small_m_reference(x, w, scales, biases, group_size, bits)
 
 

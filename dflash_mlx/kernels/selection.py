@@ -1,4 +1,4 @@
-"""Which hot-path kernel runs: a custom Metal kernel where it is verified, else its pure-MLX twin.
+"""Which hot-path kernel runs: a custom Metal or CUDA kernel where it is verified, else its pure-MLX twin.
 
 Each op has three functions in its family's module (`context_kv`, `qmm`,
 `gdn`): `<op>` (the dispatcher the engine calls), `<op>_reference` (plain MLX
@@ -13,6 +13,12 @@ kernels has run on Apple hardware yet (see metal/README.md). Environment:
 `DFLASH_MLX_KERNELS=reference` forces the twins everywhere;
 `DFLASH_MLX_KERNELS=metal` enables the unverified kernels on a Metal machine
 (for `tests/test_kernels_metal.py` and `benchmarks/kernels_bench.py`).
+
+CUDA kernels (bodies and headers in dflash_mlx/kernels/cuda/, `mx.fast.cuda_kernel`) follow the
+same rule on MLX's CUDA backend: they run where `mx.cuda.is_available()` and the kernel is in
+`VERIFIED_ON_CUDA` (empty: none has run on a GPU yet), or everywhere on CUDA with
+`DFLASH_MLX_KERNELS=cuda` (the GPU check, `benchmarks/gpu/kernels_part.py`). The Linux test
+harness runs their bodies on the CPU through `tests/cuda_compat`.
 The dispatchers call `selection.use_metal` / `selection.on_metal` at call
 time, so tests switch a path by patching them here.
 
@@ -21,6 +27,8 @@ Kernels
   qmm_small_m   affine-quantized matmul for verify widths M <= 16 (qmm)
   gdn_tape      Gated DeltaNet recurrence over a verify block, recording a tape (gdn)
   gdn_replay    rebuild the Gated DeltaNet state after an accepted prefix (gdn)
+  qmv_rows      (CUDA) affine-quantized matmul for verify widths 2..16, each row rounded as
+                MLX's CUDA qmv rounds it alone (qmm)
 """
 
 import os
@@ -44,10 +52,19 @@ _SPECS = {
 }
 
 
+# Kernels whose CUDA path has passed the GPU check's kernel part on an NVIDIA GPU.
+VERIFIED_ON_CUDA: frozenset = frozenset()
+
+# name -> (input names, output names); body dflash_mlx/kernels/cuda/<name>.cu, header <name>.cuh.
+_CUDA_SPECS = {
+    "qmv_rows": (["x", "w", "scales", "biases"], ["out"]),
+}
+
+
 def mode() -> str:
-    """'auto' (default), 'reference' or 'metal' from DFLASH_MLX_KERNELS."""
+    """'auto' (default), 'reference', 'metal' or 'cuda' from DFLASH_MLX_KERNELS."""
     m = os.environ.get("DFLASH_MLX_KERNELS", "auto").strip().lower()
-    return m if m in ("auto", "reference", "metal") else "auto"
+    return m if m in ("auto", "reference", "metal", "cuda") else "auto"
 
 
 def on_metal() -> bool:
@@ -59,6 +76,17 @@ def use_metal(name: str) -> bool:
     if m == "reference" or not on_metal():
         return False
     return m == "metal" or name in VERIFIED_ON_APPLE
+
+
+def on_cuda() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def use_cuda(name: str) -> bool:
+    m = mode()
+    if m == "reference" or not on_cuda():
+        return False
+    return m == "cuda" or name in VERIFIED_ON_CUDA
 
 
 def kernel_source(name: str) -> str:
@@ -86,5 +114,26 @@ def kernel(name: str, factory: Optional[Callable] = None):
             input_names=inputs,
             output_names=outputs,
             source=kernel_source(name),
+        )
+    return _cache[key]
+
+
+def cuda_source(name: str, suffix: str) -> str:
+    """dflash_mlx/kernels/cuda/<name><suffix>: the body (.cu) or the header (.cuh) of a CUDA kernel."""
+    return resources.files("dflash_mlx.kernels").joinpath("cuda").joinpath(name + suffix).read_text()
+
+
+def cuda_kernel(name: str, factory: Optional[Callable] = None):
+    """The kernel object for dflash_mlx/kernels/cuda/<name>.cu, built once per factory."""
+    factory = factory or mx.fast.cuda_kernel
+    key = ("cuda", name, factory)
+    if key not in _cache:
+        inputs, outputs = _CUDA_SPECS[name]
+        _cache[key] = factory(
+            name=f"dflash_{name}",
+            input_names=inputs,
+            output_names=outputs,
+            source=cuda_source(name, ".cu"),
+            header=cuda_source(name, ".cuh"),
         )
     return _cache[key]

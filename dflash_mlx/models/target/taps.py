@@ -21,7 +21,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from dflash_mlx.kernels import qmm, selection
+from dflash_mlx.kernels import qmm
 from dflash_mlx.models.target.rollback import ReplayTap, TapedGatedDeltaNet, VerifyRecord
 from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.tree_attention import TreeRoPE
@@ -132,9 +132,8 @@ class _SmallMQuantizedLinear(StandIn):
 
 def use_small_m(target, width: int) -> bool:
     """Whether a forward of `width` (B*S) tokens runs the target's quantized projections
-    through the small-M kernel: it is on and the width is one it takes."""
-    return (bool(target._quantized) and qmm.QMM_MIN_M <= width <= qmm.QMM_MAX_M
-            and selection.use_metal("qmm_small_m"))
+    through a small-M kernel: one is on for this backend and takes the width."""
+    return bool(target._quantized) and qmm.custom_width(width)
 
 
 @contextmanager

@@ -1,0 +1,183 @@
+"""CUDA kernel bodies vs their pure-MLX twins and vs the arithmetic they claim, on the CPU.
+
+Each body in dflash_mlx/kernels/cuda/ runs, with its header, through tests/cuda_compat (g++, a
+fiber a GPU thread) with the launch code of its CUDA path (`qmm.qmv_rows_cuda(..., factory=...)`).
+qmv_rows claims to round each row as MLX's CUDA qmv rounds it alone: `qmv_order` below writes
+that order out in numpy (fused multiply-adds per lane and element, the lane's elements summed in
+float, a warp butterfly, one rounding to the dtype), and the harness must match it bit for bit;
+whether MLX's GPU qmv rounds that way is the GPU check's (benchmarks/gpu/kernels_part.py).
+"""
+
+import importlib.util
+import shutil
+from functools import partial
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash_mlx.kernels import qmm, selection
+from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.testing.targets import clean_case, tiny_target
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the CUDA-compat harness")
+
+_spec = importlib.util.spec_from_file_location("dflash_cuda_compat_driver",
+                                               Path(__file__).parent / "cuda_compat" / "driver.py")
+driver = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(driver)
+qmv_rows = partial(qmm.qmv_rows_cuda, factory=driver.cuda_kernel)
+
+
+def quantized(N, K, bits, gs, dtype, M=16, seed=0):
+    key = mx.random.key(seed)
+    kw, kx = mx.random.split(key)
+    w, scales, biases = mx.quantize(mx.random.normal((N, K), key=kw) * 0.1, group_size=gs, bits=bits)
+    x = mx.random.normal((M, K), key=kx).astype(dtype)
+    return x, w, scales.astype(dtype), biases.astype(dtype)
+
+
+def as_f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def rounded(values: np.ndarray, dtype) -> np.ndarray:
+    """float32 values rounded to `dtype` (to nearest even), back as float32."""
+    return as_f32(mx.array(values.astype(np.float32)).astype(dtype))
+
+
+def fma32(a, b, c):
+    return (a.astype(np.float64) * b + c).astype(np.float32)
+
+
+def qmv_order(x, w, scales, biases, gs, bits):
+    """MLX's CUDA qmv for every row alone, step by step as qmv_rows.cuh states it (with
+    cuda_compat's roundings: a 16-bit fused multiply-add rounds to float, then to the dtype)."""
+    dtype = x.dtype
+    M, K = x.shape
+    N = w.shape[0]
+    E = 16 if dtype != mx.float32 and bits <= 4 else 8
+    per_word = 32 / bits
+    words = np.array(w).astype(np.uint64)
+    j = np.arange(K)
+    q = ((words[:, (j // per_word).astype(int)] >> ((j % per_word) * bits).astype(np.uint64))
+         & ((1 << bits) - 1)).astype(np.float32)  # [N, K]
+    s = np.repeat(as_f32(scales), gs, axis=1)
+    b = np.repeat(as_f32(biases), gs, axis=1)
+    if dtype == mx.float32:
+        wdq = fma32(q, s, b)
+    else:
+        wdq = rounded(rounded(q * s, dtype) + b, dtype)
+    acc_in_dtype = dtype != mx.float32 and bits < 8
+    xs = as_f32(x)
+    lane_of = (j // E) % 32  # the lane that takes element j, and its slot
+    slot = j % E
+    out = np.zeros((M, N), np.float32)
+    for m in range(M):
+        acc = np.zeros((N, 32, E), np.float32)
+        for k in range(K):  # tiles in order: k // (32 * E), then the residue
+            acc[:, lane_of[k], slot[k]] = fma32(xs[m, k], wdq[:, k], acc[:, lane_of[k], slot[k]])
+            if acc_in_dtype:
+                acc[:, lane_of[k], slot[k]] = rounded(acc[:, lane_of[k], slot[k]], dtype)
+        lane_sum = np.zeros((N, 32), np.float32)
+        for i in range(E):
+            lane_sum = (lane_sum + acc[:, :, i]).astype(np.float32)
+        for offset in (16, 8, 4, 2, 1):
+            lane_sum = (lane_sum + lane_sum[:, np.arange(32) ^ offset]).astype(np.float32)
+        out[m] = rounded(lane_sum[:, 0], dtype)
+    return out
+
+
+CASES = [  # N, K, bits, group size, dtype: K = 576 leaves a residue tile (E = 16), 13 rows a partial block
+    (13, 576, 4, 64, mx.bfloat16),
+    (24, 512, 4, 32, mx.float16),
+    (16, 256, 8, 128, mx.bfloat16),
+    (9, 576, 2, 64, mx.bfloat16),
+    (20, 320, 4, 64, mx.float32),
+    (11, 384, 8, 32, mx.float32),
+    (10, 320, 2, 32, mx.float32),  # a tile of 8 2-bit weights: half a word
+]
+
+
+@pytest.mark.parametrize("N,K,bits,gs,dtype", CASES)
+def test_qmv_rows_rounds_each_row_in_qmv_order(N, K, bits, gs, dtype):
+    x, w, scales, biases = quantized(N, K, bits, gs, dtype, M=5)
+    got = qmv_rows(x, w, scales, biases, gs, bits)
+    assert got.shape == (5, N) and got.dtype == dtype
+    np.testing.assert_array_equal(as_f32(got), qmv_order(x, w, scales, biases, gs, bits))
+
+
+@pytest.mark.parametrize("N,K,bits,gs,dtype", CASES)
+def test_qmv_rows_matches_quantized_matmul(N, K, bits, gs, dtype):
+    x, w, scales, biases = quantized(N, K, bits, gs, dtype)
+    ref = as_f32(mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=gs, bits=bits))
+    got = as_f32(qmv_rows(x, w, scales, biases, gs, bits))
+    # float32: sums in another order; 16-bit: qmv's 16-bit accumulators and 16-bit weights
+    tol = 1e-5 if dtype == mx.float32 else 0.08
+    assert np.all(np.isfinite(got))
+    assert np.max(np.abs(got - ref)) <= tol * np.max(np.abs(ref))
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_a_row_rounds_the_same_whatever_the_width(dtype):
+    """Row m of an M-row product is that row alone, bit for bit: the property a verify needs to
+    give plain decoding's logits (M = 1 is what qmv computes for a decode step)."""
+    x, w, scales, biases = quantized(21, 576, 4, 64, dtype)
+    alone = [as_f32(qmv_rows(x[m:m + 1], w, scales, biases, 64, 4))[0] for m in range(16)]
+    for M in (2, 3, 4, 5, 8, 16):  # passes of QMV_ROWS_PASS rows, the last one partial or whole
+        got = as_f32(qmv_rows(x[:M], w, scales, biases, 64, 4))
+        for m in range(M):
+            np.testing.assert_array_equal(got[m], alone[m], err_msg=f"M={M} row {m}")
+
+
+def test_leading_dimensions_and_refusals():
+    x, w, scales, biases = quantized(16, 256, 4, 64, mx.bfloat16, M=6)
+    flat = as_f32(qmv_rows(x, w, scales, biases, 64, 4))
+    np.testing.assert_array_equal(as_f32(qmv_rows(x.reshape(2, 3, 256), w, scales, biases, 64, 4)).reshape(6, 16),
+                                  flat)
+    with pytest.raises(ValueError, match="M=18"):
+        qmm.qmv_rows_cuda(mx.concatenate([x, x, x]), w, scales, biases, 64, 4, factory=driver.cuda_kernel)
+    with pytest.raises(ValueError, match="does not match K"):
+        qmm.qmv_rows_cuda(x, w, scales, biases, 64, 8, factory=driver.cuda_kernel)
+    with pytest.raises(ValueError, match="bits=3"):
+        qmm.qmv_rows_cuda(x, w, scales, biases, 64, 3, factory=driver.cuda_kernel)
+
+
+def test_dispatch_takes_verify_widths_only_on_cuda(monkeypatch):
+    x, w, scales, biases = quantized(16, 256, 4, 64, mx.float32)
+    assert not selection.use_cuda("qmv_rows")  # no CUDA here: the twin
+    assert not qmm.custom_width(16)
+    taken = []
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    monkeypatch.setattr(qmm, "qmv_rows_cuda", lambda x, *a, **k: taken.append(x.shape[0]) or qmv_rows(x, *a, **k))
+    assert not selection.use_cuda("qmv_rows")  # on CUDA but not verified: still off
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    assert selection.use_cuda("qmv_rows") and not selection.use_metal("qmm_small_m")
+    assert [qmm.custom_width(m) for m in (1, 2, 16, 17)] == [False, True, True, False]
+    for M in (1, 2, 16):
+        qmm.qmm_small_m(x[:M], w, scales, biases, 64, 4)
+    qmm.qmm_small_m(mx.concatenate([x, x]), w, scales, biases, 64, 4)  # a prefill width: MLX's qmm
+    assert taken == [2, 16]
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "reference")
+    assert not selection.use_cuda("qmv_rows")
+
+
+def test_lossless_with_qmv_rows_on_verify(monkeypatch):
+    """A 4-bit target whose verify projections and head run qmv_rows (through the harness):
+    greedy output is plain decoding's token for token, with partial accepts."""
+    from test_verify_kernels import decode_with_partial_accepts
+
+    model, tok = tiny_target("llama", seed=1)
+    nn.quantize(model, group_size=32, bits=4)
+    mx.eval(model.parameters())
+    prompt, ref = clean_case(model, 25, 30, seed=2)
+    widths = []
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    monkeypatch.setattr(qmm, "qmv_rows_cuda", lambda x, *a, **k: widths.append(x.shape[-2]) or qmv_rows(x, *a, **k))
+    out, accepts = decode_with_partial_accepts(model, tok, prompt, ref, block_size=8, seed=1)
+    assert out == ref and len(set(accepts)) > 2
+    n_proj = len(Target(model)._quantized)
+    assert len(widths) >= (len(accepts) - 1) * (n_proj + 1) and set(widths) <= set(range(2, 17))
