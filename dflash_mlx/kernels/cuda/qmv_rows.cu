@@ -63,10 +63,10 @@ for (int m0 = 0; m0 < M; m0 += ROWS) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       if (m0 + r < M) {
-        const T* x_tile = x + (int64_t)(m0 + r) * K + idx;
+        const auto x_tile = *reinterpret_cast<const dflash::Tile<T, E>*>(x + (int64_t)(m0 + r) * K + idx);
 #pragma unroll
         for (int i = 0; i < E; ++i) {
-          acc[r][i] = dflash::fma_acc(x_tile[i], wdq[i], acc[r][i]);
+          acc[r][i] = dflash::fma_acc(x_tile.v[i], wdq[i], acc[r][i]);
         }
       }
     }

@@ -14,6 +14,12 @@
 
 namespace dflash {
 
+// E consecutive elements of x, read in 16-byte loads (a tile starts 32-byte aligned: K % 32 == 0)
+template <typename T, int E>
+struct alignas(sizeof(T) * E) Tile {
+  T v[E];
+};
+
 template <typename T, int BITS>
 struct Acc { using type = T; };
 template <typename T>
