@@ -22,7 +22,7 @@ def test_gpu_check_runs_at_smoke_scale(tmp_path):
     assert not [name for name, part in parts.items() if "error" in part], parts
     assert set(parts["ops"]) >= {"linear bfloat16", "linear 4-bit", "attention bfloat16"}
     if "skipped" not in parts["kernels"]:  # (the CPU harness needs g++) qmv_rows' rows are each row alone's
-        assert parts["kernels"]["rows"] and all(r["qmv_rows_invariant"] == r["M"] for r in parts["kernels"]["rows"])
+        assert parts["kernels"]["rows"] and all(r["kernel_invariant"] == r["M"] for r in parts["kernels"]["rows"])
     rows = parts["exactness"]["rows"]
     assert {r["deterministic"] for r in rows} == {True, False}
     assert all(r["diverged"] == 0 for r in rows if r["deterministic"])

@@ -1,5 +1,7 @@
 """CUDA kernel bodies vs their pure-MLX twins and vs the arithmetic they claim, on the CPU.
 
+(gemv_rows likewise claims MLX's CUDA gemv's order: `gemv_order` below.)
+
 Each body in dflash_mlx/kernels/cuda/ runs, with its header, through tests/cuda_compat (g++, a
 fiber a GPU thread) with the launch code of its CUDA path (`qmm.qmv_rows_cuda(..., factory=...)`).
 qmv_rows claims to round each row as MLX's CUDA qmv rounds it alone: `qmv_order` below writes
@@ -18,8 +20,9 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash_mlx.kernels import qmm, selection
+from dflash_mlx.kernels import gemv, qmm, selection
 from dflash_mlx.models.target.adapter import Target
+from dflash_mlx.models.target.head import TargetHead
 from dflash_mlx.testing.targets import clean_case, tiny_target
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ for the CUDA-compat harness")
@@ -29,6 +32,7 @@ _spec = importlib.util.spec_from_file_location("dflash_cuda_compat_driver",
 driver = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(driver)
 qmv_rows = partial(qmm.qmv_rows_cuda, factory=driver.cuda_kernel)
+gemv_rows = partial(gemv.gemv_rows_cuda, factory=driver.cuda_kernel)
 
 
 def quantized(N, K, bits, gs, dtype, M=16, seed=0):
@@ -181,3 +185,95 @@ def test_lossless_with_qmv_rows_on_verify(monkeypatch):
     assert out == ref and len(set(accepts)) > 2
     n_proj = len(Target(model)._quantized)
     assert len(widths) >= (len(accepts) - 1) * (n_proj + 1) and set(widths) <= set(range(2, 17))
+
+
+# ------------------------------------------------------------------------------ gemv_rows
+
+
+def gemv_order(x, w):
+    """MLX's CUDA gemv for every row alone: lane l takes NPT elements at NPT*l + 32*NPT*step,
+    one float accumulator, a fused multiply-add an element; the warp butterfly; one rounding."""
+    M, K = x.shape
+    npt = gemv.per_lane(K)
+    xs, ws = as_f32(x), as_f32(w)
+    out = np.zeros((M, w.shape[0]), np.float32)
+    for m in range(M):
+        acc = np.zeros((w.shape[0], 32), np.float32)
+        for start in range(0, K, 32 * npt):
+            for lane in range(32):
+                for j in range(npt):
+                    k = start + npt * lane + j
+                    if start + npt * lane < K:
+                        acc[:, lane] = fma32(ws[:, k], xs[m, k], acc[:, lane])
+        for offset in (16, 8, 4, 2, 1):
+            acc = (acc + acc[:, np.arange(32) ^ offset]).astype(np.float32)
+        out[m] = rounded(acc[:, 0], x.dtype)
+    return out
+
+
+GEMV_CASES = [(13, 576, mx.bfloat16), (24, 512, mx.float16), (20, 320, mx.float32), (7, 100, mx.bfloat16)]
+
+
+def dense(N, K, dtype, M=16, seed=0):
+    kw, kx = mx.random.split(mx.random.key(seed))
+    return mx.random.normal((M, K), key=kx).astype(dtype), (mx.random.normal((N, K), key=kw) * 0.1).astype(dtype)
+
+
+@pytest.mark.parametrize("N,K,dtype", GEMV_CASES)
+def test_gemv_rows_rounds_each_row_in_gemv_order(N, K, dtype):
+    x, w = dense(N, K, dtype, M=5)
+    got = gemv_rows(x, w)
+    assert got.shape == (5, N) and got.dtype == dtype
+    np.testing.assert_array_equal(as_f32(got), gemv_order(x, w))
+
+
+@pytest.mark.parametrize("N,K,dtype", GEMV_CASES)
+def test_gemv_rows_matches_matmul_and_each_row_is_its_own(N, K, dtype):
+    x, w = dense(N, K, dtype)
+    ref = as_f32(x.astype(mx.float32) @ w.astype(mx.float32).T)
+    got = as_f32(gemv_rows(x, w))
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    assert np.max(np.abs(got - ref)) <= tol * np.max(np.abs(ref))
+    for M in (2, 5, 16):
+        part = as_f32(gemv_rows(x[:M], w))
+        for m in range(M):
+            np.testing.assert_array_equal(part[m], got[m], err_msg=f"M={M} row {m}")
+
+
+def test_gemv_dispatch_and_refusals(monkeypatch):
+    x, w = dense(16, 256, mx.float32)
+    assert not gemv.custom_width(4)
+    with pytest.raises(ValueError, match="does not match K"):
+        gemv.gemv_rows_cuda(x, w[:, :128], factory=driver.cuda_kernel)
+    with pytest.raises(ValueError, match="unsupported"):
+        gemv.gemv_rows_cuda(x, w.astype(mx.float16), factory=driver.cuda_kernel)
+    taken = []
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    monkeypatch.setattr(gemv, "gemv_rows_cuda", lambda x, w: taken.append(x.shape[0]) or gemv_rows(x, w))
+    assert [gemv.custom_width(m) for m in (1, 2, 16, 17)] == [False, True, True, False]
+    for M in (1, 3, 16):
+        np.testing.assert_allclose(as_f32(gemv.rows_product(x[:M], w)), as_f32(x[:M] @ w.T), rtol=1e-5, atol=1e-6)
+    gemv.rows_product(x[:3], w.astype(mx.float16))  # another dtype than x's: MLX's product
+    assert taken == [3, 16]
+
+
+def test_lossless_with_gemv_rows_on_verify(monkeypatch):
+    """A float target whose verify projections (bias-free linears) and LM head run gemv_rows
+    (through the harness): greedy output is plain decoding's token for token, with partial accepts."""
+    from test_verify_kernels import decode_with_partial_accepts
+
+    model, tok = tiny_target("llama", seed=1)
+    prompt, ref = clean_case(model, 25, 30, seed=2)
+    widths = []
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    monkeypatch.setattr(gemv, "gemv_rows_cuda", lambda x, w: widths.append(x.shape[-2]) or gemv_rows(x, w))
+    monkeypatch.setattr(TargetHead, "_transposed_head", lambda self, layer: None)  # (a CPU-only copy)
+    target = Target(model)
+    before = [id(layer) for _, _, layer in target._dense]
+    out, accepts = decode_with_partial_accepts(model, tok, prompt, ref, block_size=8, seed=1)
+    assert out == ref and len(set(accepts)) > 2
+    assert len(target._dense) == 7 * len(model.model.layers)
+    assert len(widths) >= (len(accepts) - 1) * (len(target._dense) + 1) and set(widths) <= set(range(2, 17))
+    assert [id(layer) for _, _, layer in Target(model)._dense] == before  # the swaps were scoped

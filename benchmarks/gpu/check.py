@@ -5,9 +5,10 @@
 
 `run.sh` beside it installs MLX's CUDA build from wheels lying in `wheels/` (no network)
 and runs this. Parts (`parts.py`), each under its own time box, results written as each ends:
-  kernels    dflash-mlx's CUDA kernels against MLX's: qmv_rows' rows against the row alone through MLX's
-             qmv, bit for bit, and one Qwen3-8B-shaped 4-bit layer's projections timed at 1..16 rows
-             (`kernels_part.py`); the exactness and shapes parts then run quantized targets with them too
+  kernels    dflash-mlx's CUDA kernels against MLX's: qmv_rows' (gemv_rows') rows against the row alone
+             through MLX's qmv (gemv), bit for bit, and one Qwen3-8B-shaped layer's 4-bit and bf16
+             projections timed at 1..16 rows (`kernels_part.py`); the exactness and shapes parts then
+             run their targets with the kernels on too
   ops        which products round differently with more rows (linear, 4/8-bit, attention)
   exactness  (a) first divergences from mlx-lm's greedy per 1,000 tokens: bf16, fp16, 4-bit, 8-bit,
              widths 1, 4, 16, auto; then deterministic mode

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash_mlx.kernels import qmm, selection  # noqa: E402
+from dflash_mlx.kernels import gemv, qmm, selection  # noqa: E402
 
 MLX_DEFAULT_HEADER = '#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
 CUDA_TYPE = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -46,7 +46,7 @@ def wrapped(name: str, inputs, outputs, template) -> str:
     params += [f"    {ctype}* {arg}" for arg, ctype in outputs]
     constants = [f"  using {k} = {v};" if isinstance(v, str) else f"  constexpr int {k} = {v};"
                  for k, v in template]
-    return (MLX_DEFAULT_HEADER + selection.cuda_source(name, ".cuh")
+    return (MLX_DEFAULT_HEADER + selection.cuda_header(name)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void custom_kernel_dflash_{name}(\n" + ",\n".join(params) + ") {\n"
             + "\n".join(constants) + "\n\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
@@ -58,6 +58,14 @@ def qmv_rows_variants():
         yield (f"qmv_rows {dtype} {bits}-bit group {gs}",
                wrapped("qmv_rows", [("x", t, 2), ("w", "uint32_t", 2), ("scales", t, 2), ("biases", t, 2)],
                        [("out", t)], [("T", t), ("BITS", bits), ("GS", gs), ("ROWS", qmm.QMV_ROWS_PASS)]))
+
+
+def gemv_rows_variants():
+    for dtype, npt in itertools.product(CUDA_TYPE, (1, 2, 4)):
+        t = CUDA_TYPE[dtype]
+        yield (f"gemv_rows {dtype} {npt} a lane a step",
+               wrapped("gemv_rows", [("x", t, 2), ("w", t, 2)], [("out", t)],
+                       [("T", t), ("NPT", npt), ("ROWS", gemv.GEMV_ROWS_PASS)]))
 
 
 def compile_source(lib, source: str, options):
@@ -90,7 +98,7 @@ def main(argv=None) -> int:
     if args.ptxas_info:
         options.append("--ptxas-options=-v")
     failed = 0
-    for i, (label, source) in enumerate(qmv_rows_variants()):
+    for i, (label, source) in enumerate(itertools.chain(qmv_rows_variants(), gemv_rows_variants())):
         if args.show and i == 0:
             print(source)
         ok, log = compile_source(lib, source, options)

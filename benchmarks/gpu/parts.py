@@ -205,8 +205,8 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
             rng = random.Random(p)
             prompt = [rng.randrange(0, min(vocab, 30000)) for _ in range(16 + 48 * p)]
             cases.append((prompt, greedy_reference(model, prompt, tokens)))
-        quantized = "bit" in name and cuda_kernels() is not None
-        passes = [(True, False), (False, False)] + ([(False, True)] if quantized else [])
+        # then with dflash-mlx's CUDA kernels on (qmv_rows, gemv_rows: a verify's projections as decode steps')
+        passes = [(True, False), (False, False)] + ([(False, True)] if cuda_kernels() is not None else [])
         for deterministic, kernels in passes:  # deterministic mode's claim first: it must hold wherever it runs
             for width in (widths if not deterministic else [w for w in widths if w != 1]):
                 if time.perf_counter() > deadline:
@@ -226,7 +226,7 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
                     compared += len(ref) if at is None else at + 1
                     diverged += at is not None
                 else:
-                    rows.append(dict(model=name + (", qmv_rows" if kernels else ""), width=str(width),
+                    rows.append(dict(model=name + (", CUDA kernels" if kernels else ""), width=str(width),
                                      deterministic=deterministic, answers=len(cases),
                                      diverged=diverged, tokens=compared,
                                      per_1000=round(1000 * diverged / max(compared, 1), 2)))
@@ -292,7 +292,7 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
         with pieces(4):  # (where a command buffer's commit costs, fewer pieces may pay better)
             out_every_4, secs_every_4, _ = decode(model, draft, tok, prompt, tokens, tau)
         kernels = {}
-        if cuda_kernels() is not None:  # qmv_rows for the verify's projections: speed, and its tokens
+        if cuda_kernels() is not None:  # the CUDA kernels for the verify's projections: speed, and its tokens
             with cuda_kernels():
                 decode(model, draft, tok, prompt, tokens, tau)  # warm: the kernel compiles per variant
                 out_kernels, secs_kernels, _ = decode(model, draft, tok, prompt, tokens, tau)
@@ -325,8 +325,8 @@ def pieces(every: int):
 
 
 def cuda_kernels():
-    """dflash-mlx's CUDA kernels on (`DFLASH_MLX_KERNELS=cuda`: qmv_rows for a quantized target's
-    verify widths), in this process while inside; None where there is no CUDA."""
+    """dflash-mlx's CUDA kernels on (`DFLASH_MLX_KERNELS=cuda`: qmv_rows and gemv_rows for a verify's
+    projections), in this process while inside; None where there is no CUDA."""
     from dflash_mlx.kernels import selection
 
     return mock.patch.dict(os.environ, {"DFLASH_MLX_KERNELS": "cuda"}) if selection.on_cuda() else None

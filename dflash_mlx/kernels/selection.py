@@ -29,6 +29,8 @@ Kernels
   gdn_replay    rebuild the Gated DeltaNet state after an accepted prefix (gdn)
   qmv_rows      (CUDA) affine-quantized matmul for verify widths 2..16, each row rounded as
                 MLX's CUDA qmv rounds it alone (qmm)
+  gemv_rows     (CUDA) dense x @ w.T for verify widths 2..16, each row rounded as MLX's CUDA
+                gemv rounds it alone (gemv)
 """
 
 import os
@@ -58,6 +60,7 @@ VERIFIED_ON_CUDA: frozenset = frozenset()
 # name -> (input names, output names); body dflash_mlx/kernels/cuda/<name>.cu, header <name>.cuh.
 _CUDA_SPECS = {
     "qmv_rows": (["x", "w", "scales", "biases"], ["out"]),
+    "gemv_rows": (["x", "w"], ["out"]),
 }
 
 
@@ -119,8 +122,14 @@ def kernel(name: str, factory: Optional[Callable] = None):
 
 
 def cuda_source(name: str, suffix: str) -> str:
-    """dflash_mlx/kernels/cuda/<name><suffix>: the body (.cu) or the header (.cuh) of a CUDA kernel."""
-    return resources.files("dflash_mlx.kernels").joinpath("cuda").joinpath(name + suffix).read_text()
+    """dflash_mlx/kernels/cuda/<name><suffix> ('' where there is none): a CUDA kernel's body (.cu) or header (.cuh)."""
+    path = resources.files("dflash_mlx.kernels").joinpath("cuda").joinpath(name + suffix)
+    return path.read_text() if path.is_file() else ""
+
+
+def cuda_header(name: str) -> str:
+    """A CUDA kernel's header: the shared helpers (cuda/common.cuh), then its own (<name>.cuh)."""
+    return cuda_source("common", ".cuh") + cuda_source(name, ".cuh")
 
 
 def cuda_kernel(name: str, factory: Optional[Callable] = None):
@@ -134,6 +143,6 @@ def cuda_kernel(name: str, factory: Optional[Callable] = None):
             input_names=inputs,
             output_names=outputs,
             source=cuda_source(name, ".cu"),
-            header=cuda_source(name, ".cuh"),
+            header=cuda_header(name),
         )
     return _cache[key]

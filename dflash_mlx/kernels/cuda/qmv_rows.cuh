@@ -1,4 +1,4 @@
-// Device helpers of qmv_rows.cu (the `header` of its mx.fast.cuda_kernel).
+// Device helpers of qmv_rows.cu (after common.cuh in the kernel's header).
 //
 // Each helper is one rounding step of MLX's CUDA qmv (mlx/backend/cuda/quantized/qmm/qmv.cu,
 // MLX 0.32), so that a row of qmv_rows rounds as that row run alone through qmv does:
@@ -8,35 +8,14 @@
 //   the row       the lane's elements summed in float in order, then across the warp with
 //                 cooperative_groups' reduce, rounded to T once.
 // tests/cuda_compat/cuda_compat.h gives the same names on the CPU (indexing and arithmetic
-// checked there); bit-equality with qmv is checked on a GPU (benchmarks/gpu, kernels part).
-
-#include <cooperative_groups/reduce.h>
+// checked there); bit-equality with qmv is checked on a GPU (tests/test_kernels_cuda_gpu.py).
 
 namespace dflash {
-
-// E consecutive elements of x, read in 16-byte loads (a tile starts 32-byte aligned: K % 32 == 0)
-template <typename T, int E>
-struct alignas(sizeof(T) * E) Tile {
-  T v[E];
-};
 
 template <typename T, int BITS>
 struct Acc { using type = T; };
 template <typename T>
 struct Acc<T, 8> { using type = float; };
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // q * scale + bias: the dequantized weight
 __device__ __forceinline__ float dequant(uint32_t q, float scale, float bias) {
@@ -60,11 +39,6 @@ __device__ __forceinline__ float fma_acc(__nv_bfloat16 x, __nv_bfloat16 w, float
 __device__ __forceinline__ __half fma_acc(__half x, __half w, __half acc) { return __hfma(x, w, acc); }
 __device__ __forceinline__ __nv_bfloat16 fma_acc(__nv_bfloat16 x, __nv_bfloat16 w, __nv_bfloat16 acc) {
   return __hfma(x, w, acc);
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  auto warp = cooperative_groups::tiled_partition<32>(cooperative_groups::this_thread_block());
-  return cooperative_groups::reduce(warp, v, cooperative_groups::plus<float>());
 }
 
 }  // namespace dflash

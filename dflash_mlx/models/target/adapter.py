@@ -30,7 +30,7 @@ from dflash_mlx.models.target.pipeline_carry import Carry, CarryRefused, can_car
 from dflash_mlx.models.target.sharding import (gather_features, on_every_rank, own_layers_caches, sharding_of,
                                                split_stream)
 from dflash_mlx.models.target.stand_ins import unswapped
-from dflash_mlx.models.target.taps import quantized_linears, submit_layers, taps, use_small_m
+from dflash_mlx.models.target.taps import dense_linears, quantized_linears, submit_layers, taps, use_small_m
 from dflash_mlx.models.target.tensor_ride import capacity, ride_slot, riding
 
 NO_LIMIT = 1 << 30  # `verify_room` of a model with no position limit
@@ -128,6 +128,8 @@ class Target:
         ]
         # Affine-quantized projections of the decoder layers, for the small-M verify kernel.
         self._quantized = [x for layer in self.layers if layer is not None for x in quantized_linears(layer)]
+        # and the bias-free dense ones, for CUDA's (`kernels.gemv`)
+        self._dense = [x for layer in self.layers if layer is not None for x in dense_linears(layer)]
         self._replay_kinds = _check_caches(self)
         # whether a one-token update can overwrite a sliding window's oldest entry (`engine.ahead`)
         self.rotating = any(isinstance(s, RotatingKVCache) for c in self.make_cache() for s in sub_caches(c))

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from dflash_mlx.identity import IdentityMap
-from dflash_mlx.kernels import qmm
+from dflash_mlx.kernels import gemv, qmm
 from dflash_mlx.models.layout import transposed
 from dflash_mlx.models.target.rollback import UnsupportedTargetError
 from dflash_mlx.models.target.sharding import gather_vocab, head_group, split_stream
@@ -125,6 +125,8 @@ class TargetHead:
                                           bits=layer.bits, mode=layer.mode)
         elif vocab_ids is None:
             wt = self._transposed_head(layer)
+            if wt is None and bias is None and gemv.custom_width(h.size // h.shape[-1]):
+                return gemv.rows_product(h, w)  # a verify's rows, each as a decode step's own
             if wt is None:
                 return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
             out = h @ wt

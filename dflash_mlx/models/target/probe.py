@@ -143,7 +143,7 @@ def _cuttable(value) -> bool:
 
 def _forward(target, tokens, cache, features=None, record=None):
     ids = list(range(len(features))) if features is not None else []
-    with taps(target, ids, features, record, False, cache, rows=(1, len(tokens))):
+    with taps(target, ids, features, record, frozenset(), cache, rows=(1, len(tokens))):
         h = target.run_text_model(mx.array([tokens]), cache)
     mx.eval(h, [f for f in features or [] if f is not None])
     return h

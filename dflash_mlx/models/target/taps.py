@@ -8,7 +8,8 @@ windows, shared KV, embedding scales) runs unchanged around them:
   tapped layers       hand their output to the draft's features (`_LayerTap`)
   Gated DeltaNet      runs taped, so a rollback replays it (`TapedGatedDeltaNet`)
   other recurrence    its layer is recorded, so a rollback re-runs it (`ReplayTap`)
-  quantized linears   go through the small-M kernel at verify widths (`_SmallMQuantizedLinear`)
+  quantized linears   go through a small-M kernel at verify widths (`_SmallMQuantizedLinear`)
+  bias-free linears   go through CUDA's gemv_rows at verify widths, where it is on (`_SmallMLinear`)
   rotary embeddings   take a token tree's positions (`TreeRoPE`)
   an inner LM head    passes the final hidden states through (`inner_head`)
   every decoder layer queues the graph so far while the host builds the rest (`submit_layers`)
@@ -21,7 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList
 
-from dflash_mlx.kernels import qmm
+from dflash_mlx.kernels import gemv, qmm
 from dflash_mlx.models.target.rollback import ReplayTap, TapedGatedDeltaNet, VerifyRecord
 from dflash_mlx.models.target.stand_ins import StandIn, swaps
 from dflash_mlx.models.target.tree_attention import TreeRoPE
@@ -120,6 +121,21 @@ def quantized_linears(module) -> List[Tuple[Any, Any, nn.QuantizedLinear]]:
     return [x for x in modules_of(module, nn.QuantizedLinear) if getattr(x[2], "mode", "affine") == "affine"]
 
 
+def dense_linears(module) -> List[Tuple[Any, Any, nn.Linear]]:
+    """(parent, key, layer) for every bias-free nn.Linear itself (no subclass) under `module`."""
+    return [x for x in modules_of(module, nn.Linear) if type(x[2]) is nn.Linear and "bias" not in x[2]]
+
+
+class _SmallMLinear(StandIn):
+    """Stands in for one bias-free nn.Linear during a verify forward: `gemv.linear`."""
+
+    def __init__(self, layer):
+        self._wrapped = layer
+
+    def __call__(self, x):
+        return gemv.linear(self._wrapped, x)
+
+
 class _SmallMQuantizedLinear(StandIn):
     """Stands in for one QuantizedLinear during a verify forward: `qmm.quantized_linear`."""
 
@@ -130,18 +146,23 @@ class _SmallMQuantizedLinear(StandIn):
         return qmm.quantized_linear(self._wrapped, x)
 
 
-def use_small_m(target, width: int) -> bool:
-    """Whether a forward of `width` (B*S) tokens runs the target's quantized projections
-    through a small-M kernel: one is on for this backend and takes the width."""
-    return bool(target._quantized) and qmm.custom_width(width)
+def use_small_m(target, width: int) -> frozenset:
+    """Which of the target's projections a forward of `width` (B*S) tokens runs through a
+    small-M kernel ("quantized", "dense"; empty: none): those a kernel on this backend takes."""
+    kinds = set()
+    if target._quantized and qmm.custom_width(width):
+        kinds.add("quantized")
+    if target._dense and gemv.custom_width(width):
+        kinds.add("dense")
+    return frozenset(kinds)
 
 
 @contextmanager
-def taps(target, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: bool,
+def taps(target, layer_ids: Sequence[int], features: List, record: Optional[VerifyRecord], small_m: frozenset,
          cache: List[Any], tree=None, rows: Tuple[int, int] = (1, 1)):
     """The swaps of one `target.forward` of `rows` (B, S) tokens: layers `layer_ids` write their
     outputs into `features`; with `record`, the recurrent layers record what a rollback needs; with
-    `small_m`, the quantized projections go through the kernel; with `tree`, the rotary
+    `small_m`, those kinds of projections go through their kernel; with `tree`, the rotary
     embeddings take the tree's positions. Everything is put back on exit."""
     layers = target.layers
     slot: Dict[int, List[int]] = {}
@@ -195,9 +216,12 @@ def taps(target, layer_ids: Sequence[int], features: List, record: Optional[Veri
                 # (LongCat's n-gram embedding keeps the context's last tokens in a cache of its own)
                 name = target._embedding_name
                 put(target.text_model, name, ReplayTap(target.text_model[name], watched, keep_replay))
-        if small_m:
+        if "quantized" in small_m:
             for parent, key, q in target._quantized:
                 put(parent, key, _SmallMQuantizedLinear(q))
+        if "dense" in small_m:
+            for parent, key, layer in target._dense:
+                put(parent, key, _SmallMLinear(layer))
         if tree is not None:
             for parent, key in target.rope_slots:
                 put(parent, key, TreeRoPE(parent[key], tree))
