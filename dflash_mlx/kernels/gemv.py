@@ -36,14 +36,8 @@ def gemv_rows_cuda(x, w, factory=None, rows_per_pass: int = GEMV_ROWS_PASS):
         raise ValueError(f"gemv_rows: unsupported M={M} x {x.dtype} w {w.dtype} {w.shape}")
     if w.shape[1] != K:
         raise ValueError(f"gemv_rows: w {w.shape} does not match K={K}")
-    out = selection.cuda_kernel("gemv_rows", factory)(
-        inputs=[x.reshape(M, K), w],
-        template=[("T", x.dtype), ("NPT", per_lane(K)), ("ROWS", rows_per_pass)],
-        grid=(32 * -(-N // 8), 8, 1),
-        threadgroup=(32, 8, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
+    out = selection.warp_per_row("gemv_rows", factory, [x.reshape(M, K), w],
+                                 [("T", x.dtype), ("NPT", per_lane(K)), ("ROWS", rows_per_pass)], M, N, x.dtype)
     return out.reshape(*x.shape[:-1], N)
 
 

@@ -61,14 +61,9 @@ def qmv_rows_cuda(x, w, scales, biases, group_size: int = 64, bits: int = 4, fac
         raise ValueError(f"qmv_rows: unsupported M={M} bits={bits} group_size={group_size} dtype={x.dtype}")
     if w.shape[1] * 32 // bits != K:
         raise ValueError(f"qmv_rows: w {w.shape} does not match K={K} at {bits} bits")
-    out = selection.cuda_kernel("qmv_rows", factory)(
-        inputs=[x.reshape(M, K), w, scales.astype(x.dtype), biases.astype(x.dtype)],
-        template=[("T", x.dtype), ("BITS", bits), ("GS", group_size), ("ROWS", rows_per_pass)],
-        grid=(32 * -(-N // 8), 8, 1),
-        threadgroup=(32, 8, 1),
-        output_shapes=[(M, N)],
-        output_dtypes=[x.dtype],
-    )[0]
+    out = selection.warp_per_row(
+        "qmv_rows", factory, [x.reshape(M, K), w, scales.astype(x.dtype), biases.astype(x.dtype)],
+        [("T", x.dtype), ("BITS", bits), ("GS", group_size), ("ROWS", rows_per_pass)], M, N, x.dtype)
     return out.reshape(*x.shape[:-1], N)
 
 

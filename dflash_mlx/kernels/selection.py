@@ -106,19 +106,18 @@ def kernel_source(name: str) -> str:
 _cache = {}
 
 
+def _built(factory: Callable, name: str, specs: dict, **sources):
+    """`factory`'s kernel object for `name` (its input and output names in `specs`), built once."""
+    key = (factory, name)
+    if key not in _cache:
+        inputs, outputs = specs[name]
+        _cache[key] = factory(name=f"dflash_{name}", input_names=inputs, output_names=outputs, **sources)
+    return _cache[key]
+
+
 def kernel(name: str, factory: Optional[Callable] = None):
     """The kernel object for metal/<name>.metal, built once per factory."""
-    factory = factory or mx.fast.metal_kernel
-    key = (name, factory)
-    if key not in _cache:
-        inputs, outputs = _SPECS[name]
-        _cache[key] = factory(
-            name=f"dflash_{name}",
-            input_names=inputs,
-            output_names=outputs,
-            source=kernel_source(name),
-        )
-    return _cache[key]
+    return _built(factory or mx.fast.metal_kernel, name, _SPECS, source=kernel_source(name))
 
 
 def cuda_source(name: str, suffix: str) -> str:
@@ -134,15 +133,14 @@ def cuda_header(name: str) -> str:
 
 def cuda_kernel(name: str, factory: Optional[Callable] = None):
     """The kernel object for dflash_mlx/kernels/cuda/<name>.cu, built once per factory."""
-    factory = factory or mx.fast.cuda_kernel
-    key = ("cuda", name, factory)
-    if key not in _cache:
-        inputs, outputs = _CUDA_SPECS[name]
-        _cache[key] = factory(
-            name=f"dflash_{name}",
-            input_names=inputs,
-            output_names=outputs,
-            source=cuda_source(name, ".cu"),
-            header=cuda_header(name),
-        )
-    return _cache[key]
+    return _built(factory or mx.fast.cuda_kernel, name, _CUDA_SPECS,
+                  source=cuda_source(name, ".cu"), header=cuda_header(name))
+
+
+def warp_per_row(name: str, factory: Optional[Callable], inputs, template, M: int, N: int, dtype):
+    """Launch CUDA kernel `name` that gives a warp to each of the N rows of its weights and
+    writes an [M, N] `dtype` output (blocks of 8 warps: qmv_rows, gemv_rows)."""
+    return cuda_kernel(name, factory)(
+        inputs=inputs, template=template, grid=(32 * -(-N // 8), 8, 1), threadgroup=(32, 8, 1),
+        output_shapes=[(M, N)], output_dtypes=[dtype],
+    )[0]

@@ -10,11 +10,8 @@ and `gridDim` derived from the same launch. Outputs start as NaN bytes and carry
 (tests/metal_compat/driver.py).
 """
 
-import hashlib
 import importlib.util
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,6 +32,11 @@ _INDICES = ("threadIdx", "blockIdx", "blockDim", "gridDim")
 
 
 class CudaCompatKernel(metal_driver.CompatKernel):
+    INCLUDE_DIRS = (HERE, HERE / "include", HERE.parent / "metal_compat")
+    HEADERS = (HERE / "cuda_compat.h", HERE / "include" / "cooperative_groups" / "reduce.h",
+               HERE.parent / "metal_compat" / "metal_compat.h")
+    HARNESS = "cuda_compat"
+
     def __init__(self, name, input_names, output_names, source, header="", ensure_row_contiguous=True,
                  shared_memory=0):
         super().__init__(name, input_names, output_names, source, header, ensure_row_contiguous)
@@ -91,26 +93,6 @@ class CudaCompatKernel(metal_driver.CompatKernel):
             "}",
         ]
         return "\n".join(code) + "\n"
-
-    def _library(self, code: str):
-        compat = "".join(p.read_text() for p in sorted(HERE.rglob("*.h")))
-        compat += (HERE.parent / "metal_compat" / "metal_compat.h").read_text()
-        key = hashlib.sha256((code + compat + " ".join(metal_driver.CXXFLAGS)).encode()).hexdigest()[:20]
-        so = metal_driver.cache_dir() / f"cuda_{key}.so"
-        if not so.exists():
-            src = so.with_suffix(".cpp")
-            src.write_text(code)
-            tmp = so.with_suffix(f".{os.getpid()}.tmp")
-            includes = [f"-I{HERE}", f"-I{HERE / 'include'}", f"-I{HERE.parent / 'metal_compat'}"]
-            proc = subprocess.run([metal_driver.CXX, *metal_driver.CXXFLAGS, *includes, "-o", str(tmp), str(src)],
-                                  capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise RuntimeError(f"cuda_compat: g++ failed for {self.name}:\n{proc.stderr[-4000:]}")
-            os.replace(tmp, so)
-        import ctypes
-        lib = ctypes.CDLL(str(so))
-        lib.mc_run.restype = ctypes.c_int
-        return lib
 
 
 def cuda_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,

@@ -193,20 +193,25 @@ class CompatKernel:
         ]
         return "\n".join(code) + "\n"
 
+    # where the generated code's includes are found; the headers whose text keys the build cache
+    INCLUDE_DIRS = (HERE,)
+    HEADERS = (HERE / "metal_compat.h",)
+    HARNESS = "metal_compat"
+
     def _library(self, code: str):
-        header = (HERE / "metal_compat.h").read_text()
+        header = "".join(h.read_text() for h in self.HEADERS)
         key = hashlib.sha256((code + header + " ".join(CXXFLAGS)).encode()).hexdigest()[:20]
-        so = cache_dir() / f"{key}.so"
+        so = cache_dir() / f"{self.HARNESS}_{key}.so"
         if not so.exists():
-            src = cache_dir() / f"{key}.cpp"
+            src = so.with_suffix(".cpp")
             src.write_text(code)
             tmp = so.with_suffix(f".{os.getpid()}.tmp")
             proc = subprocess.run(
-                [CXX, *CXXFLAGS, f"-I{HERE}", "-o", str(tmp), str(src)],
+                [CXX, *CXXFLAGS, *[f"-I{d}" for d in self.INCLUDE_DIRS], "-o", str(tmp), str(src)],
                 capture_output=True, text=True,
             )
             if proc.returncode != 0:
-                raise RuntimeError(f"metal_compat: g++ failed for {self.name}:\n{proc.stderr[-4000:]}")
+                raise RuntimeError(f"{self.HARNESS}: g++ failed for {self.name}:\n{proc.stderr[-4000:]}")
             os.replace(tmp, so)  # atomic: concurrent runs never load a half-written file
         lib = ctypes.CDLL(str(so))
         lib.mc_run.restype = ctypes.c_int
