@@ -119,9 +119,28 @@ def test_doctor_reports_environment(capsys):
     from dflash_mlx.blas import active_blas
 
     assert r["blas"] == str(active_blas()) and r["blas_fast"] == (active_blas().name != "reference")
+    if r["backend"] == "cpu":
+        assert r["kernels"] == "pure-MLX twins (no Metal or CUDA GPU here)"
     assert doctor.main([]) == 0
     text = capsys.readouterr().out
-    assert "blas" in text and "smollm2-135m" in text and "default_dtype" in text
+    assert "blas" in text and "smollm2-135m" in text and "default_dtype" in text and "kernels" in text
+
+
+def test_doctor_says_which_custom_kernels_run(monkeypatch):
+    from dflash_mlx.kernels import selection
+
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    assert selection.summary() == ("cuda: qmv_rows off, gemv_rows off (unverified on this backend; "
+                                   "DFLASH_MLX_KERNELS=cuda turns them on)")
+    monkeypatch.setattr(selection, "VERIFIED_ON_CUDA", frozenset({"gemv_rows"}))
+    assert selection.summary().startswith("cuda: gemv_rows on, qmv_rows off (unverified")
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    assert selection.summary() == "cuda: qmv_rows on, gemv_rows on"
+    monkeypatch.setattr(selection, "on_metal", lambda: True)
+    assert selection.summary() == ("metal: kv_inject off, qmm_small_m off, gdn_tape off, gdn_replay off "
+                                   "(unverified on this backend; DFLASH_MLX_KERNELS=metal turns them on)")
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "reference")
+    assert selection.summary().startswith("pure-MLX twins everywhere")
 
 
 def test_bench_without_a_draft_needs_one(tiny, capsys):

@@ -91,6 +91,7 @@ def results_footer(load_start, load_end) -> list:
 
 def report() -> dict:
     """`machine()` plus the default dtype and where each packaged model and draft is."""
+    from dflash_mlx.kernels import selection
     from dflash_mlx.models.loading import DTYPE_ENV, default_dtype
     from dflash_mlx.models.packaged import PACKAGED, packaged_draft_dir, packaged_status
 
@@ -106,6 +107,7 @@ def report() -> dict:
         **machine(),
         "default_dtype": str(default_dtype()).replace("mlx.core.", ""),
         "dtype_override": f"set {DTYPE_ENV}=float32|float16|bfloat16 or pass --dtype",
+        "kernels": selection.summary(),
         "packaged": models,
         "policies": _policies(),
     }
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         return 0
     width = 20
     for key in ("python", "platform", "mlx", "mlx_lm", "backend", "device", "cpu", "gpu", "blas",
-                "default_dtype"):
+                "default_dtype", "kernels"):
         if r[key] is not None:
             print(f"{key:<{width}} {r[key]}")
     if not r["blas_fast"] and r["backend"] == "cpu":

@@ -92,6 +92,24 @@ def use_cuda(name: str) -> bool:
     return m == "cuda" or name in VERIFIED_ON_CUDA
 
 
+def summary() -> str:
+    """Which custom kernels this process runs, in one line (`dflash-mlx doctor`)."""
+    if mode() == "reference":
+        return "pure-MLX twins everywhere (DFLASH_MLX_KERNELS=reference)"
+    if on_metal():
+        names, use, flag = KERNELS, use_metal, "metal"
+    elif on_cuda():
+        names, use, flag = tuple(_CUDA_SPECS), use_cuda, "cuda"
+    else:
+        return "pure-MLX twins (no Metal or CUDA GPU here)"
+    on = [n for n in names if use(n)]
+    off = [n for n in names if n not in on]
+    line = f"{flag}: " + ", ".join([f"{n} on" for n in on] + [f"{n} off" for n in off])
+    if off:
+        line += f" (unverified on this backend; DFLASH_MLX_KERNELS={flag} turns them on)"
+    return line
+
+
 def kernel_source(name: str) -> str:
     """The body of metal/<name>.metal (installed as the package dflash_mlx.metal)."""
     fname = f"{name}.metal"
