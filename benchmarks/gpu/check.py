@@ -72,7 +72,7 @@ def main(argv=None):
     log(f"machine: {results['machine']}")
     wanted = args.parts.split(",")
     # each part's share of what is left, in order
-    shares = {"kernels": 0.08, "ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "kvcache": 0.08, "smollm2": 0.35,
+    shares = {"kernels": 0.15, "ops": 0.03, "host": 0.1, "batch": 0.05, "exactness": 0.35, "kvcache": 0.08, "smollm2": 0.35,
               "gemma3": 0.25, "shapes": 1.0}
     for name in wanted:
         left = end - time.perf_counter()

@@ -21,5 +21,5 @@ export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 $PY -c 'import mlx.core as mx; print("MLX", mx.__version__, mx.default_device(), "cuda:", mx.cuda.is_available())'
 $PY benchmarks/gpu/check.py --out "$OUT" "$@" 2>&1 | tee "$OUT/check.log"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout 120 $PY -m pytest -q -n0 -p no:cacheprovider tests/test_deterministic.py tests/test_kernels_cuda_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.log"
+  timeout 240 $PY -m pytest -q -n0 -p no:cacheprovider tests/test_deterministic.py tests/test_kernels_cuda_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.log"
 fi
