@@ -277,3 +277,25 @@ def test_lossless_with_gemv_rows_on_verify(monkeypatch):
     assert len(target._dense) == 7 * len(model.model.layers)
     assert len(widths) >= (len(accepts) - 1) * (len(target._dense) + 1) and set(widths) <= set(range(2, 17))
     assert [id(layer) for _, _, layer in Target(model)._dense] == before  # the swaps were scoped
+
+
+def test_tiles_are_read_alike_from_slices_that_start_anywhere():
+    """common.cuh's `load_tile`: vector loads where the start allows them, one by one elsewhere (a
+    verify's LM head may take rows of a slice); `tiles_aligned` tells the two apart."""
+    body = """
+      const int i = threadIdx.x;
+      const float* start = x + OFFSET + 4 * i;
+      const bool aligned = dflash::tiles_aligned<float, 4>(start, 4);
+      const auto tile = dflash::load_tile<float, 4>(start, aligned);
+      for (int j = 0; j < 4; ++j) {
+        out[4 * i + j] = tile.v[j];
+      }
+      flags[i] = aligned;
+    """
+    kernel = driver.cuda_kernel("tile_probe", ["x"], ["out", "flags"], body, header=selection.cuda_header("gemv_rows"))
+    x = mx.arange(64, dtype=mx.float32)
+    for offset, aligned in ((0, 1), (1, 0), (4, 1)):
+        out, flags = kernel(inputs=[x], template=[("OFFSET", offset)], grid=(8, 1, 1), threadgroup=(8, 1, 1),
+                            output_shapes=[(32,), (8,)], output_dtypes=[mx.float32, mx.int32])
+        np.testing.assert_array_equal(np.array(out), np.arange(offset, offset + 32))
+        assert set(np.array(flags).tolist()) == {aligned}, offset

@@ -25,10 +25,30 @@ __device__ __forceinline__ float warp_sum(float v) {
   return cooperative_groups::reduce(warp, v, cooperative_groups::plus<float>());
 }
 
-// E consecutive elements (a tile starts aligned to its size: the callers' K keeps it so)
+// E consecutive elements, read in vector loads where `p` is aligned to their size (a slice of an
+// array may start anywhere), else one by one: the same values either way
 template <typename T, int E>
 struct alignas(sizeof(T) * E) Tile {
   T v[E];
 };
+
+template <typename T, int E>
+__device__ __forceinline__ bool tiles_aligned(const T* base, int64_t row_elements) {
+  return reinterpret_cast<uintptr_t>(base) % sizeof(Tile<T, E>) == 0 &&
+      (row_elements * (int64_t)sizeof(T)) % (int64_t)sizeof(Tile<T, E>) == 0;
+}
+
+template <typename T, int E>
+__device__ __forceinline__ Tile<T, E> load_tile(const T* p, bool aligned) {
+  if (aligned) {
+    return *reinterpret_cast<const Tile<T, E>*>(p);
+  }
+  Tile<T, E> t;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    t.v[i] = p[i];
+  }
+  return t;
+}
 
 }  // namespace dflash

@@ -19,6 +19,8 @@ if (n >= N) {
   return;  // (the whole warp: n is the warp's)
 }
 const T* w_row = w + (int64_t)n * K;
+// (x or w may be a slice starting anywhere: vector loads only where both allow them)
+const bool aligned = dflash::tiles_aligned<T, NPT>(x, K) && dflash::tiles_aligned<T, NPT>(w, K);
 
 for (int m0 = 0; m0 < M; m0 += ROWS) {
   float acc[ROWS];
@@ -27,11 +29,11 @@ for (int m0 = 0; m0 < M; m0 += ROWS) {
     acc[r] = 0.0f;
   }
   for (int col = NPT * lane; col < K; col += 32 * NPT) {
-    const auto w_tile = *reinterpret_cast<const dflash::Tile<T, NPT>*>(w_row + col);
+    const auto w_tile = dflash::load_tile<T, NPT>(w_row + col, aligned);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       if (m0 + r < M) {
-        const auto x_tile = *reinterpret_cast<const dflash::Tile<T, NPT>*>(x + (int64_t)(m0 + r) * K + col);
+        const auto x_tile = dflash::load_tile<T, NPT>(x + (int64_t)(m0 + r) * K + col, aligned);
 #pragma unroll
         for (int j = 0; j < NPT; ++j) {
           acc[r] = __fmaf_rn(dflash::to_float(w_tile.v[j]), dflash::to_float(x_tile.v[j]), acc[r]);

@@ -29,6 +29,7 @@ if (n >= N) {
 const uint32_t* w_row = w + (int64_t)n * (K / PER_WORD);
 const T* scale_row = scales + (int64_t)n * (K / GS);
 const T* bias_row = biases + (int64_t)n * (K / GS);
+const bool x_aligned = dflash::tiles_aligned<T, E>(x, K);  // (x may be a slice starting anywhere)
 const int rest = K % PER_WARP;
 const int rest_idx = lane * E + K - rest;  // this lane's tile past the whole ones, if < K
 
@@ -63,7 +64,7 @@ for (int m0 = 0; m0 < M; m0 += ROWS) {
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       if (m0 + r < M) {
-        const auto x_tile = *reinterpret_cast<const dflash::Tile<T, E>*>(x + (int64_t)(m0 + r) * K + idx);
+        const auto x_tile = dflash::load_tile<T, E>(x + (int64_t)(m0 + r) * K + idx, x_aligned);
 #pragma unroll
         for (int i = 0; i < E; ++i) {
           acc[r][i] = dflash::fma_acc(x_tile.v[i], wdq[i], acc[r][i]);
