@@ -299,3 +299,75 @@ def test_tiles_are_read_alike_from_slices_that_start_anywhere():
                             output_shapes=[(32,), (8,)], output_dtypes=[mx.float32, mx.int32])
         np.testing.assert_array_equal(np.array(out), np.arange(offset, offset + 32))
         assert set(np.array(flags).tolist()) == {aligned}, offset
+
+
+def kernels_on(monkeypatch, widths):
+    """Both CUDA kernels on, run by the harness, their row counts appended to `widths`."""
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    monkeypatch.setattr(gemv, "gemv_rows_cuda", lambda x, w: widths.append(x.size // x.shape[-1]) or gemv_rows(x, w))
+    monkeypatch.setattr(qmm, "qmv_rows_cuda",
+                        lambda x, *a, **k: widths.append(x.size // x.shape[-1]) or qmv_rows(x, *a, **k))
+    monkeypatch.setattr(TargetHead, "_transposed_head", lambda self, layer: None)
+
+
+def test_a_batch_verifies_its_rows_through_the_kernels(monkeypatch):
+    """The batch engine's verify (B rows x S tokens, B * S <= 16) through gemv_rows: every row's
+    answer is its plain decoding's."""
+    from dflash_mlx.engine.engine import BatchEngine
+    from dflash_mlx.engine.rows import BatchRequest
+    from dflash_mlx.options import GenerationOptions
+    from dflash_mlx.testing.serving import serve
+    from dflash_mlx.testing.targets import RowScriptedDrafts, byte_tokenizer
+
+    model = tiny_target("llama", seed=2, layer_types=None, sliding_window=None)[0]
+    cases = [clean_case(model, 6 + 11 * i, 14, seed=i) for i in range(3)]
+    widths = []
+    kernels_on(monkeypatch, widths)
+    draft = RowScriptedDrafts(Target(model), cases, lambda c: (c * 3) % 5, block_size=4)
+    engine = BatchEngine(model, draft, byte_tokenizer(), max_batch=3, prefill_chunk=8, block_size=4)
+    tokens, _, _ = serve(engine, [BatchRequest(p, GenerationOptions(max_tokens=len(ref))) for p, ref in cases])
+    assert [tokens[i] for i in range(3)] == [ref for _, ref in cases]
+    assert max(widths) > 4  # (rows of several requests in one product)
+
+
+def test_a_token_tree_verifies_through_the_kernels(monkeypatch):
+    """A tree's verify forward (its mask and positions handed over by stand-ins) with the
+    projections swapped for the kernels: the same hidden states as without them."""
+    from dflash_mlx.models.target import tree_attention as ta
+
+    model, _ = tiny_target("qwen3", seed=4)
+    nn.quantize(model, group_size=32, bits=4)
+    target = Target(model)
+    tree = ta.TokenTree([5, 6, 7, 8, 9, 10], [-1, 0, 0, 1, 2, 4], [0, 1, 1, 2, 2, 3])
+    outs = []
+    for on in (False, True):
+        widths = []
+        if on:
+            kernels_on(monkeypatch, widths)
+        cache = target.make_cache()
+        target.forward(mx.array([[3, 9, 27, 81]]), cache)
+        h, _, _ = target.forward(mx.array([tree.tokens]), cache, tree=tree, record=True)
+        outs.append(h)
+    assert widths and set(widths) == {len(tree)}
+    assert mx.allclose(outs[0], outs[1], atol=1e-4).item()
+
+
+def test_prompt_chunks_run_mlx_products_and_batched_steps_the_kernels(monkeypatch):
+    """Which forwards take the kernels: a verify's rows and a batched step's rows stand for one-token
+    decode steps (each as a step alone would be); a prompt's chunk runs MLX's own product, as
+    mlx-lm's prefill does, so the caches it leaves are plain decoding's."""
+    model, _ = tiny_target("llama", seed=1)
+    target = Target(model)
+    widths = []
+    kernels_on(monkeypatch, widths)
+    cache = target.make_cache()
+    target.forward(mx.array([list(range(9))]), cache)  # a prompt's chunk
+    target.forward(mx.array([[4]]), cache)  # a plain step
+    assert widths == []
+    target.forward(mx.array([list(range(5))]), cache, record=True)  # a verify
+    assert set(widths) == {5}
+    widths.clear()
+    batch_cache = [c for c in target.make_cache()]
+    target.forward(mx.array([[1], [2], [3]]), batch_cache)  # a batched step: 3 rows of one token
+    assert set(widths) == {3}

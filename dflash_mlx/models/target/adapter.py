@@ -237,8 +237,9 @@ class Target:
 
         `record=True` marks a verify forward: Gated DeltaNet layers run taped and the
         layers holding other recurrent state are recorded (the VerifyRecord `rollback`
-        replays). A quantized target's projections go through the small-M kernel when
-        it is on and B*S fits its widths. `tree` (a `tree_attention.TokenTree` of S nodes):
+        replays). A verify's projections, or a batched step's (one token a row), go through a
+        small-M kernel where one is on and B*S fits its widths (`taps.use_small_m`); a prompt's
+        chunks run MLX's own products, as mlx-lm's prefill does. `tree` (a `tree_attention.TokenTree` of S nodes):
         the tokens are its nodes, each seeing its ancestors at the position of its depth
         (the caches' masks and the rotary embeddings are swapped for the call). `fuse` (the
         draft's linear map of the taps, `fused_taps`): a pipeline rank sends its taps' share of
@@ -258,7 +259,7 @@ class Target:
             return exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens, cache,
                                            len(layer_ids))
         rec = _verify_record(self, record, tokens, cache)
-        small_m = use_small_m(self, tokens.size)
+        small_m = use_small_m(self, tokens.size, record or tokens.shape[1] == 1)
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
         if (not (layer_ids or ride or small_m or (record and submit_layers(self))) and rec is None and tree is None
@@ -300,8 +301,8 @@ class Target:
             # DeepSeek V4.1's receive adds what it gets to its caches before a held layer refuses the carry
             kept = rerun.before_verify(tokens, cache) if carrying and rerun.takes(self._replay_kinds) else None
             try:
-                with taps(self, layer_ids, features, rec, use_small_m(self, tokens.size), cache, tree,
-                          tokens.shape[:2]), \
+                small_m = use_small_m(self, tokens.size, record or tokens.shape[1] == 1)
+                with taps(self, layer_ids, features, rec, small_m, cache, tree, tokens.shape[:2]), \
                         (carried(self.text_model, self._embedding_name, self.layers, carry) if carrying
                          else nullcontext()):
                     h = self.run_text_model(tokens, cache if tree is None else tree_caches(cache, tree))
