@@ -27,12 +27,17 @@ def gemv_rows_reference(x, w):
     return x @ w.T
 
 
+def _fits(x, w) -> bool:
+    """Whether gemv_rows takes these operands (any width up to GEMV_ROWS_MAX_M)."""
+    return x.dtype in GEMV_ROWS_DTYPES and w.dtype == x.dtype and w.ndim == 2
+
+
 def gemv_rows_cuda(x, w, factory=None, rows_per_pass: int = GEMV_ROWS_PASS):
     """x: [..., K] with prod(leading) <= 16; w: [N, K]: x @ w.T."""
     K = x.shape[-1]
     N = w.shape[0]
     M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
-    if M > GEMV_ROWS_MAX_M or x.dtype not in GEMV_ROWS_DTYPES or w.dtype != x.dtype or w.ndim != 2:
+    if M > GEMV_ROWS_MAX_M or not _fits(x, w):
         raise ValueError(f"gemv_rows: unsupported M={M} x {x.dtype} w {w.dtype} {w.shape}")
     if w.shape[1] != K:
         raise ValueError(f"gemv_rows: w {w.shape} does not match K={K}")
@@ -49,7 +54,7 @@ def custom_width(width: int) -> bool:
 def rows_product(x, w):
     """x @ w.T, through gemv_rows where it is on and takes the width and dtypes."""
     M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
-    if custom_width(M) and x.dtype in GEMV_ROWS_DTYPES and w.dtype == x.dtype and w.ndim == 2:
+    if custom_width(M) and _fits(x, w):
         return gemv_rows_cuda(x, w)
     return gemv_rows_reference(x, w)
 

@@ -56,8 +56,7 @@ def qmv_rows_cuda(x, w, scales, biases, group_size: int = 64, bits: int = 4, fac
     K = x.shape[-1]
     N = w.shape[0]
     M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
-    if (M > QMM_MAX_M or bits not in (2, 4, 8) or group_size not in (32, 64, 128) or K % group_size
-            or x.dtype not in QMV_ROWS_DTYPES or biases is None):
+    if M > QMM_MAX_M or not _qmv_rows_fits(bits, group_size, K, x.dtype, biases):
         raise ValueError(f"qmv_rows: unsupported M={M} bits={bits} group_size={group_size} dtype={x.dtype}")
     if w.shape[1] * 32 // bits != K:
         raise ValueError(f"qmv_rows: w {w.shape} does not match K={K} at {bits} bits")
@@ -67,21 +66,23 @@ def qmv_rows_cuda(x, w, scales, biases, group_size: int = 64, bits: int = 4, fac
     return out.reshape(*x.shape[:-1], N)
 
 
-def _metal_takes(M, bits, group_size, K) -> bool:
-    return (QMM_MIN_M <= M <= QMM_MAX_M and bits in (2, 4, 8) and group_size >= 32 and K % group_size == 0
-            and selection.use_metal("qmm_small_m"))
+def _qmv_rows_fits(bits, group_size, K, dtype, biases) -> bool:
+    """Whether qmv_rows takes these weights and activations (any width up to QMM_MAX_M)."""
+    return (bits in (2, 4, 8) and group_size in (32, 64, 128) and K % group_size == 0 and dtype in QMV_ROWS_DTYPES
+            and biases is not None)
 
 
-def _cuda_takes(M, bits, group_size, K, dtype, biases) -> bool:
-    return (QMV_ROWS_MIN_M <= M <= QMM_MAX_M and bits in (2, 4, 8) and group_size in (32, 64, 128)
-            and K % group_size == 0 and dtype in QMV_ROWS_DTYPES and biases is not None
-            and selection.use_cuda("qmv_rows"))
+def _metal_width(M: int) -> bool:
+    return QMM_MIN_M <= M <= QMM_MAX_M and selection.use_metal("qmm_small_m")
+
+
+def _cuda_width(M: int) -> bool:
+    return QMV_ROWS_MIN_M <= M <= QMM_MAX_M and selection.use_cuda("qmv_rows")
 
 
 def custom_width(width: int) -> bool:
     """Whether a quantized product of `width` rows may go to a custom kernel on this backend."""
-    return ((QMM_MIN_M <= width <= QMM_MAX_M and selection.use_metal("qmm_small_m"))
-            or (QMV_ROWS_MIN_M <= width <= QMM_MAX_M and selection.use_cuda("qmv_rows")))
+    return _metal_width(width) or _cuda_width(width)
 
 
 def qmm_small_m(x, w, scales, biases, group_size: int = 64, bits: int = 4):
@@ -92,9 +93,9 @@ def qmm_small_m(x, w, scales, biases, group_size: int = 64, bits: int = 4):
     """
     M = math.prod(x.shape[:-1]) if x.ndim > 1 else 1
     K = x.shape[-1]
-    if _metal_takes(M, bits, group_size, K):
+    if _metal_width(M) and bits in (2, 4, 8) and group_size >= 32 and K % group_size == 0:
         return qmm_small_m_metal(x, w, scales, biases, group_size, bits)
-    if _cuda_takes(M, bits, group_size, K, x.dtype, biases):
+    if _cuda_width(M) and _qmv_rows_fits(bits, group_size, K, x.dtype, biases):
         return qmv_rows_cuda(x, w, scales, biases, group_size, bits)
     return qmm_small_m_reference(x, w, scales, biases, group_size, bits)
 
