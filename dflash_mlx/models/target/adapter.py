@@ -259,7 +259,7 @@ class Target:
             return exact_rows.forward_rows(lambda row: self.forward(row, cache, layer_ids), tokens, cache,
                                            len(layer_ids))
         rec = _verify_record(self, record, tokens, cache)
-        small_m = use_small_m(self, tokens.size, record or tokens.shape[1] == 1)
+        small_m = use_small_m(self, tokens, record)
         rider = self.sharding.rider if self.sharding is not None and self._ride_slot is not None else None
         ride = rider.outbox[: capacity(self._ride_slot)] if rider is not None else []
         if (not (layer_ids or ride or small_m or (record and submit_layers(self))) and rec is None and tree is None
@@ -301,7 +301,7 @@ class Target:
             # DeepSeek V4.1's receive adds what it gets to its caches before a held layer refuses the carry
             kept = rerun.before_verify(tokens, cache) if carrying and rerun.takes(self._replay_kinds) else None
             try:
-                small_m = use_small_m(self, tokens.size, record or tokens.shape[1] == 1)
+                small_m = use_small_m(self, tokens, record)
                 with taps(self, layer_ids, features, rec, small_m, cache, tree, tokens.shape[:2]), \
                         (carried(self.text_model, self._embedding_name, self.layers, carry) if carrying
                          else nullcontext()):

@@ -146,14 +146,15 @@ class _SmallMQuantizedLinear(StandIn):
         return qmm.quantized_linear(self._wrapped, x)
 
 
-def use_small_m(target, width: int, row_steps: bool = True) -> frozenset:
-    """Which of the target's projections a forward of `width` (B*S) tokens runs through a
-    small-M kernel ("quantized", "dense"; empty: none): those a kernel on this backend takes,
-    where the forward's rows stand for one-token steps (`row_steps`: a verify, a batched step;
-    a prompt's chunk does not, and runs MLX's own products as mlx-lm's prefill does)."""
-    kinds = set()
-    if not row_steps:
+def use_small_m(target, tokens: mx.array, record: bool) -> frozenset:
+    """Which of the target's projections a forward of `tokens` [B, S] runs through a small-M kernel
+    ("quantized", "dense"; empty: none): those a kernel on this backend takes at B*S rows, where the
+    forward's rows stand for one-token steps (a verify, `record`; a batched step, S = 1). A prompt's
+    chunk does not, and runs MLX's own products as mlx-lm's prefill does."""
+    if not (record or tokens.shape[1] == 1):
         return frozenset()
+    width = tokens.size
+    kinds = set()
     if target._quantized and qmm.custom_width(width):
         kinds.add("quantized")
     if target._dense and gemv.custom_width(width):
