@@ -208,7 +208,7 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
         # deterministic mode first (its claim must hold wherever it runs), then with dflash-mlx's CUDA kernels on
         # (qmv_rows, gemv_rows: a verify's projections as decode steps'; the newer question, before the time
         # runs out), then the default
-        passes = [(True, False)] + ([(False, True)] if cuda_kernels() is not None else []) + [(False, False)]
+        passes = [(True, False)] + ([(False, True)] if on_cuda() else []) + [(False, False)]
         for deterministic, kernels in passes:  # deterministic mode's claim first: it must hold wherever it runs
             for width in (widths if not deterministic else [w for w in widths if w != 1]):
                 if time.perf_counter() > deadline:
@@ -219,7 +219,7 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
                     rights = [random.Random(len(prompt) + c).randrange(0, 16) for c in range(tokens + 1)]
                     draft = OracleDraft(model, prompt + ref, vocab, lambda c: rights[c])
                     try:
-                        with (cuda_kernels() if kernels else contextlib.nullcontext()):
+                        with cuda_kernels(kernels):
                             out, _, _ = decode(model, draft, tok, prompt, tokens, width, deterministic=deterministic)
                     except Exception as e:  # a refusal (deterministic mode): one line in the table
                         rows.append(dict(model=name, width=str(width), deterministic=deterministic, error=str(e)))
@@ -294,7 +294,7 @@ def scripted_speedups(model, tok, taus=(2, 4, 6, 8), tokens: int = 128, prompt_l
         with pieces(4):  # (where a command buffer's commit costs, fewer pieces may pay better)
             out_every_4, secs_every_4, _ = decode(model, draft, tok, prompt, tokens, tau)
         kernels = {}
-        if cuda_kernels() is not None:  # the CUDA kernels for the verify's projections: speed, and its tokens
+        if on_cuda():  # the CUDA kernels for the verify's projections: speed, and its tokens
             with cuda_kernels():
                 decode(model, draft, tok, prompt, tokens, tau)  # warm: the kernel compiles per variant
                 out_kernels, secs_kernels, _ = decode(model, draft, tok, prompt, tokens, tau)
@@ -326,12 +326,16 @@ def pieces(every: int):
     return mock.patch.object(taps, "SUBMIT_EVERY", every)
 
 
-def cuda_kernels():
-    """dflash-mlx's CUDA kernels on (`DFLASH_MLX_KERNELS=cuda`: qmv_rows and gemv_rows for a verify's
-    projections), in this process while inside; None where there is no CUDA."""
+def on_cuda() -> bool:
     from dflash_mlx.kernels import selection
 
-    return mock.patch.dict(os.environ, {"DFLASH_MLX_KERNELS": "cuda"}) if selection.on_cuda() else None
+    return selection.on_cuda()
+
+
+def cuda_kernels(on: bool = True):
+    """dflash-mlx's CUDA kernels on (`DFLASH_MLX_KERNELS=cuda`: qmv_rows and gemv_rows for a verify's
+    projections), in this process while inside; `on` False: nothing changed."""
+    return mock.patch.dict(os.environ, {"DFLASH_MLX_KERNELS": "cuda"}) if on else contextlib.nullcontext()
 
 
 def whole_graph():
