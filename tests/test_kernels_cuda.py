@@ -47,6 +47,16 @@ def as_f32(a):
     return np.array(a.astype(mx.float32))
 
 
+def kernels_on(monkeypatch, widths):
+    """Both CUDA kernels on, run by the harness, their row counts appended to `widths`."""
+    monkeypatch.setattr(selection, "on_cuda", lambda: True)
+    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
+    monkeypatch.setattr(gemv, "gemv_rows_cuda", lambda x, w: widths.append(x.size // x.shape[-1]) or gemv_rows(x, w))
+    monkeypatch.setattr(qmm, "qmv_rows_cuda",
+                        lambda x, *a, **k: widths.append(x.size // x.shape[-1]) or qmv_rows(x, *a, **k))
+    monkeypatch.setattr(TargetHead, "_transposed_head", lambda self, layer: None)
+
+
 def rounded(values: np.ndarray, dtype) -> np.ndarray:
     """float32 values rounded to `dtype` (to nearest even), back as float32."""
     return as_f32(mx.array(values.astype(np.float32)).astype(dtype))
@@ -178,9 +188,7 @@ def test_lossless_with_qmv_rows_on_verify(monkeypatch):
     mx.eval(model.parameters())
     prompt, ref = clean_case(model, 25, 30, seed=2)
     widths = []
-    monkeypatch.setattr(selection, "on_cuda", lambda: True)
-    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
-    monkeypatch.setattr(qmm, "qmv_rows_cuda", lambda x, *a, **k: widths.append(x.shape[-2]) or qmv_rows(x, *a, **k))
+    kernels_on(monkeypatch, widths)
     out, accepts = decode_with_partial_accepts(model, tok, prompt, ref, block_size=8, seed=1)
     assert out == ref and len(set(accepts)) > 2
     n_proj = len(Target(model)._quantized)
@@ -266,10 +274,7 @@ def test_lossless_with_gemv_rows_on_verify(monkeypatch):
     model, tok = tiny_target("llama", seed=1)
     prompt, ref = clean_case(model, 25, 30, seed=2)
     widths = []
-    monkeypatch.setattr(selection, "on_cuda", lambda: True)
-    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
-    monkeypatch.setattr(gemv, "gemv_rows_cuda", lambda x, w: widths.append(x.shape[-2]) or gemv_rows(x, w))
-    monkeypatch.setattr(TargetHead, "_transposed_head", lambda self, layer: None)  # (a CPU-only copy)
+    kernels_on(monkeypatch, widths)  # (and without the head's CPU-only transposed copy, as on a GPU)
     target = Target(model)
     before = [id(layer) for _, _, layer in target._dense]
     out, accepts = decode_with_partial_accepts(model, tok, prompt, ref, block_size=8, seed=1)
@@ -299,16 +304,6 @@ def test_tiles_are_read_alike_from_slices_that_start_anywhere():
                             output_shapes=[(32,), (8,)], output_dtypes=[mx.float32, mx.int32])
         np.testing.assert_array_equal(np.array(out), np.arange(offset, offset + 32))
         assert set(np.array(flags).tolist()) == {aligned}, offset
-
-
-def kernels_on(monkeypatch, widths):
-    """Both CUDA kernels on, run by the harness, their row counts appended to `widths`."""
-    monkeypatch.setattr(selection, "on_cuda", lambda: True)
-    monkeypatch.setenv("DFLASH_MLX_KERNELS", "cuda")
-    monkeypatch.setattr(gemv, "gemv_rows_cuda", lambda x, w: widths.append(x.size // x.shape[-1]) or gemv_rows(x, w))
-    monkeypatch.setattr(qmm, "qmv_rows_cuda",
-                        lambda x, *a, **k: widths.append(x.size // x.shape[-1]) or qmv_rows(x, *a, **k))
-    monkeypatch.setattr(TargetHead, "_transposed_head", lambda self, layer: None)
 
 
 def test_a_batch_verifies_its_rows_through_the_kernels(monkeypatch):
