@@ -181,6 +181,28 @@ def test_cpu_transposed_head_gives_the_models_own_logits(arch):
     assert len(layout._TRANSPOSED) <= n
 
 
+def test_head_follows_a_weight_loaded_after_decoding():
+    """The head keeps the product it resolved for a weight (host work a step): weights loaded into the
+    model afterwards (new values, a new array) give the new weight's logits, not the old copy's."""
+    import mlx.core as mx
+    import numpy as np
+
+    model, _ = tiny_target("llama", seed=4)
+    target = Target(model)
+    layer = target._lm_head if target._lm_head is not None else target.embed_tokens
+    h = mx.random.normal((1, 2, target.hidden_size), key=mx.random.key(1))
+    before = target.logits(h)
+    np.testing.assert_allclose(np.array(before), np.array(h @ layer.weight.T), rtol=1e-5, atol=1e-5)
+    assert mx.array_equal(target.logits(h), before)  # (the kept product)
+    new_weight = layer.weight[::-1] * 0.5  # other values, same shape
+    from mlx.utils import tree_flatten
+
+    name = next(n for n, w in tree_flatten(model.parameters()) if w is layer.weight)
+    model.load_weights([(name, new_weight)], strict=False)
+    assert layer.weight is not None and mx.array_equal(layer.weight, new_weight)
+    np.testing.assert_allclose(np.array(target.logits(h)), np.array(h @ new_weight.T), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.array(target.logits(h)), np.array(before))
+
 def test_default_width_is_auto_in_the_library_as_in_every_front_end():
     """`stream_generate`/`generate` without `block_size` run the adaptive width (the shared
     policy of the model/draft pair learns from the call); "draft" is the draft's own block

@@ -98,7 +98,7 @@ class Launched:
     committed: mx.array
     match: Optional[CopyMatch]
     copy_length: int
-    outcome: mx.array  # [1, 1 + C + width]: accept_len, committed and verify_in packed for one host read
+    outcome: mx.array  # [1, 1 + C + width] (a plain step: [1, 2]): `pack_outcome`, for one host read
     read: Any = None  # once landed: (accept lengths, committed rows, verify-input rows) on the host
     pieces: List[Tuple[int, mx.array]] = field(default_factory=list)  # (first row, logits) for logprobs
     unsure: Optional[mx.array] = None  # the acceptance took raw argmaxes and may differ from the exact one
@@ -167,7 +167,7 @@ def copy_in_sight(ctx: Context, budget: int, width: int) -> bool:
 def launch(ctx: Context, plan: Plan, last: mx.array, timer, logprobs: Optional[int] = None,
            unread: Optional[mx.array] = None) -> Launched:
     """Queue `plan` (a chain, a copy or a plain step) after `last` [1]: draft, verify forward,
-    acceptance. No host sync, except the one a split LM head takes between its pieces. `unread` [k]:
+    acceptance. No host sync, except the one a split LM head takes between its pieces. `unread` [1, k]:
     the tokens the cycle before fed that are not in `state.tokens` yet (queued before its read)."""
     target, drafter, acceptor = ctx.target, ctx.drafter, ctx.acceptor
     started = time.perf_counter()
@@ -242,9 +242,9 @@ def syncs_midway(ctx: Context, plan: Plan) -> bool:
 
 def ahead(ctx: Context, budget: int, last: mx.array, timer, unread: Optional[mx.array] = None):
     """Plan the next cycle now; launch it unless it is a token tree. Its rows are in the caches
-    until it lands (the prompt cache is not valid meanwhile). `unread` [k]: the tokens the cycle
+    until it lands (the prompt cache is not valid meanwhile). `unread` [1, k]: the tokens the cycle
     before fed, not read yet (its successor queued before its read, on the guess that all are kept)."""
-    plan = make_plan(ctx, budget, 0 if unread is None else unread.shape[0])
+    plan = make_plan(ctx, budget, 0 if unread is None else unread.shape[1])
     state = ctx.state
     if (plan.tree is not None or (plan.width == 1 and not plan.copy_length and rotating(ctx))
             or syncs_midway(ctx, plan)):

@@ -163,12 +163,14 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
     state.valid = False
     tree_run = None
     early = launched is not None and before_reading(ctx, launched, budget, timer, logprobs)
+    guess_last = None
     if early:  # the next cycle queued behind this one before the host reads it: see `guessed` below
         full = launched.width
         with mx.stream(generation_stream):
             if launched.feats is not None:
                 drafter.keep(launched.feats)
-        ahead(ctx, budget - full, launched.committed[:, full - 1], timer, unread=launched.verify_in[0])
+            guess_last = launched.committed[:, full - 1]
+        ahead(ctx, budget - full, guess_last, timer, unread=launched.verify_in)
     if launched is None:  # a token tree: its own verify, two host syncs
         t0 = time.perf_counter()
         width = plan.width
@@ -257,7 +259,8 @@ def cycle(ctx: Context, last: mx.array, budget: int, stops, timer,
             else copy_kind(launched.match) if launched.copy_length else "draft" if width > 1 else None)
     step = Step(tokens[:kept], [i < a for i in range(kept)], finish, min(kept, a), width, timer.result(),
                 step_logprobs, kind)
-    new_last = mx.array([tokens[a]], dtype=mx.int32)
+    # (a guess kept: its last token is the lazy one the queued cycle was built on, read already)
+    new_last = guess_last if guessed else mx.array([tokens[a]], dtype=mx.int32)
     if not guessed and finish is None and budget - kept > 0 and may_launch(ctx, timer, logprobs):
         ahead(ctx, budget - kept, new_last, timer)
         if ctx.lookahead is not None and launched is not None and isinstance(state.ahead, Launched):

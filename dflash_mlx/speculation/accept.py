@@ -336,14 +336,18 @@ def pack_outcome(accept_length: mx.array, committed: mx.array, verify_in: mx.arr
     """[B, 1 + C + W] int32: a verify's accept lengths, committed tokens [B, C] and inputs [B, W] in one
     array, so that the host reads a cycle's outcome at once: on MLX's CUDA backend arrays live in
     managed memory, and each host read of one the GPU wrote moves its pages (mlx-lm's plain step
-    reads one token)."""
-    parts = [accept_length[:, None], committed, verify_in]
+    reads one token). A plain step's (C = W = 1) accepts nothing: [B, 2], its token and its input,
+    without the accept column (two ops fewer a step, where the host's work is the cost)."""
+    parts = [committed, verify_in] if committed.shape[1] == verify_in.shape[1] == 1 else [
+        accept_length[:, None], committed, verify_in]
     return mx.concatenate([a if a.dtype == mx.int32 else a.astype(mx.int32) for a in parts], axis=1)
 
 
 def read_outcome(outcome: mx.array, committed_width: int) -> Tuple[List[int], List[List[int]], List[List[int]]]:
     """(accept lengths [B], committed rows, verify-input rows) of an evaluated `pack_outcome`."""
     rows = outcome.tolist()
+    if outcome.shape[1] == 2:  # a plain step's: no accept column (a verify's has 3 or more)
+        return [0] * len(rows), [r[:1] for r in rows], [r[1:] for r in rows]
     return ([r[0] for r in rows], [r[1 : 1 + committed_width] for r in rows],
             [r[1 + committed_width :] for r in rows])
 

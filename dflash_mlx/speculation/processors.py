@@ -150,12 +150,12 @@ def _tokens(prior) -> mx.array:
 
 def process_prior(processors: Sequence[LogitsProcessor], prior: Sequence[int], unread: Optional[mx.array] = None):
     """`prior` as the array the rows' histories start with, made once, as the verify is built (the host's
-    list grows once the cycle is read), then `unread` [k] (lazy: the tokens a cycle not read yet fed); None
-    without processors."""
+    list grows once the cycle is read), then `unread` [k] or [1, k] (lazy: the tokens a cycle not read yet
+    fed); None without processors."""
     if not processors:
         return None
     head = _tokens(prior)
-    return head if unread is None else mx.concatenate([head, unread.astype(mx.int32)])
+    return head if unread is None else mx.concatenate([head, unread.reshape(-1).astype(mx.int32)])
 
 
 def process_first(processors: Sequence[LogitsProcessor], prompt: Sequence[int], logits: mx.array) -> mx.array:

@@ -8,6 +8,7 @@ scaling, multipliers, ...), that code itself runs on the hidden states
 (`_HiddenStates`); whether it must is checked once per model.
 """
 
+import weakref
 from typing import Optional
 
 import mlx.core as mx
@@ -79,6 +80,9 @@ class TargetHead:
         self._vocab_group = head_group(lm_head) if lm_head is not None else None
         # (vocab_ids, head weight, rows) of the last reduced draft vocabulary (_head_rows).
         self._rows_cache = None
+        # (weak reference to the dense head's weight, its transposed copy, the device) of the last full-vocabulary
+        # head, which `head` uses at once while the weight and device are the same (host work a decode step)
+        self._dense_head = None
         # inner: the text model applies this head itself, passed through in forwards (`inner_head`),
         # which checked that the head on what comes out is the model's own logits
         self._own_head = False if inner else self._needs_own_head()
@@ -106,6 +110,10 @@ class TargetHead:
         reference path is exactly the layer's own `mx.quantized_matmul`.
         """
         layer = self._lm_head if self._lm_head is not None else self.embed_tokens
+        dense = self._dense_head
+        if (vocab_ids is None and dense is not None and dense[0]() is layer.get("weight")
+                and dense[2] == mx.default_device()):
+            return h @ dense[1]  # (what the lines below resolve to, each decode step, for this weight)
         if "weight" not in layer and "scales" not in layer:  # a head with its own norm (Phixtral's)
             out = layer(h)
             return out if vocab_ids is None else mx.take(out, vocab_ids, axis=-1)
@@ -129,6 +137,8 @@ class TargetHead:
                 return gemv.rows_product(h, w)  # a verify's rows, each as a decode step's own
             if wt is None:
                 return self._lm_head(h) if self._lm_head is not None else layer.as_linear(h)
+            if bias is None:
+                self._dense_head = (weakref.ref(w), wt, mx.default_device())
             out = h @ wt
         else:
             out = h @ w  # w: the rows, transposed once (see _head_rows)
