@@ -46,3 +46,11 @@ def load_draft(*args, **kwargs):
     from dflash_mlx.models.draft.checkpoints import load_draft as _load_draft
 
     return _load_draft(*args, **kwargs)
+
+
+def load_draft_model(*args, **kwargs):
+    """mlx-lm's `--draft-model`: a small model of the target's tokenizer as the draft, one token a forward
+    (`models.draft.autoregressive`; checked against the target `model` and `tokenizer` where given)."""
+    from dflash_mlx.models.draft.autoregressive import load_draft_model as _load_draft_model
+
+    return _load_draft_model(*args, **kwargs)

@@ -155,6 +155,8 @@ def stream_generate(
         raise ValueError("the prompt is empty: give at least one token of input")
     use_draft = draft is not None and not baseline
     target = target_for(model, draft)
+    if use_draft and hasattr(draft, "check_tokenizer"):  # (an autoregressive draft: the same token texts)
+        draft.check_tokenizer(tokenizer)
     if deterministic is None:
         deterministic = os.environ.get(DETERMINISTIC_ENV, "").strip() in ("1", "true", "on")
     target.deterministic = deterministic  # refuses a target it cannot run exactly, in one line

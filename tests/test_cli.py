@@ -745,8 +745,7 @@ def test_mlx_lm_generate_command_lines_run_as_they_are(tiny, capsys):
     assert code == 2 and "the prompt is given twice" in err
     code, out, err = cli(capsys, "-m", gguf, "--verbose", "maybe", "hi")
     assert code == 2 and "expected True or False, got 'maybe'" in err
-    for argv in (["--draft-model", "some/small-model"], ["--num-draft-tokens", "4"], ["--image", "a.png", "b.png"],
-                 ["-qa"]):
+    for argv in (["--image", "a.png", "b.png"], ["-qa"]):
         code, out, err = cli(capsys, "-m", gguf, *argv, "hi")
         flag = "--quantize-activations" if argv == ["-qa"] else argv[0]
         assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
@@ -810,3 +809,23 @@ def test_cache_prompt_eos_token_ends_the_answers_after_the_file(tiny, capsys, tm
     code, out, err = cli(capsys, "--prompt-cache-file", str(eos), "--max-tokens", "12", "--json", " the mat")
     assert code == 0, err
     assert json.loads(out)["tokens"] == tokens[: stop + 1] and json.loads(out)["finish_reason"] == "stop"
+
+
+def test_draft_model_is_mlx_lm_s_small_model_draft(tiny, capsys):
+    """--draft-model (with --num-draft-tokens): a small model of the target's tokenizer drafts, and the answer is
+    plain decoding's; misused, it is refused in one line before anything loads."""
+    gguf = str(tiny / "tiny.gguf")
+    code, out, err = cli(capsys, "-m", gguf, "--baseline", "--max-tokens", "16", "--json", "the cat sat on")
+    assert code == 0, err
+    plain = json.loads(out)
+    code, out, err = cli(capsys, "-m", gguf, "--draft-model", gguf, "--num-draft-tokens", "4", "--block-size", "5",
+                         "--max-tokens", "16", "--json", "the cat sat on")
+    assert code == 0, err
+    drafted = json.loads(out)
+    assert drafted["tokens"] == plain["tokens"] and "small-model draft, up to 4 tokens" in drafted["draft"]
+    assert drafted["proposals"].get("draft", [0, 0])[0] > 0
+    for argv, says in ((["--num-draft-tokens", "3"], "--num-draft-tokens sizes a --draft-model's drafts"),
+                       (["--draft-model", gguf, "--draft", str(tiny / "draft")], "--draft-model and --draft both"),
+                       (["--draft-model", str(tiny / "other.gguf")], "does not fit the model")):
+        code, out, err = cli(capsys, "-m", gguf, *argv, "--max-tokens", "4", "hi")
+        assert code != 0 and out == "" and err.count("\n") == 1 and says in err, (argv, err)

@@ -710,7 +710,8 @@ def test_fields_that_change_nothing_are_accepted(attn):
 def test_mlx_lm_server_command_lines(attn, monkeypatch):
     """mlx_lm.server's flags: --decode-concurrency (--max-batch), --prompt-cache-size (--snapshots),
     --prefill-step-size (the engine's prompt chunks), --allowed-origins (CORS, "*" by default, as mlx-lm's),
-    --chat-template, --log-level; its --draft-model and --pipeline are refused in one line before anything loads."""
+    --chat-template, --log-level, --draft-model and --num-draft-tokens (a small-model draft: checked before anything
+    loads); its --pipeline is refused in one line before anything loads."""
     from starlette.testclient import TestClient
 
     import dflash_mlx.serve.cli as serve_cli
@@ -722,9 +723,12 @@ def test_mlx_lm_server_command_lines(attn, monkeypatch):
                          "--chat-template", "{{ messages[-1]['content'] }}", "--prompt-concurrency", "4"])
     assert (args.max_batch, args.snapshots, args.prefill_step_size, args.log_level) == (3, 2, 64, "DEBUG")
     assert args.allowed_origins == ["http://a.example", "http://b.example"] and p.parse_args([]).allowed_origins == ["*"]
-    for flag in (["--draft-model", "some/model"], ["--num-draft-tokens", "3"], ["--pipeline"]):
-        with pytest.raises(CLIError, match=f"^{flag[0]} \\(mlx-lm's\\): "):
-            load_worker(p.parse_args(flag))
+    with pytest.raises(CLIError, match="^--pipeline \\(mlx-lm's\\): "):
+        load_worker(p.parse_args(["--pipeline"]))
+    with pytest.raises(CLIError, match="^--num-draft-tokens sizes a --draft-model's drafts"):
+        load_worker(p.parse_args(["--num-draft-tokens", "3"]))
+    with pytest.raises(CLIError, match="no such file or folder for the draft: /no/such/small-model"):
+        load_worker(p.parse_args(["--draft-model", "/no/such/small-model"]))
     model, tok = tiny_target("llama", seed=3, layer_types=None, sliding_window=None)
     monkeypatch.setattr(serve_cli, "load_model_and_draft", lambda *a, **kw: (model, tok, None, None))
     worker = load_worker(p.parse_args(["--chat-template", "{{ messages[-1]['content'] }}!", "--max-batch", "2",

@@ -133,7 +133,7 @@ def main(argv=None) -> int:
         raise usage_error(e) from None
     if args.limit is not None and args.limit < 1:
         raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
-    draft_name = draft_for(args.model, args.draft)
+    draft_name = None if args.draft_model is not None else draft_for(args.model, args.draft)
     blocks = args.block_sizes or [options.block_size]
     out = args.out or str(
         Path("benchmarks") / "results" / (
@@ -154,7 +154,8 @@ def main(argv=None) -> int:
         min_p=options.min_p, draft_sampling=options.draft_sampling, seed=options.seed,
         penalties=options.penalties(), warmup=not args.no_warmup,
         profile=not args.no_profile, forward_reps=args.forward_reps,
-        model=args.model, draft=draft_name if args.draft_bits is None else label, data_dir=args.data_dir,
+        model=args.model, draft=label if args.draft_bits is not None or args.draft_model else draft_name,
+        data_dir=args.data_dir,
         command=_command(argv),
     )
     out_dir = Path(out)
@@ -198,6 +199,9 @@ def depth_main(args, argv) -> int:
         raise CLIError(f"--limit must be at least 1, got {args.limit}", EXIT_USAGE)
     if args.depth_repeats < 1:
         raise CLIError(f"--depth-repeats must be at least 1, got {args.depth_repeats}", EXIT_USAGE)
+    if args.draft_model is not None:
+        raise CLIError("the depth suite measures a DFlash draft's acceptance by depth: pass --draft, not "
+                       "--draft-model", EXIT_USAGE)
     draft_name = draft_for(args.model, args.draft)
     if draft_name is None:
         raise CLIError("the depth suite needs a draft: pass --draft", EXIT_USAGE)

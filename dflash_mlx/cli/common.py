@@ -173,6 +173,14 @@ def add_model_load_args(parser) -> None:
                              "'<|im_end|>') or its id; repeat it for more (one a flag, so a prompt can follow)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let a hub model's or folder's tokenizer run its own code, as mlx-lm's flag")
+    from dflash_mlx.models.draft.autoregressive import DEFAULT_DRAFT_TOKENS
+
+    parser.add_argument("--draft-model", default=None, metavar="MODEL",
+                        help="mlx-lm's small-model draft instead of a DFlash draft: a model of the target's "
+                             "tokenizer (name, .gguf, folder or hub id) drafting one token a forward, exact")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=None, metavar="N",
+                        help=f"with --draft-model: the most tokens it drafts a cycle (mlx-lm's flag; default "
+                             f"{DEFAULT_DRAFT_TOKENS}); --block-size auto sizes each cycle up to N + 1 rows")
 
 
 def require_prompt_cache_file(path) -> None:
@@ -186,7 +194,8 @@ def require_prompt_cache_file(path) -> None:
 def model_load_kwargs(args) -> dict:
     """`load_model_and_draft`'s arguments from `add_model_load_args`' flags."""
     return dict(adapter_path=args.adapter_path, extra_eos_tokens=args.extra_eos_token,
-                trust_remote_code=args.trust_remote_code)
+                trust_remote_code=args.trust_remote_code, draft_model=args.draft_model,
+                num_draft_tokens=args.num_draft_tokens)
 
 
 def add_eos_tokens(tokenizer, tokens) -> None:
@@ -243,10 +252,6 @@ def kv_cache_kwargs(args) -> dict:
 # mlx-lm generate's flags that dflash-mlx does not take, and what to use instead: declared so that an
 # mlx_lm.generate command line gets one line saying so rather than "unrecognized arguments"
 MLX_LM_ONLY = {
-    "--draft-model": "mlx-lm's small-model drafts are not run here: dflash-mlx drafts with a DFlash draft "
-                     "(--draft), or with copies of the context where it has none",
-    "--num-draft-tokens": "dflash-mlx sizes each cycle itself (--block-size auto, the default) or takes a fixed "
-                          "--block-size N",
     "--image": "images are not taken: dflash-mlx runs the language model of a multimodal model, on text",
     "--quantize-activations": "not supported: quantize the model's weights (mlx_lm.convert) instead",
     "--pipeline": "a model split over processes runs under mlx.launch with --distributed pipeline (or tensor, or "
@@ -352,20 +357,37 @@ def max_kv_size_note(args, model) -> Optional[str]:
 
 def load_model_and_draft(model: str, draft=None, baseline=None, dtype=None, quiet=False, draft_bits=None,
                          without_draft: bool = False, distributed=None, adapter_path=None, extra_eos_tokens=(),
-                         trust_remote_code: bool = False):
+                         trust_remote_code: bool = False, draft_model=None, num_draft_tokens=None):
     """`(model, tokenizer, draft or None, draft label or None)` for a front end's flags
     (`distributed`: the target split over the processes of mlx.launch; the draft whole on each;
     `adapter_path`: mlx-lm's fine-tuned adapters on the target; `extra_eos_tokens`: more tokens that end
-    an answer; `trust_remote_code`: mlx-lm's, for the tokenizer of a folder or hub model)."""
+    an answer; `trust_remote_code`: mlx-lm's, for the tokenizer of a folder or hub model; `draft_model`,
+    `num_draft_tokens`: mlx-lm's small-model draft, `models.draft.autoregressive`)."""
     from dflash_mlx import load, load_draft
+    from dflash_mlx.models.draft.autoregressive import DEFAULT_DRAFT_TOKENS, load_draft_model
     from dflash_mlx.models.draft.config import DraftMismatchError
     from dflash_mlx.models.draft.quantize import describe
     from dflash_mlx.models.packaged import draft_label
 
-    draft_name = draft_for(model, draft, baseline, without_draft)
+    if num_draft_tokens is not None and draft_model is None:
+        raise CLIError("--num-draft-tokens sizes a --draft-model's drafts: give one (or --block-size)", EXIT_USAGE)
+    if draft_model is not None and (draft is not None or draft_bits is not None):
+        raise CLIError(f"--draft-model and {'--draft' if draft is not None else '--draft-bits'} both given: "
+                       "--draft-model drafts with a small model, --draft with a DFlash draft; pick one", EXIT_USAGE)
+    draft_name = None if draft_model is not None else draft_for(model, draft, baseline, without_draft)
+    if draft_model is not None and not baseline:
+        check_sources(model, draft_model)
     target, tokenizer = load(model, dtype=dtype, quiet=quiet, distributed=distributed, adapter_path=adapter_path,
                              trust_remote_code=trust_remote_code)
     add_eos_tokens(tokenizer, extra_eos_tokens)
+    if draft_model is not None and not baseline:  # mlx-lm's small-model draft (`models.draft.autoregressive`)
+        n = DEFAULT_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens
+        try:
+            small = load_draft_model(draft_model, target, tokenizer, n, dtype=dtype, quiet=quiet,
+                                     trust_remote_code=trust_remote_code)
+        except DraftMismatchError as e:
+            raise CLIError(f"--draft-model {draft_model!r} does not fit the model: {e}") from None
+        return target, tokenizer, small, f"{draft_model} (a small-model draft, up to {n} tokens a cycle)"
     if draft_name is None:
         return target, tokenizer, None, None
     try:

@@ -83,6 +83,11 @@ def _check_caches(target: "Target") -> List[Optional[str]]:
     return kinds
 
 
+# A draft's `target_layer_ids` entry asking for the forward's input tokens as its features, [B, S, 1]:
+# an autoregressive draft's context is the tokens themselves (`models.draft.autoregressive`).
+INPUT_TOKENS = "input tokens"
+
+
 class Target:
     """A DFlash view of an mlx-lm model (never modifies it).
 
@@ -251,6 +256,9 @@ class Target:
             return self._forward(tokens, cache, layer_ids, record, tree, fuse)
 
     def _forward(self, tokens, cache, layer_ids, record, tree, fuse):
+        if INPUT_TOKENS in layer_ids:  # (alone; kept and handed back as taps: the draft's cache follows the target's)
+            h, _, rec = self._forward(tokens, cache, (), record, tree, fuse)
+            return h, tokens[..., None], rec
         if self.sharding is not None and self.sharding.kind == "pipeline":
             return self._pipeline_forward(tokens, cache, layer_ids, record, tree, fuse)
         if self._deterministic and record and tokens.shape[1] > 1:  # a verify, as plain decode steps
@@ -369,7 +377,9 @@ def target_for(model, draft) -> Target:
         return target
     target = Target(model)
     if draft is not None:
-        if hasattr(draft, "config"):
+        if hasattr(draft, "check_target"):  # (a draft of its own kind: `models.draft.autoregressive`)
+            draft.check_target(target)
+        elif hasattr(draft, "config"):
             validate_for_target(draft.config, target)
         draft.bind(target)
     return target
