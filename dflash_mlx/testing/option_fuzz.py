@@ -2,7 +2,7 @@
 decode: what no hand-written test combines (a width with a prefill chunk, a stop, a second turn on the
 prompt cache, deterministic mode, mlx-lm's bounded KV cache, a prompt whose answer crosses the KV cache's
 growth step; in the batch engine, rows joining a lone row after its rollbacks, second turns joining
-together, the index of earlier answers).
+together, the index of earlier answers). Drafts: DFlash (random), scripted, mlx-lm's small-model kind, none.
 
 A case is a seed: `stream_case(seed)` decodes one prompt with `stream_generate`, `batch_case(seed)`
 serves 2-5 requests through one `BatchEngine`, `split_case(seed, families)` decodes on a model
@@ -24,12 +24,14 @@ from typing import List, Optional
 import mlx.core as mx
 
 from dflash_mlx.bench.metrics import first_mismatch
+from dflash_mlx.models.target.adapter import Target
 from dflash_mlx.models.target.exact_rows import MLX_LM_PREFILL_STEP
 from dflash_mlx.testing import arch_check, more_archs
 from dflash_mlx.testing.foreign import foreign_case, foreign_forwards
 from dflash_mlx.testing.quantized_variants import GROUP_SIZE, quantize
 from dflash_mlx.testing.serving import serve
-from dflash_mlx.testing.targets import EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, greedy_reference
+from dflash_mlx.testing.targets import (EOS_ID, RowScriptedDrafts, ScriptedDraft, byte_tokenizer, greedy_reference,
+                                        small_draft_model)
 
 STATUSES = ("exact", "refused", "no batch", "no split", "not run", "mismatch", "raised")
 # Prompt lengths: one token, shorter and longer than the tiny configs' windows and chunks (8)
@@ -47,14 +49,13 @@ def keys() -> List[str]:
 
 def _draft(kind: str, model, reference, rng):
     from dflash_mlx.models.draft.checkpoints import random_draft
-    from dflash_mlx.models.target.adapter import Target
 
     if kind == "random":
         return random_draft(model, num_layers=1, block_size=rng.choice([4, 8, 16]), seed=3)
     if kind == "scripted":  # right for a random number of tokens each cycle: every rollback length
         right = [rng.randrange(0, 16) for _ in range(400)]
         return ScriptedDraft(Target(model), reference, lambda c: right[c], block_size=16, layer_ids="every")
-    return None
+    return small_draft_model(model, rng.choice([1, 3, 7])) if kind == "autoregressive" else None
 
 
 def _run(fn, row: dict) -> dict:
@@ -94,7 +95,7 @@ def stream_case(seed: int, guess: bool = False) -> dict:
                           logprobs=rng.choice([None, 0, 2]), copy_proposals=rng.random() < 0.5,
                           token_trees=rng.random() < 0.5, deterministic=rng.choice([None, None, True]))
     row.update(prompt_len=rng.choice(PROMPT_LENGTHS), max_tokens=rng.choice([1, 2, 5, 12, 20]),
-               draft=rng.choice(["random", "scripted", "scripted", "none"]), turns=rng.random() < 0.3)
+               draft=rng.choice(["random", "scripted", "scripted", "none", "autoregressive"]), turns=rng.random() < 0.3)
     row["prompt_len"] = _long_prompt(seed) or row["prompt_len"]
     extra = random.Random(f"stream extras {seed}")  # (apart, as the long prompt)
     row["options"]["profile"] = extra.random() < 0.1  # the engine syncs at each phase, launches nothing ahead
@@ -161,7 +162,6 @@ def split_case(seed: int, families) -> dict:
 def _model_of(row: dict):
     """(the case's model, split where the case says, the caches its reference decodes with)."""
     from dflash_mlx.models.sharded import modes_of, split
-    from dflash_mlx.models.target.adapter import Target
 
     model = arch_check.build(row["key"])
     if "mode" not in row:
@@ -308,7 +308,7 @@ def batch_case(seed: int, guess: bool = False) -> dict:
     rng = random.Random(seed)
     row = dict(seed=seed, kind="batch", key=rng.choice(keys()))
     row.update(prompt_lens=rng.sample(PROMPT_LENGTHS + (4, 6, 12, 17, 25), rng.choice([2, 3, 4, 5])),
-               draft=rng.choice(["random", "scripted", "none"]), join_every=rng.choice([1, 2, 3, 6]),
+               draft=rng.choice(["random", "scripted", "none", "autoregressive"]), join_every=rng.choice([1, 2, 3, 6]),
                turns=rng.random() < 0.5, suffix_index=rng.random() < 0.3)
     long = _long_prompt(seed)
     if long and long not in row["prompt_lens"]:
@@ -327,7 +327,6 @@ def _batch(row: dict, rng: random.Random):
     from dflash_mlx.engine.batch_caches import batch_support
     from dflash_mlx.engine.engine import BatchEngine
     from dflash_mlx.engine.rows import BatchRequest
-    from dflash_mlx.models.target.adapter import Target
     from dflash_mlx.options import GenerationOptions
     from dflash_mlx.policy.sizer import forget_sizers
     from dflash_mlx.speculation.suffix_index import SuffixIndex

@@ -335,3 +335,15 @@ def tool_call_target(seed: int = 3):
         succ.update(zip(seq, seq[1:]))
     model, _ = successor_target(succ, seed=seed)
     return model, tok
+
+
+def small_draft_model(target, num_draft_tokens: int, seed: int = 5):
+    """An autoregressive draft (mlx-lm's `--draft-model`) for `target`: a one-layer random qwen3 of the target's
+    vocabulary, so its chains are right now and then and rolled back often."""
+    from dflash_mlx.models.draft.autoregressive import AutoregressiveDraft
+    from dflash_mlx.models.target.adapter import Target
+
+    small, _ = tiny_target("qwen3", seed=seed, vocab_size=Target(target).vocab_size, tie_word_embeddings=False,
+                           num_hidden_layers=1)
+    return AutoregressiveDraft(small, num_draft_tokens=num_draft_tokens)
+
