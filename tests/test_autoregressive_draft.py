@@ -1,7 +1,8 @@
 """mlx-lm's small-model drafts (`--draft-model`, `models.draft.autoregressive`) in the DFlash engine: greedy
 output is the target's own at every width, with trees and copies, alone and batched, over a reused prompt
 cache and a prompt cache file; sampling keeps the target's distribution; the draft's context follows the
-target's (a draft equal to the target has every chain accepted); what cannot fit is refused in one line."""
+target's (a draft equal to the target has every chain accepted, sliding windows too); what cannot fit is
+refused in one line."""
 
 from functools import lru_cache
 
@@ -63,14 +64,23 @@ def test_greedy_is_the_targets_own(which, num_draft_tokens, width, trees):
 
 
 @pytest.mark.parametrize("width", [2, 5, 8])
-def test_a_draft_equal_to_the_target_has_its_chains_accepted(width):
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "gemma3_text"])
+def test_a_draft_equal_to_the_target_has_its_chains_accepted(width, arch):
     """The draft's cache holds the target's tokens and no more (kept as the target's entries are kept, its
     proposals trimmed back): a draft equal to the target proposes the target's own tokens, so every chain is
-    accepted whole. A cache one token off (a proposal left in it, a kept token missing) would fail this."""
-    target, same, _ = models()
+    accepted whole. A cache one token off (a proposal left in it, a kept token missing) would fail this. With
+    sliding-window layers (Llama's, window 24; Gemma 3's, 16) the draft's keep every entry, and the window is
+    their mask: far past the window, its chains are still the target's."""
+    if arch == "qwen3":
+        target, same, _ = models()
+        prompt = PROMPT
+    else:
+        target, same = tiny_target(arch, seed=1)[0], tiny_target(arch, seed=1)[0]
+        prompt = [(7 * i + 3) % 251 for i in range(70)]
     draft = AutoregressiveDraft(same, num_draft_tokens=7)
-    out, last = answer(target, draft, PROMPT, 48, block_size=width, stop_token_ids=[], copy_proposals=False)
-    assert out == greedy_reference(target, PROMPT, 48, stop_ids=[])
+    out, last = answer(target, draft, prompt, 48, block_size=width, stop_token_ids=[], copy_proposals=False,
+                       prefill_step_size=16)
+    assert out == greedy_reference(target, prompt, 48, stop_ids=[])
     accepts = last.accept_lengths[:-1]  # (the last cycle is cut by the length)
     assert accepts and all(a == width - 1 for a in accepts), accepts
 
@@ -134,9 +144,10 @@ def test_refusals_in_one_line():
     """A draft model whose caches cannot drop a rejected token (sliding windows), another tokenizer's
     vocabulary or text, a bad number of draft tokens: each a one-line error naming what to do."""
     target, same, _ = models()
-    sliding, _ = tiny_target("llama", seed=1)
-    with pytest.raises(DraftMismatchError, match="must keep plain KV caches"):
-        AutoregressiveDraft(sliding)
+    recurrent, _ = tiny_target("qwen3_5", seed=1)
+    with pytest.raises(DraftMismatchError, match="keeps ArraysCache caches: an autoregressive draft must be an "
+                                                 "attention model"):
+        AutoregressiveDraft(recurrent)
     big_vocab, _ = tiny_target("qwen3", seed=2, vocab_size=1400, tie_word_embeddings=False)
     with pytest.raises(DraftMismatchError, match="scores 1400 tokens and the target 300"):
         answer(target, AutoregressiveDraft(big_vocab), PROMPT, 4)

@@ -811,21 +811,32 @@ def test_cache_prompt_eos_token_ends_the_answers_after_the_file(tiny, capsys, tm
     assert json.loads(out)["tokens"] == tokens[: stop + 1] and json.loads(out)["finish_reason"] == "stop"
 
 
-def test_draft_model_is_mlx_lm_s_small_model_draft(tiny, capsys):
-    """--draft-model (with --num-draft-tokens): a small model of the target's tokenizer drafts, and the answer is
-    plain decoding's; misused, it is refused in one line before anything loads."""
+def test_draft_model_is_mlx_lm_s_small_model_draft(tiny, capsys, monkeypatch):
+    """--draft-model (with --num-draft-tokens): a small model of the target's tokenizer drafts (itself, or a
+    Gemma 3 of the same byte vocabulary for a Llama), and the answer is plain decoding's; misused or not
+    fitting, it is refused in one line."""
+    from dflash_mlx.models.draft import autoregressive
+    from dflash_mlx.models.draft.config import DraftMismatchError
+
     gguf = str(tiny / "tiny.gguf")
     code, out, err = cli(capsys, "-m", gguf, "--baseline", "--max-tokens", "16", "--json", "the cat sat on")
     assert code == 0, err
     plain = json.loads(out)
-    code, out, err = cli(capsys, "-m", gguf, "--draft-model", gguf, "--num-draft-tokens", "4", "--block-size", "5",
-                         "--max-tokens", "16", "--json", "the cat sat on")
-    assert code == 0, err
-    drafted = json.loads(out)
-    assert drafted["tokens"] == plain["tokens"] and "small-model draft, up to 4 tokens" in drafted["draft"]
-    assert drafted["proposals"].get("draft", [0, 0])[0] > 0
+    for small in (gguf, str(tiny / "other.gguf")):
+        code, out, err = cli(capsys, "-m", gguf, "--draft-model", small, "--num-draft-tokens", "4", "--block-size",
+                             "5", "--max-tokens", "16", "--json", "the cat sat on")
+        assert code == 0, err
+        drafted = json.loads(out)
+        assert drafted["tokens"] == plain["tokens"] and "small-model draft, up to 4 tokens" in drafted["draft"]
+        assert drafted["proposals"].get("draft", [0, 0])[0] > 0
     for argv, says in ((["--num-draft-tokens", "3"], "--num-draft-tokens sizes a --draft-model's drafts"),
-                       (["--draft-model", gguf, "--draft", str(tiny / "draft")], "--draft-model and --draft both"),
-                       (["--draft-model", str(tiny / "other.gguf")], "does not fit the model")):
+                       (["--draft-model", gguf, "--draft", str(tiny / "draft")], "--draft-model and --draft both")):
         code, out, err = cli(capsys, "-m", gguf, *argv, "--max-tokens", "4", "hi")
         assert code != 0 and out == "" and err.count("\n") == 1 and says in err, (argv, err)
+
+    def another_tokenizer(*args, **kwargs):
+        raise DraftMismatchError("the draft model's tokenizer is not the target's")
+
+    monkeypatch.setattr(autoregressive, "load_draft_model", another_tokenizer)
+    code, out, err = cli(capsys, "-m", gguf, "--draft-model", gguf, "--max-tokens", "4", "hi")
+    assert code != 0 and out == "" and err.count("\n") == 1 and "does not fit the model: the draft model's" in err

@@ -13,9 +13,11 @@ tokens the target's caches hold. A proposal runs the kept tokens and the last on
 token a forward along its own argmax chain, all queued without a host sync, and trims its cache
 back to the kept tokens.
 
-Refused in one line: a model whose caches are not plain trimmable KV caches (sliding windows,
-recurrent state: a rejected draft token could not be taken back), and a tokenizer other than
-the target's.
+Its sliding-window layers keep every entry, so a rejected token can be trimmed from them too; a
+model that asks its cache for its window's mask (Llama's, Gemma 3's) attends as its own caches would
+let it, one that does not sees past its window (other guesses, never another token). Refused in one line: a model with
+recurrent state (a rejected token could not be taken back from it), and a tokenizer other than the
+target's.
 """
 
 from dataclasses import dataclass, field
@@ -31,6 +33,9 @@ from dflash_mlx.models.loading import load
 from dflash_mlx.models.target.adapter import INPUT_TOKENS, Target, target_for
 
 DEFAULT_DRAFT_TOKENS = 3  # mlx-lm's --num-draft-tokens default
+# The caches a draft model may make: each becomes a `DraftKVCache` (a sliding layer's keeps every entry, and
+# its window is the mask mlx-lm's models ask of a cache for it)
+ATTENTION_CACHES = {"KVCache", "RotatingKVCache"}
 MAX_PADDING = 1024  # ids one tokenizer's models may pad their vocabularies by (Qwen2.5: 151,936 to 152,064)
 
 
@@ -73,10 +78,10 @@ class AutoregressiveDraft(nn.Module):
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be a whole number >= 1, got {num_draft_tokens!r}")
         kinds = {type(c).__name__ for c in make_prompt_cache(model)}
-        if kinds != {"KVCache"}:
+        if not kinds <= ATTENTION_CACHES:
             raise DraftMismatchError(
-                f"this draft model keeps {', '.join(sorted(kinds))} caches: an autoregressive draft must keep plain "
-                "KV caches (full attention), whose rejected tokens can be trimmed; use a full-attention model")
+                f"this draft model keeps {', '.join(sorted(kinds - ATTENTION_CACHES))} caches: an autoregressive "
+                "draft must be an attention model, whose rejected tokens can be trimmed from its caches")
         self.model = model
         self.lm = Target(model, name="draft model")  # its text model and exact logits, every architecture
         object.__setattr__(self, "tokenizer", tokenizer)
