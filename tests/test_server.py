@@ -193,6 +193,21 @@ def test_sampling_request_reaches_the_engine(attn, monkeypatch):
     assert xtc.special_tokens == tuple(tok.encode("\n")) + tuple(tok.eos_token_ids)
 
 
+def test_a_small_model_draft_serves_the_targets_greedy_output():
+    """mlx-lm's --draft-model behind the server (`models.draft.autoregressive`): two completions at once, batched
+    in one engine, each the target's greedy output."""
+    from dflash_mlx.testing.targets import small_draft_model
+
+    model, tok = tiny_target("qwen3", seed=1, tie_word_embeddings=False)
+    with serving(model, small_draft_model(model, 3), tok, max_batch=2) as s:
+        prompts = ["alpha beta", "gamma delta epsilon"]
+        want = [expected(s, s.worker.encode_text(p), 16)[0] for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: s.client.completions.create(model=MODEL, prompt=p, max_tokens=16), prompts))
+        assert [r.choices[0].text for r in got] == want
+        assert all(r.usage.dflash["cycles"] > 0 for r in got)
+
+
 def test_a_vanishing_temperature_or_top_p_is_greedy(attn):
     # 1/T overflows float32 below ~3e-39 and a top-p of 1e-300 is 0 there: both are greedy in the limit
     text, _ = expected(attn, attn.worker.encode_text("limit"), 8)
