@@ -155,13 +155,20 @@ def test_refusals_in_one_line():
         with pytest.raises(ValueError, match="num_draft_tokens must be a whole number"):
             AutoregressiveDraft(same, num_draft_tokens=bad)
 
-    class Other:
-        def get_vocab(self):
-            return {"a": 1, "b": 0}
+    class Renamed:  # the target's byte vocabulary, with a share of its texts at other ids
+        def __init__(self, apart):
+            self.vocab = dict(byte_tokenizer().get_vocab())
+            texts = sorted(self.vocab)[:apart]
+            ids = [self.vocab[t] for t in texts]
+            self.vocab.update(zip(texts, ids[1:] + ids[:1]))
 
-    draft = AutoregressiveDraft(same, Other())
-    with pytest.raises(DraftMismatchError, match="tokenizer is not the target's") as e:
-        answer(target, draft, PROMPT, 4)
+        def get_vocab(self):
+            return self.vocab
+
+    n = len(byte_tokenizer().get_vocab())
+    with pytest.raises(DraftMismatchError, match=f"tokenizer is not the target's: 20 of the target's {n} tokens") as e:
+        answer(target, AutoregressiveDraft(same, Renamed(20)), PROMPT, 4)
     assert "\n" not in str(e.value)
+    answer(target, AutoregressiveDraft(same, Renamed(2)), PROMPT, 4)  # (two special tokens named apart: taken)
     assert answer(target, AutoregressiveDraft(same, byte_tokenizer()), PROMPT, 4, stop_token_ids=[])[0] == \
         greedy_reference(target, PROMPT, 4, stop_ids=[])

@@ -37,6 +37,7 @@ DEFAULT_DRAFT_TOKENS = 3  # mlx-lm's --num-draft-tokens default
 # its window is the mask mlx-lm's models ask of a cache for it)
 ATTENTION_CACHES = {"KVCache", "RotatingKVCache"}
 MAX_PADDING = 1024  # ids one tokenizer's models may pad their vocabularies by (Qwen2.5: 151,936 to 152,064)
+MAX_TOKENS_APART = 0.01  # the share of the target's token texts a draft model's tokenizer may map elsewhere
 
 
 class DraftKVCache(KVCache):
@@ -101,13 +102,17 @@ class AutoregressiveDraft(nn.Module):
                 "tokenizer's ids; use a draft model of the target's family (the same tokenizer)")
 
     def check_tokenizer(self, tokenizer):
-        """The target's tokenizer against the draft model's (given at construction): the same token texts
-        for the same ids, or a one-line refusal."""
+        """The target's tokenizer against the draft model's (given at construction): the same ids for the
+        target's token texts (all but a few special ones, which a family's models may name apart), or a
+        one-line refusal."""
         if self.tokenizer is None or self._same.get((tokenizer,)) is not None:
             return
-        if _vocab(self.tokenizer) != _vocab(tokenizer):
-            raise DraftMismatchError("the draft model's tokenizer is not the target's: its token ids name other "
-                                     "text; use a draft model of the target's family (the same tokenizer)")
+        theirs, ours = _vocab(tokenizer), _vocab(self.tokenizer)
+        apart = sum(ours.get(text) != i for text, i in theirs.items())
+        if apart > MAX_TOKENS_APART * len(theirs):
+            raise DraftMismatchError(f"the draft model's tokenizer is not the target's: {apart} of the target's "
+                                     f"{len(theirs)} tokens have other ids there; use a draft model of the target's "
+                                     "family (the same tokenizer)")
         self._same.put((tokenizer,), True)
 
     def bind(self, target) -> "AutoregressiveDraft":
