@@ -511,6 +511,17 @@ def test_session_without_textual(tiny):
     assert seen == [1, 2, 3, 4, 5] and t.prompt_ids == encode_prompt(tok, "Be brief.\n\nUser: hi\nAssistant:")
 
 
+def test_a_chat_with_a_small_model_draft_answers_as_the_target():
+    """mlx-lm's --draft-model in the chat (`models.draft.autoregressive`): two turns, each the target's greedy
+    answer to the whole conversation so far, the second over the first's cache."""
+    model, tok = targets.tiny_target("qwen3", seed=1, tie_word_embeddings=False)
+    s = ChatSession(model, tok, targets.small_draft_model(model, 3), Settings(max_tokens=12))
+    for text in ("hi", "and then"):
+        t = s.turn(text, lambda turn, new: None, lambda: False)
+        want = targets.greedy_reference(model, t.prompt_ids, 12, stop_ids=[targets.EOS_ID])
+        assert t.tokens == want[: len(t.tokens)] and len(t.tokens) == min(12, len(want))
+
+
 def test_an_answer_stops_where_the_context_window_does():
     """The library decodes past `max_position_embeddings` as mlx-lm does; a chat answer stops there."""
     model, tok = targets.tiny_target("qwen3", seed=0, max_position_embeddings=40)
