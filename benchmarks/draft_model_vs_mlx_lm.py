@@ -26,7 +26,8 @@ import mlx.core as mx  # noqa: E402
 
 from dflash_mlx import load  # noqa: E402
 from dflash_mlx.models.draft.autoregressive import AutoregressiveDraft  # noqa: E402
-from engine_vs_reference import compare, environment, mlx_lm_plain, ours, prompts_from_suites, timed  # noqa: E402
+from engine_vs_reference import (compare, environment, mlx_lm_plain, ours, prompts_from_suites,  # noqa: E402
+                                 speed_table, timed)
 
 
 def mlx_lm_speculative(model, draft_model, tokenizer, num_draft_tokens: int):
@@ -80,12 +81,7 @@ def main(argv=None):
              f"greedy, SmolLM2-135M-Instruct float32 (target, {layers} layers), draft model: its first "
              f"{args.draft_layers} layers with its final norm and head; interleaved in one process. "
              f"Tokens identical to mlx-lm's plain decoding: {'yes' if not mismatches else mismatches}.", "",
-             "| configuration | decode tok/s | vs mlx-lm plain | tokens per CPU second | vs mlx-lm plain (CPU) | tau |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
-        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / base['tok_s']:.3f}x | {r['tok_cpu_s']:.2f} | "
-                     f"{r['tok_cpu_s'] / base['tok_cpu_s']:.3f}x | {tau} |")
+             *speed_table(rows, "mlx-lm plain decoding")]
     lines += ["", f"Machine: {env['machine']}, MLX {env['mlx']} (CPU backend), BLAS {env['blas']}, load average "
               f"{env['load_average'][0]:.1f} at the end."]
     (out / "README.md").write_text("\n".join(lines) + "\n")

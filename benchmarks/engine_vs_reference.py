@@ -171,6 +171,17 @@ def compare(configs, prompts, max_tokens, warmup=True):
     return rows, mismatches
 
 
+def speed_table(rows, base: str):
+    """`compare`'s rows as a Markdown table's lines, each against the row named `base`."""
+    lines = [f"| configuration | decode tok/s | vs {base} | tokens per CPU second | vs {base} (CPU) | tau |",
+             "|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        t = f"{r['tau']:.2f}" if r["tau"] else "-"
+        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['tok_s'] / rows[base]['tok_s']:.3f}x | {r['tok_cpu_s']:.2f} | "
+                     f"{r['tok_cpu_s'] / rows[base]['tok_cpu_s']:.3f}x | {t} |")
+    return lines
+
+
 def environment():
     from dflash_mlx import blas
 
@@ -260,12 +271,7 @@ def main(argv=None):
              f"{len(prompts)} prompts ({', '.join(SUITES)}, {args.per_suite} each), {args.max_tokens} tokens, "
              f"greedy, SmolLM2-135M-Instruct f32, interleaved in one process. Identical tokens: "
              f"{'yes' if not mismatches else 'NO ' + str(mismatches)}.", "",
-             f"| configuration | decode tok/s | vs {base} | tokens per CPU second | vs {base} (CPU) | tau |",
-             "|---|---|---|---|---|---|"]
-    for name, r in rows.items():
-        t = f"{r['tau']:.2f}" if r["tau"] else "-"
-        lines.append(f"| {name} | {r['tok_s']:.2f} | {r['vs_base']:.3f}x | {r['tok_cpu_s']:.2f} | "
-                     f"{r['vs_base_cpu']:.3f}x | {t} |")
+             *speed_table(rows, base)]
     lines += ["", f"Machine: {env['machine']}, MLX {env['mlx']}, BLAS {env['blas']}, load average "
               f"{env['load_average'][0]:.1f} at start, {env['load_average_end'][0]:.1f} at end, "
               f"{env['wall_seconds']} s."]
