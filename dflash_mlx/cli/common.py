@@ -164,7 +164,9 @@ def add_prefill_step_arg(parser) -> None:
 
 def add_model_load_args(parser) -> None:
     """mlx-lm's flags for what is loaded beside the model (`--adapter-path`, `--extra-eos-token`,
-    `--trust-remote-code`), in every front end that loads one."""
+    `--trust-remote-code`, `--draft-model`, `--num-draft-tokens`), in every front end that loads one."""
+    from dflash_mlx.models.draft.autoregressive import DEFAULT_DRAFT_TOKENS
+
     parser.add_argument("--adapter-path", default=None, metavar="FOLDER",
                         help="fine-tuned adapters for --model, as mlx_lm.lora writes them (adapter_config.json, "
                              "adapters.safetensors); the draft made for the base model still fits")
@@ -173,8 +175,6 @@ def add_model_load_args(parser) -> None:
                              "'<|im_end|>') or its id; repeat it for more (one a flag, so a prompt can follow)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="let a hub model's or folder's tokenizer run its own code, as mlx-lm's flag")
-    from dflash_mlx.models.draft.autoregressive import DEFAULT_DRAFT_TOKENS
-
     parser.add_argument("--draft-model", default=None, metavar="MODEL",
                         help="mlx-lm's small-model draft instead of a DFlash draft: a model of the target's "
                              "tokenizer (name, .gguf, folder or hub id) drafting one token a forward, exact")
