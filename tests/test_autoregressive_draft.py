@@ -172,3 +172,25 @@ def test_refusals_in_one_line():
     answer(target, AutoregressiveDraft(same, Renamed(2)), PROMPT, 4)  # (two special tokens named apart: taken)
     assert answer(target, AutoregressiveDraft(same, byte_tokenizer()), PROMPT, 4, stop_token_ids=[])[0] == \
         greedy_reference(target, PROMPT, 4, stop_ids=[])
+
+
+@pytest.mark.parametrize("option", ["deterministic", "kv_bits", "max_kv_size", "repetition_penalty", "logprobs"])
+def test_mlx_lm_options_with_a_small_model_draft(option):
+    """mlx-lm's decoding options with a small-model draft: the answer is mlx-lm's greedy decode under the same
+    option (every row in plain decoding's shapes; a KV cache quantized from token 9, a bounded one of 12
+    tokens, a repetition penalty; log-probabilities asked, which read each cycle's logits)."""
+    from mlx_lm.sample_utils import make_logits_processors
+
+    model, _ = tiny_target("qwen3", seed=1, head_dim=32, tie_word_embeddings=False)
+    other, _ = tiny_target("qwen3", seed=4, head_dim=32, num_hidden_layers=1, tie_word_embeddings=False)
+    draft = AutoregressiveDraft(other, num_draft_tokens=4)
+    prompt = PROMPT * 3
+    ours = {"deterministic": dict(deterministic=True), "max_kv_size": dict(max_kv_size=12),
+            "kv_bits": dict(kv_bits=4, kv_group_size=32, quantized_kv_start=9),
+            "repetition_penalty": dict(repetition_penalty=1.3), "logprobs": dict(logprobs=2)}[option]
+    theirs = {"kv_bits": ours, "max_kv_size": ours,
+              "repetition_penalty": dict(logits_processors=make_logits_processors(repetition_penalty=1.3))}
+    ref = greedy_reference(model, prompt, 32, stop_ids=[], **theirs.get(option, {}))
+    assert option in ("deterministic", "logprobs") or ref != greedy_reference(model, prompt, 32, stop_ids=[])
+    out, _ = answer(model, draft, prompt, 32, block_size=5, stop_token_ids=[], **ours)
+    assert out == ref
