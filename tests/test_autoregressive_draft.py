@@ -194,3 +194,16 @@ def test_mlx_lm_options_with_a_small_model_draft(option):
     assert option in ("deterministic", "logprobs") or ref != greedy_reference(model, prompt, 32, stop_ids=[])
     out, _ = answer(model, draft, prompt, 32, block_size=5, stop_token_ids=[], **ours)
     assert out == ref
+
+
+def test_a_dflash_draft_given_as_a_draft_model_is_refused_in_one_line(tmp_path):
+    """A DFlash draft's folder passed where a language model is expected: one line saying to load it as a draft
+    (mlx-lm's loader would fail on its config in its own words)."""
+    from dflash_mlx import load_draft_model
+    from dflash_mlx.models.draft.checkpoints import random_draft, save_draft
+
+    target, _, _ = models()
+    save_draft(random_draft(target, num_layers=1, block_size=4), tmp_path / "draft")
+    with pytest.raises(DraftMismatchError, match="is a DFlash draft, not a language model: load it as one") as e:
+        load_draft_model(tmp_path / "draft", target)
+    assert "\n" not in str(e.value)

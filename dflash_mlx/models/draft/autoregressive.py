@@ -20,7 +20,9 @@ recurrent state (a rejected token could not be taken back from it), and a tokeni
 target's.
 """
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -164,6 +166,7 @@ def load_draft_model(name_or_path, model=None, tokenizer=None, num_draft_tokens:
                      dtype=None, quiet: bool = False, trust_remote_code: bool = False) -> AutoregressiveDraft:
     """mlx-lm's `--draft-model`: a small model (packaged name, .gguf, folder or hub id) as the draft of the target
     `model` with `tokenizer`, each checked where given (`DraftMismatchError`, one line, where it does not fit)."""
+    _not_a_dflash_draft(name_or_path)
     draft_model, draft_tokenizer = load(name_or_path, dtype=dtype, quiet=quiet, trust_remote_code=trust_remote_code)
     draft = AutoregressiveDraft(draft_model, draft_tokenizer, num_draft_tokens=num_draft_tokens)
     if tokenizer is not None:
@@ -171,6 +174,20 @@ def load_draft_model(name_or_path, model=None, tokenizer=None, num_draft_tokens:
     if model is not None:
         target_for(model, draft)
     return draft
+
+
+def _not_a_dflash_draft(name_or_path):
+    """A DFlash draft's folder given as a draft model: refused in one line (mlx-lm's loader would fail on
+    its config in its own words)."""
+    config = Path(str(name_or_path)) / "config.json"
+    if config.is_file():
+        try:
+            cfg = json.loads(config.read_text())
+        except (OSError, ValueError):
+            return
+        if isinstance(cfg, dict) and ("dflash_config" in cfg or "speculators_model_type" in cfg):
+            raise DraftMismatchError(f"{name_or_path} is a DFlash draft, not a language model: load it as one "
+                                     "(--draft, `load_draft`)")
 
 
 def _vocab(tokenizer) -> dict:
