@@ -122,16 +122,19 @@ def test_a_reused_prompt_cache_and_a_prompt_cache_file(tmp_path):
     assert max(last.accept_lengths[:-1]) == 5  # (its restored context lines up with the target's)
 
 
-def test_sampling_keeps_the_targets_distribution():
+@pytest.mark.parametrize("mode", ["argmax", "sample"])
+def test_sampling_keeps_the_targets_distribution(mode):
     """At temperature > 0 the first three tokens over many seeds follow the target's own distribution (exact,
-    from the model): the draft proposes along its argmax chain, accepted or resampled as any draft's."""
+    from the model): the draft proposes along its argmax chain, or draws each token after the ones drawn before
+    it (`draft_sampling="sample"`), accepted or resampled as any draft's."""
     from test_sampling import chi_square, encode, exact_first_tokens
 
     target, _, other = models(vocab_size=4)
     draft = AutoregressiveDraft(other, num_draft_tokens=2)
     prompt, outs, accepts = [1, 2, 3, 0], [], []
     for seed in range(150):
-        out, last = answer(target, draft, prompt, 3, seed=seed, temperature=0.7, block_size=3, stop_token_ids=[])
+        out, last = answer(target, draft, prompt, 3, seed=seed, temperature=0.7, block_size=3, stop_token_ids=[],
+                           draft_sampling=mode)
         outs.append(out)
         accepts += last.accept_lengths
     assert 0 < sum(accepts) < 2 * len(accepts)  # some drafts accepted, some not
@@ -207,3 +210,22 @@ def test_a_dflash_draft_given_as_a_draft_model_is_refused_in_one_line(tmp_path):
     with pytest.raises(DraftMismatchError, match="is a DFlash draft, not a language model: load it as one") as e:
         load_draft_model(tmp_path / "draft", target)
     assert "\n" not in str(e.value)
+
+
+def test_sampled_chains_follow_the_draft_at_temperature():
+    """`draft_sampling="sample"`: each drafted token is drawn from the draft's distribution after the ones drawn
+    before it, so a draft equal to the target (its q the target's p) has its chains accepted almost whole at
+    temperature 1, where argmax proposals are accepted only as often as the target draws its argmax."""
+    target, same, _ = models()
+    draft = AutoregressiveDraft(same, num_draft_tokens=4)
+
+    def mean_accept(mode):
+        accepts = []
+        for seed in range(4):
+            _, last = answer(target, draft, PROMPT, 40, seed=seed, temperature=1.0, block_size=5, draft_sampling=mode,
+                             stop_token_ids=[], copy_proposals=False)
+            accepts += last.accept_lengths[:-1]
+        return sum(accepts) / len(accepts)
+
+    sampled, argmax = mean_accept("sample"), mean_accept("argmax")
+    assert sampled > 3.5 and sampled > argmax + 1, (sampled, argmax)

@@ -84,7 +84,17 @@ class DraftContext:
         return self.draft.propose_logits(last, self.take_pending(), self.state.draft_cache, width)
 
     def propose(self, last: mx.array, width: int, acceptor) -> Proposal:
-        return acceptor.propose(self.draft, self.draft_logits(last, width))
+        chain = getattr(self.draft, "propose_chain", None)
+        if chain is None:
+            return acceptor.propose(self.draft, self.draft_logits(last, width))
+        chosen = []  # (an autoregressive draft: each token the acceptor chooses is the next one it runs)
+
+        def choose(logits):  # [B, V] -> [B]
+            chosen.append(acceptor.propose(self.draft, logits[:, None]))
+            return chosen[-1].tokens[:, 0]
+
+        chain(last, self.take_pending(), self.state.draft_cache, width, choose)
+        return Proposal.joined(chosen)
 
 
 def propose_rows(drafters: Sequence[DraftContext], lasts: Sequence[mx.array], width: int,

@@ -56,6 +56,13 @@ class Proposal:
     logq: Optional[mx.array] = None
     draft_ids: Optional[mx.array] = None
 
+    @staticmethod
+    def joined(parts: List["Proposal"]) -> "Proposal":
+        """One proposal of consecutive ones (each of one or more positions)."""
+        join = lambda name: None if getattr(parts[0], name) is None else mx.concatenate(  # noqa: E731
+            [getattr(p, name) for p in parts], axis=1)
+        return Proposal(join("tokens"), join("logq"), join("draft_ids"))
+
     def positions(self, start: int, stop: int) -> "Proposal":
         """The drafted positions start..stop-1 (along the block axis)."""
         cut = lambda a: None if a is None else a[:, start:stop]  # noqa: E731

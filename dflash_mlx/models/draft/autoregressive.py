@@ -23,7 +23,7 @@ target's.
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -145,18 +145,24 @@ class AutoregressiveDraft(nn.Module):
     def propose_logits(self, last_token: mx.array, tokens: Optional[mx.array], cache: List[DraftKVCache],
                        block_size: int) -> mx.array:
         """last_token [B], tokens [B, S, 1] kept since the last call (or None) -> logits [B, block_size - 1, V]
-        along the draft's argmax chain after `last_token`; its cache holds the kept tokens after."""
-        fed = last_token[:, None] if tokens is None else mx.concatenate([tokens[..., 0], last_token[:, None]], axis=1)
-        rows = [self._logits(fed, cache)]
-        for _ in range(block_size - 2):
-            rows.append(self._logits(mx.argmax(rows[-1], axis=-1)[:, None], cache))
-        for c in cache:  # the last token and the drafts: the verify's rows bring them back as they are kept
-            c.trim(block_size - 1)
+        along the draft's argmax chain after `last_token` (a token tree's top-k are read from them); its cache
+        holds the kept tokens after."""
+        rows = []
+        self.propose_chain(last_token, tokens, cache, block_size,
+                           lambda logits: rows.append(logits) or mx.argmax(logits, axis=-1))
         return mx.stack(rows, axis=1)
 
-    def select_tokens(self, draft_logits: mx.array) -> mx.array:
-        """The chain the logits were made along (its argmax), at every temperature."""
-        return mx.argmax(draft_logits, axis=-1)
+    def propose_chain(self, last_token: mx.array, tokens: Optional[mx.array], cache: List[DraftKVCache],
+                      block_size: int, choose: Callable[[mx.array], mx.array]):
+        """Run the kept `tokens` and `last_token`, then each token `choose(logits [B, V]) -> [B]` picks from the
+        draft's logits after the ones picked before it (the acceptor's proposal: an argmax, or a draw at
+        temperature > 0 with `draft_sampling="sample"`), until `block_size` - 1 are picked; then trim the
+        cache back to the kept tokens."""
+        fed = last_token[:, None] if tokens is None else mx.concatenate([tokens[..., 0], last_token[:, None]], axis=1)
+        for _ in range(block_size - 1):
+            fed = choose(self._logits(fed, cache))[:, None]
+        for c in cache:  # the last token and the drafts: the verify's rows bring them back as they are kept
+            c.trim(block_size - 1)
 
     def to_target_ids(self, draft_ids: mx.array) -> mx.array:
         return draft_ids
