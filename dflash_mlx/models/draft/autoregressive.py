@@ -31,7 +31,6 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.draft.config import DraftMismatchError
-from dflash_mlx.models.loading import load
 from dflash_mlx.models.target.adapter import INPUT_TOKENS, Target, target_for
 
 DEFAULT_DRAFT_TOKENS = 3  # mlx-lm's --num-draft-tokens default
@@ -172,6 +171,8 @@ def load_draft_model(name_or_path, model=None, tokenizer=None, num_draft_tokens:
                      dtype=None, quiet: bool = False, trust_remote_code: bool = False) -> AutoregressiveDraft:
     """mlx-lm's `--draft-model`: a small model (packaged name, .gguf, folder or hub id) as the draft of the target
     `model` with `tokenizer`, each checked where given (`DraftMismatchError`, one line, where it does not fit)."""
+    from dflash_mlx.models.loading import load  # (looked up at the call, as the other loaders do)
+
     _not_a_dflash_draft(name_or_path)
     draft_model, draft_tokenizer = load(name_or_path, dtype=dtype, quiet=quiet, trust_remote_code=trust_remote_code)
     draft = AutoregressiveDraft(draft_model, draft_tokenizer, num_draft_tokens=num_draft_tokens)
