@@ -209,7 +209,7 @@ def exactness(models: Dict[str, tuple], widths=(1, 4, 16, "auto"), prompts: int 
         # (qmv_rows, gemv_rows: a verify's projections as decode steps'; the newer question, before the time
         # runs out), then the default
         passes = [(True, False)] + ([(False, True)] if on_cuda() else []) + [(False, False)]
-        for deterministic, kernels in passes:  # deterministic mode's claim first: it must hold wherever it runs
+        for deterministic, kernels in passes:
             for width in (widths if not deterministic else [w for w in widths if w != 1]):
                 if time.perf_counter() > deadline:
                     log(f"  exactness: out of time before {name} width {width}")

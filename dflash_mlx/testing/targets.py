@@ -346,4 +346,3 @@ def small_draft_model(target, num_draft_tokens: int, seed: int = 5):
     small, _ = tiny_target("qwen3", seed=seed, vocab_size=Target(target).vocab_size, tie_word_embeddings=False,
                            num_hidden_layers=1)
     return AutoregressiveDraft(small, num_draft_tokens=num_draft_tokens)
-

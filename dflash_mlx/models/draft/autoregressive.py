@@ -31,6 +31,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from dflash_mlx.identity import IdentityMap
 from dflash_mlx.models.draft.config import DraftMismatchError
+from dflash_mlx.models.draft.foreign.speculators import is_speculators
 from dflash_mlx.models.target.adapter import INPUT_TOKENS, Target, target_for
 
 DEFAULT_DRAFT_TOKENS = 3  # mlx-lm's --num-draft-tokens default
@@ -64,7 +65,6 @@ class AutoregressiveDraftConfig:
     """What the engine reads of a draft's config."""
 
     block_size: int  # widest verify: the draft tokens + the last committed token
-    vocab_size: int
     target_layer_ids: List = field(default_factory=lambda: [INPUT_TOKENS])
 
 
@@ -79,7 +79,8 @@ class AutoregressiveDraft(nn.Module):
         super().__init__()
         if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be a whole number >= 1, got {num_draft_tokens!r}")
-        kinds = {type(c).__name__ for c in make_prompt_cache(model)}
+        caches = make_prompt_cache(model)
+        kinds = {type(c).__name__ for c in caches}
         if not kinds <= ATTENTION_CACHES:
             raise DraftMismatchError(
                 f"this draft model keeps {', '.join(sorted(kinds - ATTENTION_CACHES))} caches: an autoregressive "
@@ -88,7 +89,8 @@ class AutoregressiveDraft(nn.Module):
         self.lm = Target(model, name="draft model")  # its text model and exact logits, every architecture
         object.__setattr__(self, "tokenizer", tokenizer)
         object.__setattr__(self, "_same", IdentityMap())  # tokenizers found to be the draft's
-        self.config = AutoregressiveDraftConfig(block_size=num_draft_tokens + 1, vocab_size=self.lm.vocab_size)
+        self.config = AutoregressiveDraftConfig(block_size=num_draft_tokens + 1)
+        self._num_caches = len(caches)  # (a layer each)
 
     @property
     def block_size(self) -> int:
@@ -126,7 +128,7 @@ class AutoregressiveDraft(nn.Module):
         return None
 
     def make_cache(self) -> List[DraftKVCache]:
-        return [DraftKVCache() for _ in make_prompt_cache(self.model)]
+        return [DraftKVCache() for _ in range(self._num_caches)]
 
     def batches_rows(self, caches: Sequence) -> bool:
         return False
@@ -192,7 +194,7 @@ def _not_a_dflash_draft(name_or_path):
             cfg = json.loads(config.read_text())
         except (OSError, ValueError):
             return
-        if isinstance(cfg, dict) and ("dflash_config" in cfg or "speculators_model_type" in cfg):
+        if isinstance(cfg, dict) and ("dflash_config" in cfg or is_speculators(cfg)):
             raise DraftMismatchError(f"{name_or_path} is a DFlash draft, not a language model: load it as one "
                                      "(--draft, `load_draft`)")
 
